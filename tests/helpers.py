@@ -1,0 +1,49 @@
+"""Test helpers: run a model over whole sequences with a scratch paged KV cache."""
+
+import torch
+
+from tokenmill.layers.forward_context import AttentionMetadata, forward_context
+
+
+def bind_scratch_kv_cache(model, num_blocks: int, block_size: int = 16):
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    for layer in model.model.layers:
+        attn = layer.self_attn.attn
+        shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+        attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+    return cfg
+
+
+@torch.no_grad()
+def full_logits(model, sequences: list[list[int]], block_size: int = 16) -> list[torch.Tensor]:
+    """Logits [len, vocab] at every position of each sequence, all sequences in one prefill batch."""
+    device = next(model.parameters()).device
+    blocks_per_seq = [-(-len(s) // block_size) for s in sequences]
+    bind_scratch_kv_cache(model, sum(blocks_per_seq) + 1, block_size)
+    max_blocks = max(blocks_per_seq)
+    tables = torch.zeros(len(sequences), max_blocks, dtype=torch.int32)
+    next_block, slots, positions, ids, qsl = 1, [], [], [], [0]
+    for i, seq in enumerate(sequences):
+        blocks = list(range(next_block, next_block + blocks_per_seq[i]))
+        next_block += blocks_per_seq[i]
+        tables[i, : len(blocks)] = torch.tensor(blocks)
+        for p in range(len(seq)):
+            slots.append(blocks[p // block_size] * block_size + p % block_size)
+        positions += list(range(len(seq)))
+        ids += seq
+        qsl.append(qsl[-1] + len(seq))
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([len(s) for s in sequences], dtype=torch.int32, device=device),
+        block_tables=tables.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_query_len=max(len(s) for s in sequences),
+        max_seq_len=max(len(s) for s in sequences),
+    )
+    with forward_context(meta):
+        hidden = model(torch.tensor(ids, device=device), torch.tensor(positions, device=device))
+        logits = model.compute_logits(hidden)
+    return list(logits.split([len(s) for s in sequences]))

@@ -1,0 +1,31 @@
+"""Dummy weights for the architecture presets: the shapes of BENCHMARKS.md, deterministic from a seed."""
+
+import torch
+
+from tokenmill.loader import load_model
+from tokenmill.models.config import arch_config_from_hf
+from tokenmill.models.presets import get_preset
+
+
+def test_preset_shapes():
+    qwen = arch_config_from_hf(get_preset("qwen3-0.6b"))
+    assert (qwen.hidden_size, qwen.intermediate_size, qwen.num_layers, qwen.num_heads, qwen.num_kv_heads,
+            qwen.head_dim, qwen.vocab_size, qwen.tie_word_embeddings, qwen.qk_norm) == \
+        (1024, 3072, 28, 16, 8, 128, 151936, True, True)
+    llama = arch_config_from_hf(get_preset("llama-3.1-8b"))
+    assert (llama.hidden_size, llama.intermediate_size, llama.num_layers, llama.num_heads, llama.num_kv_heads,
+            llama.vocab_size, llama.tie_word_embeddings, llama.rope.kind, llama.rope.theta) == \
+        (4096, 14336, 32, 32, 8, 128256, False, "llama3", 500000.0)
+    assert 7.9e9 < llama.num_parameters() < 8.1e9
+    assert 0.59e9 < qwen.num_parameters() < 0.61e9
+    assert 0.13e9 < arch_config_from_hf(get_preset("smollm2-135m")).num_parameters() < 0.14e9
+
+
+def test_dummy_weights_are_deterministic():
+    a = load_model("tiny-qwen3", load_format="dummy", seed=3)
+    b = load_model("tiny-qwen3", load_format="dummy", seed=3)
+    c = load_model("tiny-qwen3", load_format="dummy", seed=4)
+    pa, pb, pc = (dict(m.model.named_parameters()) for m in (a, b, c))
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert not torch.equal(pa["model.embed_tokens.weight"], pc["model.embed_tokens.weight"])
+    assert a.tokenizer is None

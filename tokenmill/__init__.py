@@ -1,0 +1,22 @@
+"""tokenmill: a compact, fast LLM inference engine."""
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+
+def __getattr__(name):
+    # Lazy, so that `import tokenmill` (e.g. for the CLI's --help) does not pay for torch.
+    if name == "LLM":
+        from tokenmill.entrypoints.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from tokenmill.engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    if name in ("RequestOutput", "CompletionOutput"):
+        from tokenmill.engine import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(name)

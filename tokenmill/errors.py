@@ -1,0 +1,17 @@
+"""Errors a user can act on. Each names the problem in its message."""
+
+
+class TokenmillError(Exception):
+    """Base class of tokenmill's own errors."""
+
+
+class ModelLoadError(TokenmillError):
+    """A model could not be found, read or understood."""
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    """The config names an architecture tokenmill does not implement."""
+
+
+class InvalidRequestError(TokenmillError, ValueError):
+    """A request or its sampling parameters are invalid."""

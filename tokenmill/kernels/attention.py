@@ -1,0 +1,441 @@
+"""Paged attention and the KV-cache write.
+
+KV cache layout, per layer: k_cache and v_cache are [num_blocks, block_size, num_kv_heads, head_dim].
+Token slot s lives in block s // block_size at offset s % block_size.
+
+One op covers prefill, chunked prefill and decode: request b has q_len = query_start_loc[b+1] -
+query_start_loc[b] new tokens, which are the last q_len of its seq_lens[b] tokens, so query i of
+request b sits at position seq_lens[b] - q_len + i and attends causally to positions <= its own.
+Requests with q_len == 0 (padding) are skipped.
+"""
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels._dispatch import use_triton
+
+
+def write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping):
+    """Store k, v [T, Hk, D] into the caches at slot_mapping [T]; slots < 0 are padding."""
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, k, v = slots[valid], k[valid], v[valid]
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k.to(k_cache.dtype)
+    v_cache[blocks, offsets] = v.to(v_cache.dtype)
+
+
+def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out=None):
+    """q [T, Hq, D] -> out [T, Hq, D]; softmax(q k^T * scale) v over each request's cached tokens."""
+    if out is None:
+        out = torch.empty_like(q)
+    num_kv_heads = k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    block_size = k_cache.shape[1]
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        start, end = qsl[b], qsl[b + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        num_blocks = (seq_len + block_size - 1) // block_size
+        blocks = block_tables[b, :num_blocks].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, k_cache.shape[3])[:seq_len]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, v_cache.shape[3])[:seq_len]
+        qb = q[start:end].float().transpose(0, 1)  # [Hq, q_len, D]
+        kb = k.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, S, D]
+        vb = v.float().transpose(0, 1).repeat_interleave(group, dim=0)
+        scores = torch.matmul(qb, kb.transpose(1, 2)) * scale  # [Hq, q_len, S]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.matmul(probs, vb).transpose(0, 1).to(out.dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton: KV-cache write
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    num_heads, head_dim,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Grid (T,): copy one token's k and v heads into its cache slot; slot < 0 is padding."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < num_heads) & (dims < head_dim)
+    k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    k_dst = k_cache_ptr + page * stride_kcb + offset * stride_kcs + heads * stride_kch + dims
+    v_dst = v_cache_ptr + page * stride_vcb + offset * stride_vcs + heads * stride_vch + dims
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping):
+    """Triton KV write; k/v may be strided views (unit last stride). No host sync."""
+    assert k.stride(-1) == 1 and v.stride(-1) == 1, "head_dim must be contiguous"
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    tokens, num_heads, head_dim = k.shape
+    if tokens == 0:
+        return
+    block_h, block_d = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim)
+    _write_kv_kernel[(tokens,)](
+        k, v, k_cache, v_cache, slot_mapping.contiguous(),
+        num_heads, head_dim,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        PAGE_SIZE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=4 if block_h * block_d >= 1024 else 2,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton: paged attention
+#
+# One kernel serves prefill, chunked prefill, mixed batches and decode. A program owns one
+# kv head and one "query tile" of one request; the tile's BLOCK_M rows are (token, q head) pairs,
+# token-major, over the GROUP q heads that share the kv head, so every K/V tile is loaded once per
+# group (GQA packing). Decode (q_len 1) is the special case of one token per tile.
+# With num_splits > 1 (flash-decoding) program (.., .., split) covers a contiguous share of the
+# tile's keys, computed in the kernel from seq_lens, writes (max, sum, acc) partials in fp32, and
+# _reduce_splits_kernel merges them; the grid never depends on tensor values (CUDA-graph safe).
+# ----------------------------------------------------------------------------------------------
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 32  # with max_seq_len known
+MAX_SPLITS_UNKNOWN_LEN = 16  # without it (e.g. inside CUDA graphs)
+MIN_KEYS_PER_SPLIT = 256
+MAX_WORKSPACE_BYTES = 256 << 20
+DEFAULT_SM_COUNT = 132  # H200
+
+
+@triton.jit
+def _find_tile(qsl_ptr, num_reqs, pid, TOKENS_PER_TILE: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Map a flat program id to (request, query tile) from query_start_loc, without a host sync.
+
+    Requests own consecutive runs of cdiv(q_len, TOKENS_PER_TILE) ids; req == num_reqs past the end.
+    """
+    offs = tl.arange(0, BLOCK_B)
+    ok = offs < num_reqs
+    starts = tl.load(qsl_ptr + offs, mask=ok, other=0)
+    ends = tl.load(qsl_ptr + offs + 1, mask=ok, other=0)
+    n_tiles = (ends - starts + TOKENS_PER_TILE - 1) // TOKENS_PER_TILE
+    last = tl.cumsum(n_tiles, 0)  # one past each request's last id
+    req = tl.sum((last <= pid).to(tl.int32), 0)
+    first = tl.sum(tl.where(offs == req, last - n_tiles, 0), 0)
+    return req, pid - first
+
+
+@triton.jit
+def _attn_kv_tile(
+    acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale,
+    stride_kb, stride_ks, stride_vb, stride_vs,
+    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over keys [start, start + BLOCK_N) (exp2 domain)."""
+    n = start + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    if MASKED:
+        n_live = n < hi
+        page = tl.load(bt_row + n // PAGE_SIZE, mask=n_live, other=0).to(tl.int64)
+    else:
+        n_live = n >= 0  # all true; only combined with the head_dim mask
+        page = tl.load(bt_row + n // PAGE_SIZE).to(tl.int64)
+    k_offs = page * stride_kb + (n % PAGE_SIZE) * stride_ks
+    v_offs = page * stride_vb + (n % PAGE_SIZE) * stride_vs
+    kt_ptrs = k_base + k_offs[None, :] + dims[:, None]  # K^T tile [D, N]
+    if MASKED or BLOCK_D != HEAD_DIM:
+        d_live = dims < HEAD_DIM
+        kt = tl.load(kt_ptrs, mask=n_live[None, :] & d_live[:, None], other=0.0)
+    else:
+        kt = tl.load(kt_ptrs)
+    s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        visible = n_live[None, :] & (n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = m_new
+    if MASKED:
+        # A row may see no key yet (split ranges, padding rows): keep exp2 away from inf - inf.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_ptrs = v_base + v_offs[:, None] + dims[None, :]  # [N, D]
+    if MASKED or BLOCK_D != HEAD_DIM:
+        v = tl.load(v_ptrs, mask=n_live[:, None] & d_live[None, :], other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr,
+    qsl_ptr, seq_lens_ptr, block_tables_ptr,
+    num_reqs, num_q_heads, num_splits, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    GROUP: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, DECODE_ONLY: tl.constexpr,
+    SPLIT_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (query tiles, kv heads, num_splits); num_splits is a runtime int so that CUDA graphs of
+    different batch sizes share one compiled kernel (SPLIT_KV only says whether it is > 1)."""
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if DECODE_ONLY:
+        req = tl.program_id(0)
+        tile = 0
+    else:
+        # Reversed ids: a request's last (heaviest, causal) tiles are scheduled first.
+        pid = tl.num_programs(0) - 1 - tl.program_id(0)
+        req, tile = _find_tile(qsl_ptr, num_reqs, pid, TOKENS_PER_TILE, BLOCK_B)
+        if req >= num_reqs:
+            return
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if q_len <= 0:  # padding request
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx = seq_len - q_len  # keys before this step's first query
+    tok0 = tile * TOKENS_PER_TILE
+    kv_hi = ctx + tl.minimum(tok0 + TOKENS_PER_TILE, q_len)  # causal end for the tile's last row
+    if SPLIT_KV:
+        per_split = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, kv_hi)
+    else:
+        lo = 0
+        hi = kv_hi
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = tok0 + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < TOKENS_PER_TILE * GROUP) & (tok < q_len)
+    q_pos = ctx + tok
+    dims = tl.arange(0, BLOCK_D)
+    row_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
+    token_idx = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + token_idx[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
+    v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+
+    # Keys below the tile's first query position are visible to all its rows: no mask needed.
+    full_end = tl.minimum(hi, ctx + tok0 + 1)
+    mid = lo + tl.maximum(full_end - lo, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, mid, BLOCK_N):
+        acc, l_i, m_i = _attn_kv_tile(
+            acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale,
+            stride_kb, stride_ks, stride_vb, stride_vs,
+            False, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION,
+        )
+    # The diagonal and the ragged end: masked. Fully-masked tiles past kv_hi are never visited.
+    for start in range(mid, hi, BLOCK_N):
+        acc, l_i, m_i = _attn_kv_tile(
+            acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale,
+            stride_kb, stride_ks, stride_vb, stride_vs,
+            True, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION,
+        )
+
+    if not SPLIT_KV:
+        out = acc / l_i[:, None]
+        out_offs = token_idx[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    else:
+        part = (token_idx * num_q_heads + head) * num_splits + split
+        tl.store(ws_m_ptr + part, m_i, mask=row_ok)
+        tl.store(ws_l_ptr + part, l_i, mask=row_ok)
+        tl.store(ws_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    ws_acc_ptr, ws_m_ptr, ws_l_ptr, out_ptr, qsl_ptr,
+    num_reqs, num_q_heads, num_splits, stride_ot, stride_oh,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Grid (T, Hq): merge one row's split partials; rows past query_start_loc[-1] are untouched."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if token >= tl.load(qsl_ptr + num_reqs):
+        return
+    splits = tl.arange(0, BLOCK_S)
+    s_ok = splits < num_splits
+    dims = tl.arange(0, BLOCK_D)
+    part = (token * num_q_heads + head) * num_splits + splits
+    m = tl.load(ws_m_ptr + part, mask=s_ok, other=float("-inf"))
+    l = tl.load(ws_l_ptr + part, mask=s_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.math.exp2(m - m_max)  # empty splits have m = -inf -> weight 0
+    acc = tl.load(ws_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+def attention_config(max_query_len: int, group: int, head_dim: int, dtype: torch.dtype) -> dict:
+    """Tile config (BLOCK_M rows = tokens x GROUP heads, BLOCK_N keys, warps, stages). Tune here.
+
+    Decode / short queries: the smallest tl.dot-sized M that holds the rows. Prefill: 128 x 64
+    with 8 warps for 16-bit (64 x 64 for fp32, whose tiles are twice the bytes).
+    """
+    rows = max(1, max_query_len) * group
+    fp32 = dtype == torch.float32
+    wide = triton.next_power_of_2(head_dim) > 128
+    max_m = 64 if fp32 or wide else 128
+    block_m = min(max_m, max(16, triton.next_power_of_2(rows)))
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_n = 32 if wide else 64
+    num_warps = 8 if block_m >= 128 else 4
+    num_stages = 2 if fp32 or wide else 3
+    return dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(num_programs: int, max_seq_len: Optional[int], sm_count: int = DEFAULT_SM_COUNT) -> int:
+    """Split the keys only when (q tiles x kv heads) programs leave SMs idle.
+
+    Aims at ~2 programs per SM; with max_seq_len known, a split gets >= MIN_KEYS_PER_SPLIT keys,
+    otherwise (CUDA graphs) the count depends on the batch shape only and is capped lower.
+    """
+    if num_programs >= sm_count:
+        return 1
+    splits = triton.cdiv(2 * sm_count, num_programs)
+    if max_seq_len is None:
+        return max(1, min(splits, MAX_SPLITS_UNKNOWN_LEN))
+    return max(1, min(splits, MAX_SPLITS, triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)))
+
+
+def paged_attention_triton(
+    q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out=None,
+    max_query_len: Optional[int] = None, max_seq_len: Optional[int] = None,
+    num_splits: Optional[int] = None, block_m: Optional[int] = None, block_n: Optional[int] = None,
+    num_warps: Optional[int] = None, num_stages: Optional[int] = None, **_unused_hints,
+):
+    """Triton paged attention, same semantics as paged_attention_ref; no host/device sync.
+
+    Hints (Python ints): max_query_len (an upper bound of every q_len; defaults to T; 1 selects the
+    decode grid), max_seq_len (only sizes the split count; None is fine), num_splits (forces the
+    split-KV count), block_m / block_n / num_warps / num_stages (override attention_config).
+    Only output rows of real requests are written.
+    """
+    tokens, num_q_heads, head_dim = q.shape
+    num_reqs = seq_lens.shape[0]
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    assert group * num_kv_heads == num_q_heads, "q heads must be a multiple of kv heads"
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert out.stride(-1) == 1
+    if tokens == 0 or num_reqs == 0:
+        return out
+
+    mql = tokens if max_query_len is None else max(1, min(max_query_len, tokens))
+    cfg = attention_config(mql, group, head_dim, q.dtype)
+    block_m = block_m or cfg["block_m"]
+    block_n = block_n or cfg["block_n"]
+    num_warps = num_warps or cfg["num_warps"]
+    num_stages = num_stages or cfg["num_stages"]
+    assert block_m >= group, "BLOCK_M must hold a whole GQA group"
+    tokens_per_tile = block_m // group
+    decode_only = mql == 1
+    if decode_only:
+        grid0 = num_reqs
+    else:
+        grid0 = min(num_reqs * triton.cdiv(mql, tokens_per_tile), triton.cdiv(tokens, tokens_per_tile) + num_reqs)
+
+    block_d = triton.next_power_of_2(head_dim)
+    if num_splits is None:
+        sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
+            if q.is_cuda else DEFAULT_SM_COUNT
+        num_splits = choose_num_splits(grid0 * num_kv_heads, max_seq_len, sms)
+        while num_splits > 1 and tokens * num_q_heads * num_splits * (block_d + 2) * 4 > MAX_WORKSPACE_BYTES:
+            num_splits //= 2
+    num_splits = max(1, int(num_splits))
+
+    if num_splits > 1:
+        ws_acc = torch.empty((tokens, num_q_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
+        ws_ml = torch.empty((2, tokens, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+        ws_m, ws_l = ws_ml[0], ws_ml[1]
+    else:
+        ws_acc = ws_m = ws_l = out  # unused
+
+    _paged_attn_kernel[(grid0, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, ws_acc, ws_m, ws_l,
+        query_start_loc, seq_lens, block_tables,
+        num_reqs, num_q_heads, num_splits, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        GROUP=group, TOKENS_PER_TILE=tokens_per_tile, DECODE_ONLY=decode_only,
+        SPLIT_KV=num_splits > 1, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
+        BLOCK_B=1 if decode_only else triton.next_power_of_2(num_reqs),  # decode: one compile for all B
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _reduce_splits_kernel[(tokens, num_q_heads)](
+            ws_acc, ws_m, ws_l, out, query_start_loc,
+            num_reqs, num_q_heads, num_splits, out.stride(0), out.stride(1),
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4 if block_d >= 128 else 2,
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatchers
+# ----------------------------------------------------------------------------------------------
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
+    if use_triton(k):
+        write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out=None, **hints):
+    """Dispatch; hints (max_query_len, max_seq_len, num_splits, tile overrides) feed the Triton path."""
+    if use_triton(q):
+        return paged_attention_triton(
+            q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out, **hints
+        )
+    return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out)

@@ -1,0 +1,1 @@
+"""Model building blocks, written tensor-parallel-ready (world size 1 unless distributed is set up)."""

@@ -1,0 +1,126 @@
+"""Linear layers split across tensor-parallel ranks.
+
+Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that takes the full
+checkpoint tensor and copies this rank's part of it into the right place, so fused layers (q/k/v,
+gate/up) can be loaded from the checkpoint's separate tensors.
+"""
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"shape mismatch loading {what}: checkpoint {tuple(src.shape)}, model {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def _check_full_shape(loaded: torch.Tensor, expected: tuple, what: str) -> None:
+    """The checkpoint tensor must have the unsplit shape the model expects (before taking this rank's part)."""
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"shape mismatch loading {what}: checkpoint {tuple(loaded.shape)}, model {tuple(expected)}")
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype=None, device=None):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _copy_checked(param.data, loaded, type(self).__name__)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """y = x W^T with W split by output rows: each rank computes a slice of y."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None, device=None):
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        super().__init__(in_features, divide(out_features, self.tp_size), bias, dtype, device)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        rows = param.shape[0]
+        _check_full_shape(loaded, (rows * self.tp_size, *param.shape[1:]), type(self).__name__)
+        _copy_checked(param.data, loaded.narrow(0, self.tp_rank * rows, rows), type(self).__name__)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs stored as one matrix (gate and up of the MLP)."""
+
+    def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool = False, dtype=None, device=None):
+        self.output_sizes = list(output_sizes)
+        super().__init__(in_features, sum(output_sizes), bias, dtype, device)
+
+    def weight_loader(self, param, loaded, shard_id: int = 0):
+        shard_rows = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        _check_full_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]), f"shard {shard_id}")
+        part = loaded.narrow(0, self.tp_rank * shard_rows, shard_rows)
+        _copy_checked(param.data.narrow(0, offset, shard_rows), part, f"shard {shard_id}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; each rank holds its share of the query and kv heads."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 dtype=None, device=None):
+        tp = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp)
+        # With more ranks than kv heads, kv heads are replicated.
+        self.num_kv_heads = max(1, num_kv_heads // tp)
+        self.kv_replicas = max(1, tp // num_kv_heads)
+        total = (num_heads + 2 * self.num_kv_heads * tp) * head_dim
+        super().__init__(hidden_size, total, bias, dtype, device)
+
+    def weight_loader(self, param, loaded, shard_id: str = "q"):
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, rank = 0, q_size, self.tp_rank
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, rank = kv_size, self.tp_rank // self.kv_replicas
+        total_heads = self.num_heads * self.tp_size if shard_id == "q" else self.num_kv_heads * self.tp_size // self.kv_replicas
+        _check_full_shape(loaded, (total_heads * self.head_dim, *param.shape[1:]), f"{shard_id}_proj")
+        _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size), f"{shard_id}_proj")
+
+
+class RowParallelLinear(LinearBase):
+    """y = x W^T with W split by input columns: each rank holds a partial sum, then all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None, device=None):
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        super().__init__(divide(in_features, self.tp_size), out_features, bias, dtype, device)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if param.dim() == 1:  # the bias is not split
+            _copy_checked(param.data, loaded, "bias")
+            return
+        cols = param.shape[1]
+        _check_full_shape(loaded, (param.shape[0], cols * self.tp_size), type(self).__name__)
+        _copy_checked(param.data, loaded.narrow(1, self.tp_rank * cols, cols), type(self).__name__)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = tp_all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[object] = None) -> None:
+    _copy_checked(param.data, loaded, "parameter")

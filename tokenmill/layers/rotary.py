@@ -1,0 +1,45 @@
+"""Rotary position embedding with a precomputed cos/sin table (default and llama3 frequency scaling)."""
+
+import math
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from tokenmill.kernels.rotary import rotary_embedding
+
+
+def rope_inv_freq(head_dim: int, theta: float, kind: str = "default", factor: float = 1.0,
+                  low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+                  original_max_position: int = 8192,
+                  freq_factors: Optional[Sequence[float]] = None) -> torch.Tensor:
+    """The D/2 rotation frequencies, float32."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between
+        # interpolated, so the model sees its original context's frequencies stretched.
+        wavelen = 2 * math.pi / inv_freq
+        low_freq_wavelen = original_max_position / low_freq_factor
+        high_freq_wavelen = original_max_position / high_freq_factor
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = torch.where(in_band, blended, scaled)
+    if freq_factors is not None:  # GGUF files carry llama3 scaling as per-frequency divisors
+        inv_freq = inv_freq / torch.as_tensor(freq_factors, dtype=torch.float32)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor, device=None):
+        super().__init__()
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        angles = torch.outer(positions, inv_freq)
+        cache = torch.cat((angles.cos(), angles.sin()), dim=-1)  # [max_positions, head_dim]
+        self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, Hq, D], k [T, Hk, D] -> rotated (q, k)."""
+        return rotary_embedding(positions, q, k, self.cos_sin_cache)

@@ -1,0 +1,49 @@
+"""Architecture presets for `--load-format dummy`: HF-style configs of well-known shapes."""
+
+from tokenmill.errors import ModelLoadError
+
+_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192}
+
+PRESETS: dict[str, dict] = {
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "intermediate_size": 3072,
+        "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 151936, "tie_word_embeddings": True, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 40960, "attention_bias": False, "eos_token_id": 151645, "bos_token_id": None,
+        "torch_dtype": "bfloat16",
+    },
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 128256, "tie_word_embeddings": False, "rope_theta": 500000.0, "rope_scaling": _LLAMA31_ROPE,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "eos_token_id": [128001, 128008, 128009],
+        "bos_token_id": 128000, "torch_dtype": "bfloat16",
+    },
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+        "vocab_size": 49152, "tie_word_embeddings": True, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 8192, "eos_token_id": 2, "bos_token_id": 1, "torch_dtype": "bfloat16",
+    },
+    # Small shapes for CPU tests and CI.
+    "tiny-llama": {
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "vocab_size": 1024, "tie_word_embeddings": False, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 2048, "eos_token_id": 2, "bos_token_id": 1, "torch_dtype": "float32",
+    },
+    "tiny-qwen3": {
+        "architectures": ["Qwen3ForCausalLM"], "hidden_size": 128, "intermediate_size": 384,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "vocab_size": 1024, "tie_word_embeddings": True, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 2048, "eos_token_id": 2, "bos_token_id": None, "torch_dtype": "float32",
+    },
+}
+
+
+def get_preset(name: str) -> dict:
+    key = name.lower()
+    if key not in PRESETS:
+        raise ModelLoadError(f"unknown architecture preset {name!r}; presets: {sorted(PRESETS)}")
+    return dict(PRESETS[key])
