@@ -1,0 +1,367 @@
+"""GPU micro-benchmark of tokenmill's Triton kernels at real model shapes.
+
+Times every kernel with triton.testing.do_bench (median, L2 flushed between runs), reports the
+achieved bandwidth (bytes moved / time) against the device-to-device copy bandwidth measured
+here, tries several tile configs (and split counts) for paged attention, checks each attention
+config against the torch reference, and writes everything to a JSON file.
+
+    python benchmarks/kernel_bench.py [--out PATH] [--quick] [--models qwen3-0.6b,llama3.1-8b]
+
+--out defaults to $OUT/kernel_bench.json when $OUT is set, else ./kernel_bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from tokenmill.kernels import activation, attention, norm, rotary  # noqa: E402
+
+DTYPE = torch.bfloat16
+DEVICE = "cuda"  # --smoke switches to "cpu" (Triton interpreter) to check the script itself
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    hidden: int
+    intermediate: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+MODELS = {
+    "qwen3-0.6b": Model("qwen3-0.6b", 1024, 3072, 16, 8, 128),
+    "llama3.1-8b": Model("llama3.1-8b", 4096, 14336, 32, 8, 128),
+}
+
+# (block_m, block_n, num_warps, num_stages); None = attention_config's default.
+PREFILL_CONFIGS = [None, (128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 3), (64, 32, 4, 4)]
+DECODE_CONFIGS = [None, (16, 128, 4, 3), (16, 32, 4, 4), (16, 64, 4, 2), (16, 64, 8, 3), (32, 64, 4, 3)]
+DECODE_SPLITS = [1, 4, 8, 16, 32]
+
+
+def median_ms(fn: Callable[[], object]) -> float:
+    if DEVICE != "cuda":  # smoke mode: one untimed-quality call
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def copy_bandwidth_gbps() -> float:
+    """Device-to-device copy of 2 GiB, counting bytes read + written."""
+    n = (2 << 30) // 2 if DEVICE == "cuda" else 1 << 20
+    x = torch.empty(n, dtype=torch.bfloat16, device=DEVICE).normal_()
+    y = torch.empty_like(x)
+    ms = median_ms(lambda: y.copy_(x))
+    del x, y
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return 2 * n * 2 / (ms * 1e-3) / 1e9
+
+
+class Recorder:
+    def __init__(self, copy_gbps: float):
+        self.copy_gbps = copy_gbps
+        self.rows: list[dict] = []
+
+    def add(self, op: str, model: str, shape: str, ms: float, nbytes: Optional[float] = None,
+            flops: Optional[float] = None, **extra) -> dict:
+        row = dict(op=op, model=model, shape=shape, ms=round(ms, 5), **extra)
+        if nbytes is not None:
+            gbps = nbytes / (ms * 1e-3) / 1e9
+            row.update(bytes=int(nbytes), gbps=round(gbps, 1), pct_of_copy=round(100 * gbps / self.copy_gbps, 1))
+        if flops is not None:
+            row["tflops"] = round(flops / (ms * 1e-3) / 1e12, 1)
+        self.rows.append(row)
+        return row
+
+
+# ----------------------------------------------------------------------------------------------
+# Element-wise / normalisation kernels
+# ----------------------------------------------------------------------------------------------
+
+
+def bench_small_ops(rec: Recorder, m: Model, token_counts: list[int]) -> None:
+    esz = torch.finfo(DTYPE).bits // 8
+    dev = DEVICE
+    w = torch.randn(m.hidden, device=dev, dtype=DTYPE)
+    for t in token_counts:
+        x = torch.randn(t, m.hidden, device=dev, dtype=DTYPE)
+        res = torch.randn_like(x)
+        shape = f"T={t} H={m.hidden}"
+        ms = median_ms(lambda: norm.rms_norm_triton(x, w, 1e-6))
+        rec.add("rms_norm", m.name, shape, ms, nbytes=2 * x.numel() * esz,
+                torch_ms=round(median_ms(lambda: norm.rms_norm_ref(x, w, 1e-6)), 5))
+        ms = median_ms(lambda: norm.rms_norm_triton(x, w, 1e-6, res))  # residual updated in place
+        rec.add("rms_norm+residual", m.name, shape, ms, nbytes=4 * x.numel() * esz,
+                torch_ms=round(median_ms(lambda: norm.rms_norm_ref(x, w, 1e-6, res)), 5))
+
+        qkv_width = (m.num_q_heads + 2 * m.num_kv_heads) * m.head_dim
+        qkv = torch.randn(t, qkv_width, device=dev, dtype=DTYPE)
+        q = qkv[:, : m.num_q_heads * m.head_dim].view(t, m.num_q_heads, m.head_dim)
+        k = qkv[:, m.num_q_heads * m.head_dim: (m.num_q_heads + m.num_kv_heads) * m.head_dim]
+        k = k.view(t, m.num_kv_heads, m.head_dim)
+        wd = torch.randn(m.head_dim, device=dev, dtype=DTYPE)
+        ms = median_ms(lambda: norm.rms_norm_triton(q, wd, 1e-6))
+        rec.add("qk_norm(q view)", m.name, f"T={t} {m.num_q_heads}x{m.head_dim}", ms,
+                nbytes=2 * q.numel() * esz)
+
+        gate_up = torch.randn(t, 2 * m.intermediate, device=dev, dtype=DTYPE)
+        ms = median_ms(lambda: activation.silu_and_mul_triton(gate_up))
+        rec.add("silu_and_mul", m.name, f"T={t} I={m.intermediate}", ms,
+                nbytes=3 * t * m.intermediate * esz,
+                torch_ms=round(median_ms(lambda: activation.silu_and_mul_ref(gate_up)), 5))
+
+        cache = _cos_sin_cache(max(8192 if DEVICE == "cuda" else 64, t), m.head_dim)
+        positions = torch.randint(0, cache.shape[0], (t,), device=dev)
+        ms = median_ms(lambda: rotary.rotary_triton(positions, q, k, cache))
+        rec.add("rotary(qkv views)", m.name, f"T={t} {m.num_q_heads}+{m.num_kv_heads}x{m.head_dim}", ms,
+                nbytes=2 * (q.numel() + k.numel()) * esz + t * m.head_dim * 4)
+
+        page = 16
+        pages = triton.cdiv(t, page) + 1
+        k_cache = torch.empty(pages, page, m.num_kv_heads, m.head_dim, device=dev, dtype=DTYPE)
+        v_cache = torch.empty_like(k_cache)
+        v = qkv[:, (m.num_q_heads + m.num_kv_heads) * m.head_dim:].view(t, m.num_kv_heads, m.head_dim)
+        slots = torch.randperm(pages * page, device=dev)[:t].to(torch.int32)
+        ms = median_ms(lambda: attention.write_kv_cache_triton(k, v, k_cache, v_cache, slots))
+        rec.add("write_kv_cache", m.name, f"T={t} {m.num_kv_heads}x{m.head_dim}", ms,
+                nbytes=4 * k.numel() * esz)
+
+
+def _cos_sin_cache(max_pos: int, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=DEVICE) / head_dim)
+    angles = torch.arange(max_pos, dtype=torch.float32, device=DEVICE)[:, None] * inv_freq[None, :]
+    return torch.cat((angles.cos(), angles.sin()), dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Paged attention
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AttnCase:
+    label: str
+    reqs: list[tuple[int, int]]  # (q_len, seq_len)
+
+
+def attention_cases(quick: bool) -> list[AttnCase]:
+    cases = [
+        AttnCase("decode B=1 ctx=8k", [(1, 8192)]),
+        AttnCase("decode B=8 ctx=4k", [(1, 4096)] * 8),
+        AttnCase("decode B=64 ctx=2k", [(1, 2048)] * 64),
+        AttnCase("decode B=256 ctx=1k", [(1, 1024)] * 256),
+        AttnCase("prefill 1x4096", [(4096, 4096)]),
+        AttnCase("prefill 8x512", [(512, 512)] * 8),
+        AttnCase("chunked 512@4k + 64 dec", [(512, 4096)] + [(1, 2048)] * 64),
+    ]
+    if not quick:
+        cases += [
+            AttnCase("decode B=1 ctx=32k", [(1, 32768)]),
+            AttnCase("decode B=32 ctx=8k", [(1, 8192)] * 32),
+            AttnCase("prefill 2x2048 on 6k ctx", [(2048, 8192)] * 2),
+        ]
+    return cases
+
+
+def _make_attn_inputs(m: Model, reqs: list[tuple[int, int]], page: int = 16):
+    dev = DEVICE
+    gen = torch.Generator(device=dev).manual_seed(0)
+    pages_per_req = [triton.cdiv(s, page) for _, s in reqs]
+    total_pages = sum(pages_per_req)
+    max_pages = max(pages_per_req)
+    perm = torch.randperm(total_pages, device=dev, generator=gen).to(torch.int32)
+    block_tables = torch.zeros(len(reqs), max_pages, dtype=torch.int32, device=dev)
+    start = 0
+    for b, n in enumerate(pages_per_req):
+        block_tables[b, :n] = perm[start:start + n]
+        start += n
+    shape = (total_pages, page, m.num_kv_heads, m.head_dim)
+    k_cache = torch.randn(shape, device=dev, dtype=DTYPE, generator=gen)
+    v_cache = torch.randn(shape, device=dev, dtype=DTYPE, generator=gen)
+    q_lens = [q for q, _ in reqs]
+    q = torch.randn(sum(q_lens), m.num_q_heads, m.head_dim, device=dev, dtype=DTYPE, generator=gen)
+    qsl = torch.tensor([0] + q_lens, device=dev).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor([s for _, s in reqs], dtype=torch.int32, device=dev)
+    return q, k_cache, v_cache, qsl, seq_lens, block_tables
+
+
+def _attn_cost(m: Model, reqs: list[tuple[int, int]]) -> tuple[float, float]:
+    """(minimum bytes moved: every K/V token once + q + out, causal matmul flops)."""
+    esz = torch.finfo(DTYPE).bits // 8
+    kv = sum(s for _, s in reqs) * m.num_kv_heads * m.head_dim * 2 * esz
+    qo = sum(q for q, _ in reqs) * m.num_q_heads * m.head_dim * 2 * esz
+    visible = sum(q * (s - q) + q * (q + 1) / 2 for q, s in reqs)  # keys summed over queries
+    return kv + qo, 4.0 * visible * m.num_q_heads * m.head_dim
+
+
+def bench_attention(rec: Recorder, m: Model, quick: bool) -> list[dict]:
+    best_rows = []
+    scale = m.head_dim ** -0.5
+    for case in attention_cases(quick):
+        args = _make_attn_inputs(m, case.reqs)
+        q = args[0]
+        mql = max(ql for ql, _ in case.reqs)
+        msl = max(s for _, s in case.reqs)
+        nbytes, flops = _attn_cost(m, case.reqs)
+        ref = attention.paged_attention_ref(*args, scale)
+        out = torch.empty_like(q)
+        decode = mql == 1
+        variants: list[tuple[str, dict]] = []
+        for cfg in DECODE_CONFIGS if decode else PREFILL_CONFIGS:
+            hints = {} if cfg is None else dict(zip(("block_m", "block_n", "num_warps", "num_stages"), cfg))
+            variants.append(("default" if cfg is None else "m{}n{}w{}s{}".format(*cfg), hints))
+        variants.append(("default, max_seq_len=None (graph rule)", {"max_seq_len": None}))
+        if decode:
+            variants += [(f"default, splits={s}", {"num_splits": s}) for s in DECODE_SPLITS]
+        case_rows = []
+        for name, hints in variants:
+            kw = dict(max_query_len=mql, max_seq_len=msl)
+            kw.update(hints)
+            fn = lambda: attention.paged_attention_triton(*args, scale, out=out, **kw)  # noqa: E731
+            try:
+                fn()
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
+                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                ms = median_ms(fn)
+            except Exception as exc:  # e.g. a config that does not fit in shared memory
+                rec.rows.append(dict(op="paged_attention", model=m.name, shape=case.label, config=name,
+                                     error=f"{type(exc).__name__}: {exc}"[:200]))
+                continue
+            case_rows.append(rec.add("paged_attention", m.name, case.label, ms, nbytes=nbytes, flops=flops,
+                                     config=name, rel_err=float(f"{err:.2e}")))
+        ok = [r for r in case_rows if r["rel_err"] < 1e-2]
+        if ok:
+            best = min(ok, key=lambda r: r["ms"])
+            default = next((r for r in case_rows if r["config"] == "default"), None)
+            best_rows.append(dict(model=m.name, shape=case.label, best_config=best["config"], best_ms=best["ms"],
+                                  default_ms=default["ms"] if default else None,
+                                  gbps=best.get("gbps"), tflops=best.get("tflops")))
+        if not decode and hasattr(torch.nn.functional, "scaled_dot_product_attention"):
+            _bench_sdpa(rec, m, case)
+        del args, ref, out
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return best_rows
+
+
+def _bench_sdpa(rec: Recorder, m: Model, case: AttnCase) -> None:
+    """Yardstick: torch SDPA (flash) on one dense request of the same q_len / seq_len, if uniform."""
+    if len(set(case.reqs)) != 1:
+        return
+    (q_len, seq_len), batch = case.reqs[0], len(case.reqs)
+    if q_len != seq_len:
+        return
+    dev = DEVICE
+    q = torch.randn(batch, m.num_q_heads, q_len, m.head_dim, device=dev, dtype=DTYPE)
+    k = torch.randn(batch, m.num_kv_heads, seq_len, m.head_dim, device=dev, dtype=DTYPE)
+    v = torch.randn_like(k)
+    fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
+    try:
+        ms = median_ms(fn)
+    except Exception:
+        return
+    nbytes, flops = _attn_cost(m, case.reqs)
+    rec.add("torch_sdpa(dense)", m.name, case.label, ms, nbytes=nbytes, flops=flops, config="-")
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def print_table(rec: Recorder, best_rows: list[dict]) -> None:
+    print(f"\ncopy bandwidth: {rec.copy_gbps:.0f} GB/s (read + write)")
+    print(f"{'op':22s} {'model':12s} {'shape':28s} {'config':28s} {'ms':>9s} {'GB/s':>7s} {'%copy':>6s} {'TFLOP/s':>8s}")
+    for r in rec.rows:
+        if "error" in r:
+            continue
+        if r["op"] == "paged_attention" and r.get("config") != "default":
+            continue  # the per-config detail lives in the JSON and the summary below
+        print(f"{r['op']:22s} {r['model']:12s} {r['shape']:28s} {str(r.get('config', '')):28s} {r['ms']:9.4f} "
+              f"{r.get('gbps', float('nan')):7.0f} {r.get('pct_of_copy', float('nan')):6.1f} "
+              f"{r.get('tflops', float('nan')):8.1f}")
+    print("\nattention: best config per case")
+    for b in best_rows:
+        print(f"  {b['model']:12s} {b['shape']:28s} best={b['best_config']:30s} {b['best_ms']:.4f} ms "
+              f"(default {b['default_ms']} ms)")
+
+
+def _enter_smoke_mode() -> None:
+    """Toy shapes on CPU through the Triton interpreter: exercises every code path of this script."""
+    global DEVICE, DTYPE, PREFILL_CONFIGS, DECODE_CONFIGS, DECODE_SPLITS, attention_cases
+    assert os.environ.get("TRITON_INTERPRET") == "1", "--smoke needs TRITON_INTERPRET=1"
+    DEVICE, DTYPE = "cpu", torch.float16
+    MODELS["smoke"] = Model("smoke", 64, 96, 4, 2, 32)
+    PREFILL_CONFIGS = [None, (32, 16, 4, 2)]
+    DECODE_CONFIGS = [None, (16, 32, 4, 3)]
+    DECODE_SPLITS = [2]
+    attention_cases = lambda quick: [  # noqa: E731
+        AttnCase("decode B=3", [(1, 40), (1, 7), (1, 33)]),
+        AttnCase("prefill 2x24", [(24, 24)] * 2),
+        AttnCase("chunked 9@40 + 2 dec", [(9, 40), (1, 20), (1, 3)]),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    default_out = os.path.join(os.environ["OUT"], "kernel_bench.json") if os.environ.get("OUT") else "kernel_bench.json"
+    parser.add_argument("--out", default=default_out)
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--skip-small-ops", action="store_true")
+    parser.add_argument("--skip-attention", action="store_true")
+    parser.add_argument("--smoke", action="store_true",
+                        help="check the script on CPU with TRITON_INTERPRET=1 at toy shapes (numbers meaningless)")
+    args = parser.parse_args()
+    if args.smoke:
+        _enter_smoke_mode()
+    else:
+        assert torch.cuda.is_available(), "kernel_bench needs a CUDA device"
+    torch.manual_seed(0)
+    t0 = time.time()
+
+    rec = Recorder(copy_bandwidth_gbps())
+    token_counts = [1, 256, 4096] if args.quick else [1, 32, 256, 2048, 8192]
+    if args.smoke:
+        token_counts = [1, 5]
+    best_rows: list[dict] = []
+    for name in ("smoke",) if args.smoke else args.models.split(","):
+        m = MODELS[name]
+        if not args.skip_small_ops:
+            bench_small_ops(rec, m, token_counts)
+        if not args.skip_attention:
+            best_rows += bench_attention(rec, m, args.quick)
+
+    cuda = DEVICE == "cuda"
+    result = dict(
+        device=torch.cuda.get_device_name() if cuda else "cpu (smoke)",
+        sm_count=torch.cuda.get_device_properties(0).multi_processor_count if cuda else None,
+        torch=torch.__version__, triton=triton.__version__, dtype=str(DTYPE),
+        copy_bandwidth_gbps=round(rec.copy_gbps, 1), seconds=round(time.time() - t0, 1),
+        results=rec.rows, attention_best=best_rows,
+    )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print_table(rec, best_rows)
+    print(f"\nwrote {args.out} ({result['seconds']} s)")
+
+
+if __name__ == "__main__":
+    main()

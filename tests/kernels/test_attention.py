@@ -1,0 +1,238 @@
+"""Paged attention and the KV-cache write: the Triton kernels against the torch references.
+
+The CPU cases run the kernels in Triton's interpreter at small shapes (fp32, tight tolerance);
+the CUDA cases use real model shapes in fp32 / bf16 / fp16.
+"""
+
+import math
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tokenmill.kernels.attention import (
+    choose_num_splits,
+    paged_attention,
+    paged_attention_ref,
+    paged_attention_triton,
+    write_kv_cache,
+    write_kv_cache_ref,
+    write_kv_cache_triton,
+)
+
+CPU = pytest.param("cpu", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"))
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])
+DEVICES = [CPU, CUDA]
+GPU_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    scale: float
+    num_tokens: int  # rows that belong to real requests
+    max_query_len: int
+    max_seq_len: int
+
+    def args(self):
+        return (self.q, self.k_cache, self.v_cache, self.query_start_loc, self.seq_lens,
+                self.block_tables, self.scale)
+
+
+def make_batch(reqs, num_q_heads, num_kv_heads, head_dim, page_size, dtype, device,
+               extra_tokens=0, fused_qkv=False, seed=0) -> Batch:
+    """reqs: (q_len, seq_len) per request; (0, 0) is a padding entry. Pages are scattered randomly
+    over a cache filled with random values, and unused block-table entries hold -1."""
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_req = [math.ceil(s / page_size) for _, s in reqs]
+    num_pages = sum(pages_per_req) + 3
+    max_pages = max(max(pages_per_req), 1) + 1
+    perm = torch.randperm(num_pages, generator=gen)
+    block_tables = torch.full((len(reqs), max_pages), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(pages_per_req):
+        block_tables[b, :n] = perm[used:used + n].to(torch.int32)
+        used += n
+    cache_shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    v_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    q_lens = [q for q, _ in reqs]
+    tokens = sum(q_lens) + extra_tokens
+    if fused_qkv:  # q as a strided view of a [T, (Hq + 2 Hk) D] projection output
+        qkv = torch.randn(tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+        q = qkv.to(device)[:, : num_q_heads * head_dim].view(tokens, num_q_heads, head_dim)
+    else:
+        q = torch.randn(tokens, num_q_heads, head_dim, generator=gen).to(dtype).to(device)
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    return Batch(
+        q=q, k_cache=k_cache.to(device), v_cache=v_cache.to(device),
+        query_start_loc=qsl.to(device), seq_lens=torch.tensor([s for _, s in reqs], dtype=torch.int32).to(device),
+        block_tables=block_tables.to(device), scale=head_dim ** -0.5, num_tokens=sum(q_lens),
+        max_query_len=max(q_lens), max_seq_len=max(s for _, s in reqs),
+    )
+
+
+def run_and_check(batch: Batch, tol: float, **hints) -> None:
+    ref = paged_attention_ref(*batch.args())
+    out = torch.full_like(batch.q, float("nan"))  # poison: every real row must be written
+    result = paged_attention_triton(*batch.args(), out=out, **hints)
+    assert result is out
+    n = batch.num_tokens
+    assert not out[:n].isnan().any(), "unwritten output rows"
+    assert out[n:].isnan().all(), "rows of no request must be left alone"
+    err = rel_err(out[:n], ref[:n])
+    assert err < tol, (err, hints)
+
+
+# Requests: a fresh prefill, decodes, padding, chunked prefills with context (seq_len > q_len),
+# a context that ends exactly on a page boundary, and a trailing padding entry.
+MIXED = [(5, 5), (1, 37), (0, 0), (7, 40), (1, 1), (12, 48), (0, 0)]
+DECODE = [(1, 37), (1, 1), (0, 0), (1, 64), (1, 100), (0, 0)]
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mixed_batch_cpu(page_size, num_splits):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    batch = make_batch(MIXED, num_q_heads=6, num_kv_heads=2, head_dim=64, page_size=page_size,
+                       dtype=torch.float32, device="cpu", extra_tokens=2, fused_qkv=True)
+    # Small tiles so requests span several query tiles and the diagonal spans several key tiles.
+    run_and_check(batch, 1e-5, max_query_len=batch.max_query_len, num_splits=num_splits,
+                  block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_decode_batch_cpu(num_splits):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    batch = make_batch(DECODE, num_q_heads=6, num_kv_heads=2, head_dim=64, page_size=16,
+                       dtype=torch.float32, device="cpu", extra_tokens=1)
+    # num_splits=None with max_seq_len unknown exercises the CUDA-graph rule (splits from B, Hk only).
+    run_and_check(batch, 1e-5, max_query_len=1, num_splits=num_splits)
+
+
+def test_default_config_and_hints_cpu():
+    """Default tiles, no hints at all (max_query_len falls back to T), GQA group 1, head_dim 32."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    batch = make_batch([(9, 20), (1, 17), (0, 0), (3, 3)], num_q_heads=2, num_kv_heads=2, head_dim=32,
+                       page_size=16, dtype=torch.float32, device="cpu")
+    run_and_check(batch, 1e-5)
+    run_and_check(batch, 1e-5, max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len)
+
+
+def test_fp16_cpu():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    batch = make_batch([(4, 20), (1, 33)], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                       dtype=torch.float16, device="cpu")
+    run_and_check(batch, 1e-2, max_query_len=4, num_splits=2)
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(512, None) == 1  # the grid fills the GPU already
+    assert choose_num_splits(8, 100) == 1  # too few keys to split
+    assert choose_num_splits(8, 32768) == 32
+    assert 1 < choose_num_splits(8, None) <= 16  # CUDA graphs: B and Hk only
+    assert choose_num_splits(64, 8192) == 5
+
+
+GPU_MODELS = {  # name: (q heads, kv heads, head_dim)
+    "qwen3-0.6b": (16, 8, 128),
+    "llama3-8b": (32, 8, 128),
+    "smollm2-360m": (15, 5, 64),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model", list(GPU_MODELS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("kind", ["prefill", "mixed", "decode", "decode-long"])
+def test_real_shapes_gpu(model, dtype, kind):
+    if dtype == torch.float32 and model != "qwen3-0.6b":
+        pytest.skip("fp32 once is enough (saves compile time)")
+    hq, hk, d = GPU_MODELS[model]
+    gen = torch.Generator().manual_seed(0)
+    if kind == "prefill":
+        reqs = [(int(n), int(n)) for n in torch.randint(1, 700, (4,), generator=gen)]
+    elif kind == "mixed":
+        reqs = [(1, int(s)) for s in torch.randint(1, 3000, (20,), generator=gen)]
+        reqs += [(300, 1500), (0, 0), (64, 64), (17, 2000), (0, 0)]
+    elif kind == "decode":
+        reqs = [(1, int(s)) for s in torch.randint(1, 4000, (64,), generator=gen)] + [(0, 0)] * 3
+    else:
+        reqs = [(1, 20000), (1, 777)]
+    for page_size in (16, 32):
+        batch = make_batch(reqs, hq, hk, d, page_size, dtype, "cuda", extra_tokens=3)
+        mql = batch.max_query_len
+        run_and_check(batch, GPU_TOL[dtype], max_query_len=mql, max_seq_len=batch.max_seq_len)
+        run_and_check(batch, GPU_TOL[dtype], max_query_len=mql)  # as inside a CUDA graph
+        run_and_check(batch, GPU_TOL[dtype], max_query_len=mql, num_splits=7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_cuda_graph_gpu():
+    """A captured decode (no max_seq_len, so the split count comes from B and Hk only) replays
+    correctly after seq_lens and block tables change in place."""
+    batch = make_batch([(1, 3000), (1, 3000), (1, 3000), (0, 0)], 32, 8, 128, 16, torch.bfloat16, "cuda")
+    out = torch.full_like(batch.q, float("nan"))
+    paged_attention_triton(*batch.args(), out=out, max_query_len=1)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention_triton(*batch.args(), out=out, max_query_len=1)
+    batch.seq_lens.copy_(torch.tensor([2000, 10, 3001, 0], dtype=torch.int32))
+    batch.block_tables[:3].copy_(batch.block_tables[:3].flip(0).clone())
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = paged_attention_ref(*batch.args())
+    assert rel_err(out[:3], ref[:3]) < 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+def test_write_kv_cache(device, slot_dtype):
+    torch.manual_seed(0)
+    if device == "cpu":
+        tokens, hk, d, page, pages, dtypes = 7, 2, 64, 16, 4, [torch.float32]
+    else:
+        tokens, hk, d, page, pages, dtypes = 700, 8, 128, 16, 128, [torch.float32, torch.bfloat16]
+    for dtype in dtypes:
+        kv = torch.randn(tokens, 3 * hk * d, device=device, dtype=dtype)  # strided views, as from qkv
+        k = kv[:, : hk * d].view(tokens, hk, d)
+        v = kv[:, hk * d: 2 * hk * d].view(tokens, hk, d)
+        slots = torch.randperm(pages * page, device=device)[:tokens].to(slot_dtype)
+        slots[1] = -1  # padding tokens are skipped
+        slots[-1] = -1
+        caches = [torch.full((pages, page, hk, d), float("nan"), device=device, dtype=dtype) for _ in range(4)]
+        write_kv_cache_ref(k, v, caches[0], caches[1], slots)
+        write_kv_cache_triton(k, v, caches[2], caches[3], slots)
+        # NaN marks untouched slots: equal_nan checks both the written values and the skipped ones.
+        assert torch.equal(caches[0].isnan(), caches[2].isnan())
+        assert torch.equal(caches[1].isnan(), caches[3].isnan())
+        torch.testing.assert_close(caches[2], caches[0], rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(caches[3], caches[1], rtol=0, atol=0, equal_nan=True)
+
+
+def test_dispatch_cpu_uses_reference():
+    batch = make_batch([(3, 5), (1, 9)], 4, 2, 16, 16, torch.float32, "cpu")
+    torch.testing.assert_close(paged_attention(*batch.args(), max_query_len=3),
+                               paged_attention_ref(*batch.args()), rtol=0, atol=0)
+    k = torch.randn(2, 2, 16)
+    c1, c2 = torch.zeros(2, 16, 2, 16), torch.zeros(2, 16, 2, 16)
+    write_kv_cache(k, k, c1, c2, torch.tensor([3, 20]))
+    assert torch.equal(c1[0, 3], k[0]) and torch.equal(c2[1, 4], k[1])
