@@ -360,6 +360,7 @@ def paged_attention_triton(
     group = num_q_heads // num_kv_heads
     assert group * num_kv_heads == num_q_heads, "q heads must be a multiple of kv heads"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert block_tables.stride(-1) == 1 and query_start_loc.is_contiguous() and seq_lens.is_contiguous()
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     assert out.stride(-1) == 1
