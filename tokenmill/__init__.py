@@ -12,7 +12,7 @@ def __getattr__(name):
 
         return LLM
     if name == "SamplingParams":
-        from tokenmill.engine.sampling_params import SamplingParams
+        from tokenmill.sampling_params import SamplingParams
 
         return SamplingParams
     if name in ("RequestOutput", "CompletionOutput"):

@@ -317,9 +317,6 @@ def test_ties_at_the_top_k_cut_are_all_kept():
     assert torch.equal(out, torch.tensor([[NEG_INF, 3.0, 2.0, 2.0, NEG_INF, 2.0]], device=device))
 
 
-@pytest.mark.xfail(reason="reference quirk reported to the lead: with top_p = 1.0 (off) the sort-based "
-                          "reference drops tail tokens whose cumulative mass before them rounds to 1.0",
-                   strict=False)
 def test_reference_top_p_of_one_is_a_no_op():
     logits = random_logits(4, 2000, "cpu", seed=8)
     out = logits.clone()

@@ -1,0 +1,59 @@
+"""Engine test fixtures: engines around the embedded model, HF greedy references, leak checks."""
+
+import pytest
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.entrypoints.llm import LLM
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "List three prime numbers.",
+    "What does a CPU do?",
+    "Give me a tip for learning to cook.",
+    "Translate 'good morning' into Spanish.",
+    "Why is the sky blue?",
+]
+NEW_TOKENS = 48
+
+
+def make_llm(loaded, **overrides) -> LLM:
+    """An LLM over an already loaded model (binding the KV cache to it: use one engine at a time)."""
+    defaults = dict(num_kv_blocks=256, max_num_seqs=16, max_num_batched_tokens=2048)
+    config = EngineConfig(**{**defaults, **overrides})
+    return LLM.from_engine(LLMEngine(config=config, loaded=loaded))
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    """Every KV block is back in the pool and no request or runner row is left."""
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert all(b.ref_cnt == 0 for b in engine.kv.pool.blocks)
+    assert not engine.runner.states.row_of
+    assert not engine.outputs.states
+
+
+@pytest.fixture(scope="session")
+def chat_prompt_ids(smollm):
+    tok = smollm.tokenizer
+    out = []
+    for q in CHAT_PROMPTS:
+        text = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        out.append(tok(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_smollm, chat_prompt_ids):
+    """HF transformers' greedy continuation of each prompt alone: exactly NEW_TOKENS tokens (EOS masked)."""
+    refs = []
+    for ids in chat_prompt_ids:
+        with torch.no_grad():
+            out = hf_smollm.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                     do_sample=False, pad_token_id=2)
+        refs.append(out[0, len(ids):].tolist())
+    return refs

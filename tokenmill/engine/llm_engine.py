@@ -1,0 +1,196 @@
+"""LLMEngine: requests in, outputs out, one step at a time.
+
+With async scheduling the engine keeps one step in flight: it schedules and launches step N+1,
+then waits for step N's sampled tokens (the only point where the CPU waits for the device) and
+processes them while the device runs N+1.
+"""
+
+import itertools
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler import Scheduler, SchedulerLimits
+from tokenmill.errors import InvalidRequestError
+from tokenmill.loader import LoadedModel, load_model
+from tokenmill.logger import init_logger
+from tokenmill.runner.async_output import AsyncOutput
+from tokenmill.runner.batch import ModelRunnerOutput, SchedulerOutput
+from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+PromptType = Union[str, list[int]]
+_SEED_MASK = (1 << 63) - 1
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, model: Optional[str] = None, config: Optional[EngineConfig] = None, *, dtype="auto",
+                 device=None, load_format: str = "auto", loaded: Optional[LoadedModel] = None):
+        self.config = config or EngineConfig()
+        self.config.validate()
+        self.loaded = loaded or load_model(model, dtype=dtype, device=device, load_format=load_format,
+                                           max_positions=self.config.max_model_len, seed=self.config.seed)
+        arch = self.loaded.arch
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = self.config.resolve_max_model_len(arch.max_position_embeddings)
+        self.runner = ModelRunner(self.loaded.model, self.config, self.max_model_len, self.loaded.device,
+                                  self.loaded.dtype)
+        num_blocks = self.runner.initialize_kv_cache()
+        self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerLimits(self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                                   self.max_model_len), self.kv)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._inflight: deque[tuple[SchedulerOutput, AsyncOutput]] = deque()
+        self._rng = random.Random(self.config.seed)
+        self._ids = itertools.count()
+        self.generation_tokens = 0
+
+    @property
+    def model_name(self) -> str:
+        return self.loaded.source.name
+
+    # ---- requests -------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass the prompt as token ids")
+            ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise InvalidRequestError("a prompt must be a string or a list of token ids")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.loaded.arch.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab})")
+        return ids
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Checks that need the model; returns the resolved max_tokens."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling parameters must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        params.check_vocab(self.loaded.arch.vocab_size)
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_ids)} tokens, but the context length is {self.max_model_len}")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
+        self.scheduler.check_fits(len(prompt_ids), max_tokens)
+        return max_tokens
+
+    def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
+                    request_id: Optional[str] = None, prompt_ids: Optional[list[int]] = None) -> str:
+        """Queue a request; raises InvalidRequestError (and queues nothing) if it is invalid."""
+        params = params or SamplingParams()
+        ids = prompt_ids if prompt_ids is not None else self.tokenize(prompt)
+        max_tokens = self.validate(ids, params)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.outputs.states:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        eos = set() if params.ignore_eos else set(self.loaded.eos_token_ids)
+        stop_ids = frozenset(eos | set(params.stop_token_ids))
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        now = time.monotonic()
+        children = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            seed = base_seed if i == 0 else (base_seed * 1_000_003 + i) & _SEED_MASK
+            children.append(Request(child_id, list(ids), params, seed, max_tokens, stop_ids, arrival_time=now,
+                                    parent_id=request_id, index=i))
+        self.outputs.add(request_id, prompt if isinstance(prompt, str) else None, list(ids), children)
+        for child in children:
+            self.scheduler.add_request(child)
+        return request_id
+
+    def abort_request(self, request_id: str) -> Optional[RequestOutput]:
+        """Stop a request wherever it is; its blocks go back to the pool. Returns its final output."""
+        user = self.outputs.states.get(request_id)
+        if user is None:
+            return None
+        for sample in user.samples:
+            req = sample.request
+            if not req.status.finished:
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+            self.outputs.on_finished(req, RequestStatus.FINISHED_ABORTED)
+        out = self.outputs.make_output(request_id)
+        self.outputs.release(request_id)
+        return out
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished or bool(self._inflight)
+
+    # ---- the loop -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule and launch one step; process the results that are due. Returns outputs of the
+        requests that changed (finished ones with finished=True, and then forgotten)."""
+        launched = False
+        if self.scheduler.has_unfinished:
+            sched = self.scheduler.schedule()
+            if sched.batch:
+                self.runner.execute_model(sched)
+                self._inflight.append((sched, self.runner.sample_tokens()))
+                launched = True
+            elif sched.freed_req_ids:
+                self.runner.release(sched.freed_req_ids)
+        results: list[RequestOutput] = []
+        keep = 1 if (self.config.async_scheduling and launched) else 0
+        while len(self._inflight) > keep:
+            sched, pending = self._inflight.popleft()
+            results.extend(self._process(sched, pending.get()))
+        if not launched and not results and self.scheduler.has_unfinished and not self._inflight:
+            raise RuntimeError("the scheduler could not schedule any request (this is a bug)")
+        if not self.scheduler.has_unfinished:  # idle: release the rows of what just finished
+            self.runner.release(self.scheduler.take_freed_ids())
+        return results
+
+    def _process(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestOutput]:
+        changed: dict[str, None] = {}
+        tokens = out.sampled_token_ids
+        for i in range(len(out.req_ids)):
+            token = int(tokens[i])
+            if token < 0:
+                continue
+            request = self.scheduler.take_sampled_token(out.req_ids[i])
+            if request is None:
+                continue
+            request.output_token_ids.append(token)
+            self.generation_tokens += 1
+            status = self.outputs.on_token(request, token, i, out.logprobs)
+            if status is not None:
+                self.scheduler.finish_request(request, status)
+                self.outputs.on_finished(request, status)
+            changed[request.parent_id] = None
+        results = []
+        for user_id in changed:
+            output = self.outputs.make_output(user_id)
+            results.append(output)
+            if output.finished:
+                self.outputs.release(user_id)
+        return results
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,
+                           self.kv.prefix_hit_rate, self.scheduler.num_preemptions,
+                           self.scheduler.num_prefill_tokens, self.generation_tokens)

@@ -1,0 +1,66 @@
+"""A request as the engine tracks it."""
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from tokenmill.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_tokens: int  # resolved against the context length
+    stop_ids: frozenset  # token ids that end the request (EOS unless ignored, plus stop_token_ids)
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # KV computed, or scheduled in an in-flight step
+    num_pending: int = 0  # tokens sampled by in-flight steps, not yet seen here
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of the full blocks of known tokens
+    num_registered_blocks: int = 0  # leading blocks already entered in the prefix cache
+    num_cached_tokens: int = 0  # prefix-cache hit at first admission
+    num_prefill_tokens: int = 0  # tokens known at the last admission (prompt, plus outputs if resumed)
+    num_preemptions: int = 0
+    stop_reason: Optional[object] = None
+    parent_id: Optional[str] = None  # the user's request id when n > 1
+    index: int = 0  # which of the n samples
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known on the CPU: prompt plus the outputs seen so far."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_scheduled_ahead(self) -> int:
+        """Known tokens plus those in-flight steps will sample (the scheduler's optimistic count)."""
+        return self.num_tokens + self.num_pending
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens

@@ -1,0 +1,182 @@
+"""Token-budget continuous batching with chunked prefill, prefix caching and preemption.
+
+Each step: running requests first (decodes, then unfinished prefills), then waiting requests in
+arrival order, until the token budget (max_num_batched_tokens) or max_num_seqs is used up. A prompt
+that does not fit the remaining budget is prefilled in chunks over several steps, mixed with the
+decodes. When KV blocks run out, the most recently admitted request is preempted: its blocks are
+freed and it goes back to the front of the queue, to be recomputed from prompt + generated tokens.
+
+The scheduler may run one step ahead of the results (async scheduling): a request whose step is
+in flight counts its coming token as `num_pending`, so its next decode can be scheduled before the
+token is known on the CPU; the runner feeds that token from the device.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+from tokenmill.engine.kv_cache_manager import KVCacheManager, cdiv
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.errors import InvalidRequestError
+from tokenmill.runner.batch import NewRequestData, ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager):
+        self.limits = limits
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._freed_ids: list[str] = []  # rows the runner must release at the next step
+        self.num_preemptions = 0
+        self.num_prefill_tokens = 0  # prompt (and recomputed) tokens scheduled so far
+
+    # ---- admission ------------------------------------------------------------------------
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse, with a reason, a request that could never run."""
+        limit = self.limits.max_model_len
+        if num_prompt_tokens + max_tokens > limit:
+            raise InvalidRequestError(
+                f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                f"context length of {limit} tokens"
+            )
+        blocks = cdiv(num_prompt_tokens + max_tokens, self.kv.block_size)
+        if blocks > self.kv.num_blocks:
+            raise InvalidRequestError(
+                f"the request needs {blocks} KV-cache blocks but the cache has only {self.kv.num_blocks}"
+            )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        self.check_fits(request.num_prompt_tokens, request.max_tokens)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Stop a request (done, or aborted), release its blocks and its runner row."""
+        if request.status.finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._freed_ids.append(request.request_id)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.limits.max_num_batched_tokens
+        batch: list[ScheduledRequest] = []
+        new_requests: list[NewRequestData] = []
+        scheduled: set[str] = set()
+        preempted_now: set[str] = set()
+
+        # Decodes first, then prefills still in progress (stable, so oldest first within each).
+        for request in sorted(self.running, key=lambda r: r.is_prefilling):
+            if budget == 0:
+                break
+            if request.request_id in preempted_now:
+                continue
+            num_new = self._tokens_to_schedule(request, budget)
+            if num_new == 0:
+                continue
+            blocks_before = len(request.block_ids)
+            while not self.kv.allocate(request, num_new):
+                victim = self._pick_victim(scheduled | {request.request_id}) or request
+                self._preempt(victim)
+                preempted_now.add(victim.request_id)
+                if victim is request:
+                    break
+            if request.request_id in preempted_now:
+                continue
+            batch.append(self._entry(request, num_new, request.block_ids[blocks_before:]))
+            scheduled.add(request.request_id)
+            budget -= num_new
+
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            request = self.waiting[0]
+            if request.num_pending or request.request_id in preempted_now:
+                break  # wait for its in-flight token / don't re-admit what was just preempted
+            cached_blocks, num_cached = self.kv.find_cached_prefix(request)
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv.allocate(request, num_new, cached_blocks):
+                break
+            self.waiting.popleft()
+            if request.num_preemptions == 0:
+                self.kv.record_prefix_lookup(request, num_cached)
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            request.num_prefill_tokens = request.num_tokens
+            self.running.append(request)
+            new_requests.append(self._new_request_data(request))
+            batch.append(self._entry(request, num_new, []))
+            budget -= num_new
+
+        return SchedulerOutput(batch=batch, new_requests=new_requests, freed_req_ids=self.take_freed_ids())
+
+    def take_freed_ids(self) -> list[str]:
+        """Requests whose runner rows can be released (finished or preempted since the last call)."""
+        freed, self._freed_ids = self._freed_ids, []
+        return freed
+
+    def _tokens_to_schedule(self, request: Request, budget: int) -> int:
+        if len(request.output_token_ids) + request.num_pending >= request.max_tokens:
+            return 0  # its last token is already on the way
+        return min(request.num_tokens_scheduled_ahead - request.num_computed_tokens, budget)
+
+    def _entry(self, request: Request, num_new: int, new_block_ids: list[int]) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        self.num_prefill_tokens += max(0, min(start + num_new, request.num_prefill_tokens) - start)
+        request.num_computed_tokens += num_new
+        samples = request.num_computed_tokens == request.num_tokens_scheduled_ahead
+        if samples:
+            request.num_pending += 1
+        return ScheduledRequest(request.request_id, num_new, start, new_block_ids, samples)
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        p = request.params
+        stop_ids = sorted(request.stop_ids) if p.min_tokens > 0 else []
+        return NewRequestData(request.request_id, request.all_token_ids, request.num_prompt_tokens, p,
+                              request.seed, list(request.block_ids), stop_ids)
+
+    def _pick_victim(self, protected: set[str]) -> Optional[Request]:
+        """The most recently admitted running request that is not yet in this step's batch."""
+        for request in reversed(self.running):
+            if request.request_id not in protected:
+                return request
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._freed_ids.append(request.request_id)
+        self.kv.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- results --------------------------------------------------------------------------
+    def take_sampled_token(self, request_id: str) -> Optional[Request]:
+        """Account for one sampled token arriving for request_id; the request, if still live."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None  # finished or aborted while its step was in flight
+        request.num_pending -= 1
+        return request

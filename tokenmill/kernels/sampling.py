@@ -1,0 +1,137 @@
+"""Sampling ops over a batch of logits [B, V] (float32), each row reading its request's parameters.
+
+The noise of Gumbel-max sampling is a stateless hash of (request seed, position, token id), so a
+seeded request samples the same tokens whatever else is in the batch, and no softmax over the
+vocabulary is ever materialised for sampling: the sample is argmax(logits / T + gumbel).
+
+The hash works on 32-bit unsigned words. The torch reference emulates them in int64 with
+multipliers below 2**31, so every product fits and both implementations agree bit for bit.
+"""
+
+
+from typing import Optional
+
+import torch
+
+from tokenmill.kernels._dispatch import use_triton
+
+MASK32 = 0xFFFFFFFF
+MUL_A = 0x7FEB352D
+MUL_B = 0x2C1B3C6D
+GOLDEN = 0x9E3779B1
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche mix (xorshift-multiply rounds), on int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = (x * MUL_A) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * MUL_B) & MASK32
+    return x ^ (x >> 16)
+
+
+def row_keys_ref(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per (seed, position): int64 tensors in, int64 (uint32 values) out."""
+    seeds = seeds.long()
+    lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
+    key = _mix32(lo ^ _mix32(hi))
+    return _mix32(key ^ (positions.long() & MASK32))
+
+
+def gumbel_noise_ref(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] float32 Gumbel(0, 1) noise from (seed, position, token id)."""
+    keys = row_keys_ref(seeds, positions)[:, None]
+    tokens = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)[None, :]
+    bits = _mix32(keys ^ ((tokens * GOLDEN) & MASK32))
+    u = (bits >> 8).float() * (1.0 / (1 << 24)) + (0.5 / (1 << 24))  # in (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+def apply_penalties_ref(logits, output_counts, prompt_mask, repetition, frequency, presence) -> None:
+    """In place. repetition applies to tokens seen in prompt or output (HF's rule: divide positive
+    logits, multiply negative ones); frequency and presence (OpenAI's) to output tokens only."""
+    seen_out = output_counts > 0
+    seen = seen_out | prompt_mask if prompt_mask is not None else seen_out
+    rep = repetition[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits.copy_(torch.where(seen, penalised, logits))
+    logits -= frequency[:, None] * output_counts.float() + presence[:, None] * seen_out.float()
+
+
+def apply_top_k_top_p_min_p_ref(logits, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
+                                min_p: Optional[torch.Tensor]) -> None:
+    """In place: -inf outside each row's allowed set. top_k 0 / top_p 1 / min_p 0 mean off."""
+    if min_p is not None:
+        threshold = logits.max(dim=-1, keepdim=True).values + torch.log(min_p.clamp(min=1e-30))[:, None]
+        logits.masked_fill_((logits < threshold) & (min_p[:, None] > 0), float("-inf"))
+    if top_k is None and top_p is None:
+        return
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+        drop |= torch.arange(vocab, device=logits.device)[None, :] >= k[:, None]
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+        # Keep the smallest prefix whose mass reaches top_p; top_p = 1 is off (rounding in the
+        # cumulative sum must not drop the tail).
+        drop |= (before >= top_p[:, None]) & (top_p[:, None] < 1)
+    logits.scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def gumbel_sample_ref(logits, temperature, seeds, positions, greedy_only: bool = False) -> torch.Tensor:
+    """Rows with temperature 0 take argmax(logits); others argmax(logits / T + gumbel)."""
+    greedy = logits.argmax(dim=-1)
+    if greedy_only:
+        return greedy
+    t = temperature.clamp(min=1e-6)[:, None]
+    noisy = logits / t + gumbel_noise_ref(seeds, positions, logits.shape[-1])
+    return torch.where(temperature == 0, greedy, noisy.argmax(dim=-1))
+
+
+def logprobs_ref(raw_logits, sampled, num_top: int):
+    """From unprocessed logits: the sampled token's logprob and rank, and the top-`num_top` pairs."""
+    lse = torch.logsumexp(raw_logits, dim=-1)
+    chosen = raw_logits.gather(1, sampled.long()[:, None])[:, 0]
+    rank = (raw_logits > chosen[:, None]).sum(dim=-1) + 1
+    top_vals, top_ids = raw_logits.topk(num_top, dim=-1) if num_top > 0 else (raw_logits[:, :0], sampled[:, None][:, :0])
+    return chosen - lse, rank, top_ids, top_vals - lse[:, None]
+
+
+def gumbel_sample(logits, temperature, seeds, positions, greedy_only: bool = False) -> torch.Tensor:
+    if use_triton(logits):
+        from tokenmill.kernels.sampling_triton import gumbel_sample_triton
+
+        return gumbel_sample_triton(logits, temperature, seeds, positions, greedy_only)
+    return gumbel_sample_ref(logits, temperature, seeds, positions, greedy_only)
+
+
+def apply_penalties(logits, output_counts, prompt_mask, repetition, frequency, presence) -> None:
+    if use_triton(logits):
+        from tokenmill.kernels.sampling_triton import apply_penalties_triton
+
+        apply_penalties_triton(logits, output_counts, prompt_mask, repetition, frequency, presence)
+    else:
+        apply_penalties_ref(logits, output_counts, prompt_mask, repetition, frequency, presence)
+
+
+def apply_top_k_top_p_min_p(logits, top_k, top_p, min_p) -> None:
+    if use_triton(logits):
+        from tokenmill.kernels.sampling_triton import apply_top_k_top_p_min_p_triton
+
+        apply_top_k_top_p_min_p_triton(logits, top_k, top_p, min_p)
+    else:
+        apply_top_k_top_p_min_p_ref(logits, top_k, top_p, min_p)
+
+
+def logprobs(raw_logits, sampled, num_top: int):
+    if use_triton(raw_logits):
+        from tokenmill.kernels.sampling_triton import logprobs_triton
+
+        return logprobs_triton(raw_logits, sampled, num_top)
+    return logprobs_ref(raw_logits, sampled, num_top)
+
+
+

@@ -1,0 +1,60 @@
+"""Messages between the engine and the runner. The engine builds SchedulerOutput; the runner answers
+with ModelRunnerOutput (through an AsyncOutput)."""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request entering the runner (first admission, or again after preemption)."""
+
+    req_id: str
+    token_ids: list[int]  # everything known: the prompt, plus earlier outputs when resumed
+    num_prompt_tokens: int  # the original prompt's length (penalties tell prompt from output)
+    params: SamplingParams
+    seed: int
+    block_ids: list[int]
+    # Token ids masked while fewer than min_tokens have been generated (EOS unless ignored + stop ids).
+    min_tokens_stop_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ScheduledRequest:
+    """One entry of a step's batch."""
+
+    req_id: str
+    num_tokens: int  # new tokens computed this step
+    start_pos: int  # tokens already in the KV cache (or computed by earlier in-flight steps)
+    new_block_ids: list[int]  # appended to the request's block table before this step
+    samples: bool  # this step reaches the end of the known tokens, so it samples the next one
+
+
+@dataclass
+class SchedulerOutput:
+    batch: list[ScheduledRequest]
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    freed_req_ids: list[str] = field(default_factory=list)  # rows to release before this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.batch)
+
+
+@dataclass
+class LogprobsArrays:
+    token_logprobs: np.ndarray  # [B] float32: the sampled token's logprob
+    token_ranks: np.ndarray  # [B] int64
+    top_ids: np.ndarray  # [B, k] int64
+    top_logprobs: np.ndarray  # [B, k] float32
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]  # batch order
+    sampled_token_ids: np.ndarray  # [B] int64; -1 where the entry did not sample
+    logprobs: Optional[LogprobsArrays] = None

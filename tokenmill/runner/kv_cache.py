@@ -1,0 +1,50 @@
+"""KV cache allocation: one tensor for all layers, viewed per layer, sized from memory or given."""
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_block // self.block_size
+
+
+def attention_layers(model: torch.nn.Module) -> list:
+    from tokenmill.layers.attention import Attention
+
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def allocate_kv_cache(model: torch.nn.Module, spec: KVCacheSpec, num_blocks: int, device) -> torch.Tensor:
+    """[layers, 2, blocks, block_size, kv_heads, head_dim], bound to each Attention layer."""
+    cache = torch.zeros((spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
+                        dtype=spec.dtype, device=device)
+    for i, layer in enumerate(attention_layers(model)):
+        layer.k_cache, layer.v_cache = cache[i, 0], cache[i, 1]
+    return cache
+
+
+def cuda_kv_budget_bytes(utilization: float, peak_activation_bytes: int, device) -> int:
+    """What the KV cache may take: the utilization share of the device, minus what is in use now
+    (weights, other processes) and minus the activation peak the profiling run measured."""
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = total - free
+    return int(total * utilization - in_use - peak_activation_bytes)

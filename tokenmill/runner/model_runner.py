@@ -1,0 +1,169 @@
+"""The model runner: execute_model(scheduler_output) runs the forward pass; sample_tokens() samples,
+updates request state on the device and returns an AsyncOutput.
+
+Only what every model needs lives here; request state, input buffers, the sampler, KV-cache
+allocation and CUDA graphs each have their own module.
+"""
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.kernels.input_prep import post_update
+from tokenmill.layers.forward_context import AttentionMetadata, forward_context
+from tokenmill.logger import init_logger
+from tokenmill.runner.async_output import AsyncOutput
+from tokenmill.runner.batch import SchedulerOutput
+from tokenmill.runner.input_buffers import InputBuffers, StepDescriptor
+from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_cache, cuda_kv_budget_bytes
+from tokenmill.runner.request_states import RequestStates
+from tokenmill.runner.sampler import BatchSamplingPlan, Sampler
+
+logger = init_logger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, max_model_len: int,
+                 device: torch.device, dtype: torch.dtype):
+        self.model = model
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        arch = model.config
+        self.vocab_size = arch.vocab_size
+        attn = model.model.layers[0].self_attn.attn
+        self.kv_spec = KVCacheSpec(arch.num_layers, attn.num_kv_heads, attn.head_dim, config.block_size, dtype)
+        self.max_num_tokens = config.max_num_batched_tokens
+        self.states = RequestStates(config.max_num_seqs, max_model_len, config.block_size, self.vocab_size, device)
+        max_blocks = -(-max_model_len // config.block_size)
+        self.buffers = InputBuffers(self.max_num_tokens, config.max_num_seqs, max_blocks, device)
+        self.sampler = Sampler(self.states)
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.kv_cache: Optional[torch.Tensor] = None
+        self.graphs = None  # a CudaGraphManager once captured
+        self._step: Optional[StepDescriptor] = None
+        self._logits: Optional[torch.Tensor] = None
+        self._req_ids: list[str] = []
+
+    # ---- set-up ---------------------------------------------------------------------------
+    def initialize_kv_cache(self) -> int:
+        """Size and allocate the KV cache; returns the number of blocks."""
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            num_blocks = cfg.num_kv_blocks
+        elif self.device.type == "cuda":
+            num_blocks = self._blocks_from_cuda_memory()
+        else:
+            wanted = cfg.max_num_seqs * self.max_model_len * self.kv_spec.bytes_per_token
+            budget = cfg.kv_cache_memory_gb * 2**30 if cfg.kv_cache_memory_gb else min(wanted, 2**30)
+            num_blocks = int(budget // self.kv_spec.bytes_per_block)
+        if num_blocks < 1:
+            raise RuntimeError("no memory is left for the KV cache; lower max_num_batched_tokens or the model size")
+        self.kv_cache = allocate_kv_cache(self.model, self.kv_spec, num_blocks, self.device)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, cfg.block_size,
+                    num_blocks * self.kv_spec.bytes_per_block / 2**30)
+        return num_blocks
+
+    def _blocks_from_cuda_memory(self) -> int:
+        # A profiling run at the largest step shape measures the activation peak.
+        allocate_kv_cache(self.model, self.kv_spec, 1, self.device)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self.dummy_run(self.max_num_tokens, min(self.config.max_num_seqs, self.max_num_tokens), sample=True)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()
+        budget = cuda_kv_budget_bytes(self.config.gpu_memory_utilization, peak, self.device)
+        return int(budget // self.kv_spec.bytes_per_block)
+
+    def release(self, req_ids: list[str]) -> None:
+        """Free the rows of finished or preempted requests."""
+        for req_id in req_ids:
+            self.states.remove(req_id)
+
+    # ---- the step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> None:
+        states = self.states
+        self.release(out.freed_req_ids)
+        for new in out.new_requests:
+            states.add(new)
+        batch = out.batch
+        rows = np.fromiter((states.row_of[e.req_id] for e in batch), dtype=np.int64, count=len(batch))
+        for e, row in zip(batch, rows):
+            if e.new_block_ids:
+                states.append_blocks(int(row), e.new_block_ids)
+        states.apply_staged()
+        q_lens = np.fromiter((e.num_tokens for e in batch), dtype=np.int64, count=len(batch))
+        start = np.fromiter((e.start_pos for e in batch), dtype=np.int64, count=len(batch))
+        samples = np.fromiter((e.samples for e in batch), dtype=bool, count=len(batch))
+        num_tokens = int(q_lens.sum())
+        decode_only = bool((q_lens == 1).all())
+        graph = self.graphs.dispatch(len(batch)) if (self.graphs is not None and decode_only) else None
+        padded = graph.batch_size if graph is not None else len(batch)
+        step = StepDescriptor(len(batch), num_tokens, padded, num_tokens + padded - len(batch),
+                              int(q_lens.max()), int((start + q_lens).max()), rows, samples)
+        self.buffers.upload(rows, q_lens, start, samples, padded)
+        self.buffers.prepare(step, states)
+        if graph is not None:
+            hidden = graph.replay()
+        else:
+            hidden = self._forward(step)
+        self._logits = self.model.compute_logits(hidden[self.buffers.logits_indices[: len(batch)]])
+        self._step = step
+        self._req_ids = [e.req_id for e in batch]
+
+    def _forward(self, step: StepDescriptor) -> torch.Tensor:
+        t = step.padded_tokens
+        with forward_context(self.buffers.attention_metadata(step)):
+            return self.model(self.buffers.input_ids[:t], self.buffers.positions[:t])
+
+    @torch.inference_mode()
+    def sample_tokens(self) -> AsyncOutput:
+        step, logits = self._step, self._logits
+        if step is None:
+            raise RuntimeError("sample_tokens() needs an execute_model() first")
+        b = step.num_reqs
+        plan = BatchSamplingPlan.for_rows(self.states, step.rows)
+        idx = self.buffers.idx_mapping[:b]
+        out = self.sampler(logits, idx, self.buffers.seq_lens[:b], plan)
+        post_update(idx, out.sampled, self.buffers.sample_mask[:b], b, self.states.last_sampled,
+                    self.states.output_counts if plan.any_penalty else None)
+        lp = None
+        if out.token_logprobs is not None:
+            lp = (out.token_logprobs, out.token_ranks, out.top_ids, out.top_logprobs)
+        self._step = self._logits = None
+        return AsyncOutput(self._req_ids, out.sampled, step.sample_mask, lp, self.copy_stream)
+
+    # ---- dummy runs (profiling, warm-up): never touch request state ------------------------
+    @torch.inference_mode()
+    def dummy_run(self, num_tokens: int, num_reqs: int = 1, sample: bool = False) -> torch.Tensor:
+        """A forward pass over `num_tokens` tokens split across `num_reqs` fake requests, which
+        attend only to cache block 0 and write no K/V."""
+        num_reqs = max(1, min(num_reqs, num_tokens))
+        q_lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
+        q_lens[: num_tokens % num_reqs] += 1
+        buf = self.buffers
+        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        buf.input_ids[:num_tokens].zero_()
+        buf.positions[:num_tokens].copy_(torch.from_numpy(np.concatenate([np.arange(n) for n in q_lens])))
+        buf.slot_mapping[:num_tokens].fill_(-1)
+        buf.query_start_loc[: num_reqs + 1].copy_(torch.from_numpy(qsl))
+        buf.seq_lens[:num_reqs].copy_(torch.from_numpy(q_lens))
+        buf.block_tables[:num_reqs].zero_()
+        buf.logits_indices[:num_reqs].copy_(torch.from_numpy(qsl[1:] - 1))
+        meta = AttentionMetadata(buf.query_start_loc[: num_reqs + 1], buf.seq_lens[:num_reqs],
+                                 buf.block_tables[:num_reqs], buf.slot_mapping[:num_tokens],
+                                 int(q_lens.max()), int(q_lens.max()))
+        with forward_context(meta):
+            hidden = self.model(buf.input_ids[:num_tokens], buf.positions[:num_tokens])
+        logits = self.model.compute_logits(hidden[buf.logits_indices[:num_reqs]])
+        if sample:  # the sampler's worst case: every stage on, over the whole vocabulary
+            torch.topk(logits, 20, dim=-1)
+            logits.sort(dim=-1)
+        return hidden

@@ -1,0 +1,113 @@
+"""SamplingParams: how to pick each next token and when to stop. Validated on construction.
+
+Shared by the engine (stopping, detokenizing) and the runner (the sampler), so it lives below both.
+"""
+
+from dataclasses import dataclass, field, fields
+from typing import Optional, Union
+
+from tokenmill.errors import InvalidRequestError
+
+# Bounds that keep per-request device tables small.
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
+MAX_STOP_TOKEN_IDS = 32
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 (or -1) means all tokens
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    stop: Union[None, str, list[str]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: Optional[dict[int, float]] = None
+    logprobs: Optional[int] = None  # number of top alternatives to return beside the sampled token
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise InvalidRequestError("logit_bias must map token ids to numbers") from None
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(msg: str) -> None:
+            raise InvalidRequestError(msg)
+
+        def is_int(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            bad(f"n must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            bad(f"temperature must be >= 0, got {self.temperature!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            bad(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not is_int(self.seed):
+            bad(f"seed must be an integer, got {self.seed!r}")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            bad(f"max_tokens must be at least 1, got {self.max_tokens!r}")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            bad(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            bad("stop must be a non-empty string or a list of non-empty strings")
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids must be non-negative integers")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are supported")
+        if not isinstance(self.repetition_penalty, (int, float)) or self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+                bad(f"{name} must be in [-2, 2], got {value!r}")
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                bad(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries")
+            if any(t < 0 for t in self.logit_bias) or any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+                bad("logit_bias keys must be token ids >= 0 and values in [-100, 100]")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SamplingParams":
+        """Build from a mapping, refusing unknown fields by name."""
+        known = {f.name for f in fields(cls) if f.init}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        return cls(**values)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids named by the parameters must exist in the model's vocabulary."""
+        for t in list(self.stop_token_ids) + list(self.logit_bias or {}):
+            if t >= vocab_size:
+                raise InvalidRequestError(f"token id {t} is outside the vocabulary (size {vocab_size})")
