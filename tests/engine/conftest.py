@@ -21,7 +21,7 @@ NEW_TOKENS = 48
 
 
 def make_llm(loaded, **overrides) -> LLM:
-    """An LLM over an already loaded model (binding the KV cache to it: use one engine at a time)."""
+    """An LLM over an already loaded model (engines share the weights; each owns its KV cache)."""
     defaults = dict(num_kv_blocks=256, max_num_seqs=16, max_num_batched_tokens=2048)
     config = EngineConfig(**{**defaults, **overrides})
     return LLM.from_engine(LLMEngine(config=config, loaded=loaded))

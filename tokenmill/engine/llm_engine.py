@@ -12,6 +12,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional, Union
 
+import numpy as np
+
 from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.output_processor import OutputProcessor
@@ -30,6 +32,14 @@ logger = init_logger(__name__)
 
 PromptType = Union[str, list[int]]
 _SEED_MASK = (1 << 63) - 1
+
+
+@dataclass
+class StepShape:
+    """What one step computed, for roofline accounting: per batch entry, new tokens and context length."""
+
+    query_lens: np.ndarray
+    seq_lens: np.ndarray
 
 
 @dataclass
@@ -64,6 +74,7 @@ class LLMEngine:
         self._rng = random.Random(self.config.seed)
         self._ids = itertools.count()
         self.generation_tokens = 0
+        self.step_log: Optional[list[StepShape]] = None  # set to [] to record every step's shape
 
     @property
     def model_name(self) -> str:
@@ -149,6 +160,10 @@ class LLMEngine:
         if self.scheduler.has_unfinished:
             sched = self.scheduler.schedule()
             if sched.batch:
+                if self.step_log is not None:
+                    q = np.fromiter((e.num_tokens for e in sched.batch), np.int64, len(sched.batch))
+                    start = np.fromiter((e.start_pos for e in sched.batch), np.int64, len(sched.batch))
+                    self.step_log.append(StepShape(q, start + q))
                 self.runner.execute_model(sched)
                 self._inflight.append((sched, self.runner.sample_tokens()))
                 launched = True

@@ -1,12 +1,13 @@
-"""Per-step attention metadata, set by the runner around each forward pass.
+"""Per-step attention metadata and the KV cache, set by the runner around each forward pass.
 
-The model's Attention layers read it instead of taking it as an argument, so model code stays the
-same for eager runs, CUDA graph capture and dummy runs.
+The model's Attention layers read them instead of taking them as arguments, so model code stays the
+same for eager runs, CUDA graph capture and dummy runs, and a model holds no reference to any cache
+(several runners, e.g. in tests, can share one loaded model).
 """
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -22,18 +23,27 @@ class AttentionMetadata:
     num_splits: Optional[int] = None  # split-KV factor for decode, fixed per captured graph
 
 
-_current: Optional[AttentionMetadata] = None
+@dataclass
+class ForwardContext:
+    metadata: AttentionMetadata
+    # Per layer: (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+_current: Optional[ForwardContext] = None
 
 
 @contextmanager
-def forward_context(metadata: Optional[AttentionMetadata]):
+def forward_context(metadata: AttentionMetadata, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]):
     global _current
-    previous, _current = _current, metadata
+    previous, _current = _current, ForwardContext(metadata, kv_caches)
     try:
         yield
     finally:
         _current = previous
 
 
-def get_attention_metadata() -> Optional[AttentionMetadata]:
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("attention needs a KV cache and step metadata (run the model through the runner)")
     return _current

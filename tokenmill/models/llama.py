@@ -20,7 +20,7 @@ from tokenmill.models.config import ModelArchConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, dtype, device):
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, layer_idx: int, dtype, device):
         super().__init__()
         tp = get_tp_size()
         self.head_dim = cfg.head_dim
@@ -37,7 +37,8 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, scale=cfg.head_dim ** -0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, scale=cfg.head_dim ** -0.5,
+                              layer_idx=layer_idx)
         divide(cfg.num_heads, tp)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -67,10 +68,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, dtype, device):
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, layer_idx: int, dtype, device):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.self_attn = LlamaAttention(cfg, rotary, dtype, device)
+        self.self_attn = LlamaAttention(cfg, rotary, layer_idx, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.mlp = LlamaMLP(cfg, dtype, device)
 
@@ -95,7 +96,7 @@ class LlamaModel(nn.Module):
                                  r.original_max_position, r.freq_factors)
         # One table shared by all layers.
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, inv_freq, device=device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, dtype, device) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, i, dtype, device) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

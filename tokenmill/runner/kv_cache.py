@@ -27,19 +27,11 @@ class KVCacheSpec:
         return self.bytes_per_block // self.block_size
 
 
-def attention_layers(model: torch.nn.Module) -> list:
-    from tokenmill.layers.attention import Attention
-
-    return [m for m in model.modules() if isinstance(m, Attention)]
-
-
-def allocate_kv_cache(model: torch.nn.Module, spec: KVCacheSpec, num_blocks: int, device) -> torch.Tensor:
-    """[layers, 2, blocks, block_size, kv_heads, head_dim], bound to each Attention layer."""
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One [layers, 2, blocks, block_size, kv_heads, head_dim] tensor, as (k, v) views per layer."""
     cache = torch.zeros((spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
                         dtype=spec.dtype, device=device)
-    for i, layer in enumerate(attention_layers(model)):
-        layer.k_cache, layer.v_cache = cache[i, 0], cache[i, 1]
-    return cache
+    return [(cache[i, 0], cache[i, 1]) for i in range(spec.num_layers)]
 
 
 def cuda_kv_budget_bytes(utilization: float, peak_activation_bytes: int, device) -> int:

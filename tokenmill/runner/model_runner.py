@@ -42,7 +42,7 @@ class ModelRunner:
         self.buffers = InputBuffers(self.max_num_tokens, config.max_num_seqs, max_blocks, device)
         self.sampler = Sampler(self.states)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.kv_cache: Optional[torch.Tensor] = None
+        self.kv_caches: list = []  # per layer (k_cache, v_cache)
         self.graphs = None  # a CudaGraphManager once captured
         self._step: Optional[StepDescriptor] = None
         self._logits: Optional[torch.Tensor] = None
@@ -62,14 +62,14 @@ class ModelRunner:
             num_blocks = int(budget // self.kv_spec.bytes_per_block)
         if num_blocks < 1:
             raise RuntimeError("no memory is left for the KV cache; lower max_num_batched_tokens or the model size")
-        self.kv_cache = allocate_kv_cache(self.model, self.kv_spec, num_blocks, self.device)
+        self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, cfg.block_size,
                     num_blocks * self.kv_spec.bytes_per_block / 2**30)
         return num_blocks
 
     def _blocks_from_cuda_memory(self) -> int:
         # A profiling run at the largest step shape measures the activation peak.
-        allocate_kv_cache(self.model, self.kv_spec, 1, self.device)
+        self.kv_caches = allocate_kv_cache(self.kv_spec, 1, self.device)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -119,7 +119,7 @@ class ModelRunner:
 
     def _forward(self, step: StepDescriptor) -> torch.Tensor:
         t = step.padded_tokens
-        with forward_context(self.buffers.attention_metadata(step)):
+        with forward_context(self.buffers.attention_metadata(step), self.kv_caches):
             return self.model(self.buffers.input_ids[:t], self.buffers.positions[:t])
 
     @torch.inference_mode()
@@ -160,7 +160,7 @@ class ModelRunner:
         meta = AttentionMetadata(buf.query_start_loc[: num_reqs + 1], buf.seq_lens[:num_reqs],
                                  buf.block_tables[:num_reqs], buf.slot_mapping[:num_tokens],
                                  int(q_lens.max()), int(q_lens.max()))
-        with forward_context(meta):
+        with forward_context(meta, self.kv_caches):
             hidden = self.model(buf.input_ids[:num_tokens], buf.positions[:num_tokens])
         logits = self.model.compute_logits(hidden[buf.logits_indices[:num_reqs]])
         if sample:  # the sampler's worst case: every stage on, over the whole vocabulary

@@ -1,0 +1,80 @@
+"""Invalid requests are refused with a clear error; the engine keeps serving the others."""
+
+import pytest
+
+from tests.engine.conftest import assert_no_leaks, make_llm
+from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(smollm):
+    return make_llm(smollm, num_kv_blocks=64, max_model_len=512)
+
+
+BAD_PARAMS = [
+    (dict(max_tokens=0), "max_tokens must be at least 1"),
+    (dict(max_tokens=-3), "max_tokens must be at least 1"),
+    (dict(top_p=0.0), "top_p must be in"),
+    (dict(top_p=1.5), "top_p must be in"),
+    (dict(temperature=-0.1), "temperature must be >= 0"),
+    (dict(n=0), "n must be an integer >= 1"),
+    (dict(logprobs=100), "logprobs must be an integer"),
+    (dict(min_tokens=10, max_tokens=5), "min_tokens"),
+    (dict(presence_penalty=5.0), "presence_penalty must be in"),
+    (dict(stop=[""]), "stop must be a non-empty string"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD_PARAMS, ids=[str(k) for k, _ in BAD_PARAMS])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_field():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'temprature'"):
+        SamplingParams(temprature=0.5)
+    with pytest.raises(InvalidRequestError, match="unknown sampling parameter.*temprature"):
+        SamplingParams.from_dict({"temprature": 0.5, "max_tokens": 3})
+
+
+def test_bad_requests_leave_the_engine_serving(llm):
+    engine = llm.engine
+    good = engine.add_request("Hello there", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    cases = [
+        ("", SamplingParams(), "the prompt is empty"),
+        ([], SamplingParams(), "the prompt is empty"),
+        ("word " * 600, SamplingParams(), "context length is 512"),
+        ("hi", SamplingParams(max_tokens=600), "exceeds the context length of 512"),
+        ([1, 2, 10**7], SamplingParams(), "outside the vocabulary"),
+        ("hi", SamplingParams(logit_bias={10**7: 1.0}), "outside the vocabulary"),
+        ("hi", {"temperature": 0}, "must be SamplingParams"),
+        (3.14, SamplingParams(), "string or a list of token ids"),
+    ]
+    outputs = {}
+    for prompt, params, message in cases:
+        with pytest.raises(InvalidRequestError, match=message):
+            engine.add_request(prompt, params)
+        for o in engine.step():  # the good request keeps going between the failures
+            outputs[o.request_id] = o
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outputs[o.request_id] = o
+    assert outputs[good].finished and len(outputs[good].outputs[0].token_ids) == 6
+    assert_no_leaks(llm)
+
+
+def test_request_needing_more_blocks_than_the_cache(smollm):
+    llm = make_llm(smollm, num_kv_blocks=4, max_model_len=512)
+    with pytest.raises(InvalidRequestError, match="needs 5 KV-cache blocks but the cache has only 4"):
+        llm.generate(["hi"], SamplingParams(max_tokens=70))
+    assert_no_leaks(llm)
+
+
+def test_generate_validates_all_prompts_before_queueing(llm):
+    with pytest.raises(InvalidRequestError, match="the prompt is empty"):
+        llm.generate(["fine", ""], SamplingParams(max_tokens=2))
+    assert_no_leaks(llm)
+    out = llm.generate(["fine"], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
