@@ -5,16 +5,15 @@ import torch
 from tokenmill.layers.forward_context import AttentionMetadata, forward_context
 
 
-def bind_scratch_kv_cache(model, num_blocks: int, block_size: int = 16):
-    cfg = model.config
+def scratch_kv_caches(model, num_blocks: int, block_size: int = 16):
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
+    caches = []
     for layer in model.model.layers:
         attn = layer.self_attn.attn
         shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-        attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-    return cfg
+        caches.append((torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)))
+    return caches
 
 
 @torch.no_grad()
@@ -22,7 +21,7 @@ def full_logits(model, sequences: list[list[int]], block_size: int = 16) -> list
     """Logits [len, vocab] at every position of each sequence, all sequences in one prefill batch."""
     device = next(model.parameters()).device
     blocks_per_seq = [-(-len(s) // block_size) for s in sequences]
-    bind_scratch_kv_cache(model, sum(blocks_per_seq) + 1, block_size)
+    caches = scratch_kv_caches(model, sum(blocks_per_seq) + 1, block_size)
     max_blocks = max(blocks_per_seq)
     tables = torch.zeros(len(sequences), max_blocks, dtype=torch.int32)
     next_block, slots, positions, ids, qsl = 1, [], [], [], [0]
@@ -43,7 +42,7 @@ def full_logits(model, sequences: list[list[int]], block_size: int = 16) -> list
         max_query_len=max(len(s) for s in sequences),
         max_seq_len=max(len(s) for s in sequences),
     )
-    with forward_context(meta):
+    with forward_context(meta, caches):
         hidden = model(torch.tensor(ids, device=device), torch.tensor(positions, device=device))
         logits = model.compute_logits(hidden)
     return list(logits.split([len(s) for s in sequences]))
