@@ -66,6 +66,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded.model, self.config, self.max_model_len, self.loaded.device,
                                   self.loaded.dtype)
         num_blocks = self.runner.initialize_kv_cache()
+        self.runner.warm_up()
+        self.runner.capture_cuda_graphs()
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerLimits(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                                    self.max_model_len), self.kv)
@@ -153,9 +155,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished or bool(self._inflight)
 
     # ---- the loop -------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, emit_unfinished: bool = True) -> list[RequestOutput]:
         """Schedule and launch one step; process the results that are due. Returns outputs of the
-        requests that changed (finished ones with finished=True, and then forgotten)."""
+        requests that changed (finished ones with finished=True, and then forgotten); with
+        emit_unfinished=False only the finished ones (offline use: no per-step output building)."""
         launched = False
         if self.scheduler.has_unfinished:
             sched = self.scheduler.schedule()
@@ -173,14 +176,14 @@ class LLMEngine:
         keep = 1 if (self.config.async_scheduling and launched) else 0
         while len(self._inflight) > keep:
             sched, pending = self._inflight.popleft()
-            results.extend(self._process(sched, pending.get()))
+            results.extend(self._process(sched, pending.get(), emit_unfinished))
         if not launched and not results and self.scheduler.has_unfinished and not self._inflight:
             raise RuntimeError("the scheduler could not schedule any request (this is a bug)")
         if not self.scheduler.has_unfinished:  # idle: release the rows of what just finished
             self.runner.release(self.scheduler.take_freed_ids())
         return results
 
-    def _process(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestOutput]:
+    def _process(self, sched: SchedulerOutput, out: ModelRunnerOutput, emit_unfinished: bool) -> list[RequestOutput]:
         changed: dict[str, None] = {}
         tokens = out.sampled_token_ids
         for i in range(len(out.req_ids)):
@@ -199,6 +202,8 @@ class LLMEngine:
             changed[request.parent_id] = None
         results = []
         for user_id in changed:
+            if not emit_unfinished and not self.outputs.states[user_id].finished:
+                continue
             output = self.outputs.make_output(user_id)
             results.append(output)
             if output.finished:

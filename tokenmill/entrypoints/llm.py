@@ -95,7 +95,7 @@ class LLM:
         started, prompt0, gen0 = time.perf_counter(), engine.scheduler.num_prefill_tokens, engine.generation_tokens
         try:
             while len(finished) < len(ids):
-                for out in engine.step():
+                for out in engine.step(emit_unfinished=False):
                     if out.finished and out.request_id in wanted:
                         finished[out.request_id] = out
                         bar.update(1)

@@ -67,6 +67,25 @@ class ModelRunner:
                     num_blocks * self.kv_spec.bytes_per_block / 2**30)
         return num_blocks
 
+    def capture_cuda_graphs(self) -> None:
+        """Capture decode graphs (CUDA only, after the KV cache exists; skipped with enforce_eager)."""
+        from tokenmill.runner.cuda_graphs import CudaGraphManager, default_capture_sizes
+
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        largest = min(self.config.max_num_seqs, self.config.cuda_graph_max_batch, self.max_num_tokens)
+        manager = CudaGraphManager(self.model, self.buffers, self.kv_caches, default_capture_sizes(largest))
+        manager.capture()
+        self.graphs = manager
+
+    def warm_up(self) -> None:
+        """Compile the kernels of common step shapes before the first request (CUDA only)."""
+        if self.device.type != "cuda":
+            return
+        for num_tokens, num_reqs in ((self.max_num_tokens, 4), (257, 3), (64, 64), (1, 1)):
+            self.dummy_run(min(num_tokens, self.max_num_tokens), num_reqs)
+        torch.cuda.synchronize(self.device)
+
     def _blocks_from_cuda_memory(self) -> int:
         # A profiling run at the largest step shape measures the activation peak.
         self.kv_caches = allocate_kv_cache(self.kv_spec, 1, self.device)
@@ -110,10 +129,10 @@ class ModelRunner:
         self.buffers.upload(rows, q_lens, start, samples, padded)
         self.buffers.prepare(step, states)
         if graph is not None:
-            hidden = graph.replay()
+            self._logits = graph.replay()[: len(batch)]  # decode: one logits row per request
         else:
             hidden = self._forward(step)
-        self._logits = self.model.compute_logits(hidden[self.buffers.logits_indices[: len(batch)]])
+            self._logits = self.model.compute_logits(hidden[self.buffers.logits_indices[: len(batch)]])
         self._step = step
         self._req_ids = [e.req_id for e in batch]
 
@@ -144,7 +163,9 @@ class ModelRunner:
     def dummy_run(self, num_tokens: int, num_reqs: int = 1, sample: bool = False) -> torch.Tensor:
         """A forward pass over `num_tokens` tokens split across `num_reqs` fake requests, which
         attend only to cache block 0 and write no K/V."""
-        num_reqs = max(1, min(num_reqs, num_tokens))
+        # Within the buffers: at most max_num_seqs requests, none longer than max_model_len.
+        num_reqs = max(1, min(num_reqs, num_tokens, self.config.max_num_seqs),
+                       -(-num_tokens // self.max_model_len))
         q_lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
         q_lens[: num_tokens % num_reqs] += 1
         buf = self.buffers
