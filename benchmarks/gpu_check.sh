@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# tokenmill on the GPU in one call: GPU tests, kernel micro-benchmark, standard benchmarks.
+#
+#   OUT=/some/dir PHASES="tests kernels small latency" bash benchmarks/gpu_check.sh
+#
+# Phases (run in the order given; each is guarded, so one failure does not stop the rest):
+#   tests     pytest -m gpu tests/kernels tests/gpu            -> $OUT/gpu_tests.xml
+#   kernels   benchmarks/kernel_bench.py --quick                -> $OUT/kernel_bench.json
+#   small     offline-small throughput, defaults, $REPEAT runs (default 3)
+#   eager     offline-small throughput, --enforce-eager, 1 run
+#   noasync   offline-small throughput, --no-async-scheduling, 1 run
+#   latency   latency-8b (batch-1 decode), $LAT_REPEAT runs (default 5)
+#   8b        offline-8b throughput, $REPEAT runs
+#   prefill   prefill-8b throughput, $REPEAT runs
+#   serve     serve-8b through `tokenmill serve` (launched here), Poisson at $SERVE_RATE req/s (default 8)
+#   compare   offline-small throughput, 1 run, then transformers continuous batching on the same requests
+# Default PHASES: "tests kernels small eager noasync latency". A device call is limited to 10 minutes:
+# run the long phases in calls of their own (e.g. PHASES=compare; PHASES="8b prefill"; PHASES=serve).
+#
+# What comes back under $OUT (at most 6 files, no folders): gpu_tests.xml, kernel_bench.json,
+# bench.json (every benchmark result of this call, merged; rewritten after each phase), bench.png (one
+# combined figure), summary.txt (the summary table) and gpu_check.log (everything, tee'd).
+# Scratch results go to a fresh temporary directory outside $OUT.
+#
+# Environment: OUT, PHASES, REPEAT, LAT_REPEAT, SERVE_RATE, PYTHON (default python3), BUDGET_S (seconds
+# this script may take in all, default 585: each phase gets what is left, minus a margin for the final
+# merge, and is interrupted with SIGINT when it runs out), BENCH_ARGS (extra flags for every bench).
+
+set -o pipefail
+cd "$(dirname "$0")/.." || exit 1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+
+OUT=${OUT:-$PWD/gpu-check-out}
+PHASES=${PHASES:-"tests kernels small eager noasync latency"}
+REPEAT=${REPEAT:-3}
+LAT_REPEAT=${LAT_REPEAT:-5}
+SERVE_RATE=${SERVE_RATE:-8}
+PY=${PYTHON:-python3}
+BUDGET_S=${BUDGET_S:-585}
+BENCH_ARGS=${BENCH_ARGS:-}
+MARGIN_S=25
+
+mkdir -p "$OUT"
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/tokenmill-gpu-check.XXXXXX")
+RES="$WORK/results"
+mkdir -p "$RES"
+LOG="$OUT/gpu_check.log"
+START=$(date +%s)
+STATUS=()
+
+log() { echo "$*" | tee -a "$LOG"; }
+
+remaining() { echo $(( START + BUDGET_S - MARGIN_S - $(date +%s) )); }
+
+# run_phase NAME CMD...: time-limited, tee'd, guarded.
+run_phase() {
+    local name=$1; shift
+    local left; left=$(remaining)
+    if [ "$left" -lt 30 ]; then
+        log "=== phase $name: SKIPPED (only ${left}s of the ${BUDGET_S}s budget left)"
+        STATUS+=("$name: SKIPPED (no time left)")
+        return
+    fi
+    log "=== phase $name ($(date -u +%H:%M:%S), ${left}s left): $*"
+    local t0; t0=$(date +%s)
+    timeout --signal=INT --kill-after=20 "$left" "$@" 2>&1 | tee -a "$LOG"
+    local rc=$?
+    local dt=$(( $(date +%s) - t0 ))
+    if [ $rc -eq 0 ]; then
+        STATUS+=("$name: ok (${dt}s)")
+    elif [ $rc -eq 124 ]; then
+        STATUS+=("$name: FAILED (timed out after ${dt}s)"); log "FAILED phase $name (timed out)"
+    else
+        STATUS+=("$name: FAILED (exit $rc, ${dt}s)"); log "FAILED phase $name (exit $rc)"
+    fi
+    merge_results ""
+}
+
+merge_results() {  # merge_results [--png]: rewrite $OUT/bench.json (and summary.txt) from the results so far
+    compgen -G "$RES/*.json" > /dev/null || return 0
+    local png_args=()
+    [ -n "$1" ] && png_args=(--png "$OUT/bench.png")
+    "$PY" -m tokenmill.bench.report merge "$OUT/bench.json" "$RES"/*.json "${png_args[@]}" > "$OUT/summary.txt" 2>>"$LOG" \
+        || log "(merging the results failed)"
+}
+
+BENCH=("$PY" -m tokenmill.entrypoints.cli bench)
+# shellcheck disable=SC2206
+EXTRA=($BENCH_ARGS)
+
+log "tokenmill gpu_check: phases [$PHASES], out $OUT, scratch $WORK, budget ${BUDGET_S}s, $(date -u +%FT%TZ)"
+log "git: $(git rev-parse HEAD 2>/dev/null)$(git status --porcelain --untracked-files=no 2>/dev/null | grep -q . && echo ' (+local changes)')"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader 2>&1 | tee -a "$LOG"
+"$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" 2>&1 | tee -a "$LOG"
+
+for phase in $PHASES; do
+    case "$phase" in
+        tests)
+            dirs=()
+            for d in tests/kernels tests/gpu; do [ -d "$d" ] && dirs+=("$d"); done
+            run_phase tests "$PY" -m pytest -q -m gpu "${dirs[@]}" --junitxml "$OUT/gpu_tests.xml" -p no:cacheprovider ;;
+        kernels)
+            run_phase kernels "$PY" benchmarks/kernel_bench.py --quick --out "$OUT/kernel_bench.json" ;;
+        small)
+            run_phase small "${BENCH[@]}" throughput --workload offline-small --repeat "$REPEAT" --tag default \
+                --out "$RES" "${EXTRA[@]}" ;;
+        eager)
+            run_phase eager "${BENCH[@]}" throughput --workload offline-small --repeat 1 --enforce-eager --tag eager \
+                --out "$RES" "${EXTRA[@]}" ;;
+        noasync)
+            run_phase noasync "${BENCH[@]}" throughput --workload offline-small --repeat 1 --no-async-scheduling \
+                --tag no-async --out "$RES" "${EXTRA[@]}" ;;
+        latency)
+            run_phase latency "${BENCH[@]}" latency --workload latency-8b --repeat "$LAT_REPEAT" --out "$RES" "${EXTRA[@]}" ;;
+        8b)
+            run_phase 8b "${BENCH[@]}" throughput --workload offline-8b --repeat "$REPEAT" --out "$RES" "${EXTRA[@]}" ;;
+        prefill)
+            run_phase prefill "${BENCH[@]}" throughput --workload prefill-8b --repeat "$REPEAT" --out "$RES" "${EXTRA[@]}" ;;
+        serve)
+            run_phase serve "${BENCH[@]}" serve --workload serve-8b --launch --request-rate "$SERVE_RATE" \
+                --out "$RES" "${EXTRA[@]}" ;;
+        compare)
+            run_phase compare "${BENCH[@]}" throughput --workload offline-small --repeat 1 --compare transformers \
+                --tag compare --out "$RES" "${EXTRA[@]}" ;;
+        *)
+            log "unknown phase '$phase' (tests kernels small eager noasync latency 8b prefill serve compare)"
+            STATUS+=("$phase: unknown") ;;
+    esac
+done
+
+merge_results --png
+log ""
+log "=== summary ($(( $(date +%s) - START ))s in all)"
+for s in "${STATUS[@]}"; do log "  $s"; done
+[ -s "$OUT/summary.txt" ] && cat "$OUT/summary.txt" | tee -a "$LOG"
+rm -rf "$WORK"
+case "${STATUS[*]}" in *FAILED*) exit 1 ;; esac
+exit 0

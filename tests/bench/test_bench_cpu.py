@@ -1,0 +1,243 @@
+"""CPU tests of `tokenmill bench`: workloads, the roofline floor, and each command end to end on tiny shapes."""
+
+import asyncio
+import json
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from tokenmill.bench.roofline import Ceilings, attention_context_sum, run_roofline, step_floor, step_kind
+from tokenmill.bench.workloads import WORKLOADS, generate_requests, get_workload, parse_range, summarize
+from tokenmill.engine.llm_engine import StepShape
+from tokenmill.entrypoints.cli import main
+from tokenmill.models.config import ModelArchConfig
+
+
+# ---- workloads ----------------------------------------------------------------------------------
+
+def test_standard_workload_totals():
+    small = summarize(generate_requests(get_workload("offline-small")))
+    assert small == {"num_requests": 256, "prompt_tokens": 142_827, "output_tokens": 133_966}
+    big = summarize(generate_requests(get_workload("offline-8b")))
+    assert big == {"num_requests": 128, "prompt_tokens": 71_296, "output_tokens": 37_032}
+
+
+def test_generator_is_the_nano_vllm_one():
+    """Same sequence as the nano-vllm README snippet on Python's global generator."""
+    state = random.getstate()
+    try:
+        random.seed(0)
+        prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+        outs = [random.randint(100, 1024) for _ in range(256)]
+    finally:
+        random.setstate(state)
+    reqs = generate_requests(get_workload("offline-small"))
+    assert [r.prompt_token_ids for r in reqs] == prompts
+    assert [r.max_tokens for r in reqs] == outs
+
+
+def test_other_workloads():
+    lat = generate_requests(get_workload("latency-8b"))
+    assert len(lat) == 1 and len(lat[0].prompt_token_ids) == 128 and lat[0].max_tokens == 256
+    pre = generate_requests(get_workload("prefill-8b"))
+    assert len(pre) == 8 and all(len(r.prompt_token_ids) == 4096 and r.max_tokens == 1 for r in pre)
+    serve = generate_requests(get_workload("serve-8b"))
+    times = [r.arrival_time for r in serve]
+    assert len(serve) == 500 and times == sorted(times) and times[0] == 0
+    assert 500 / 8 * 0.8 < times[-1] < 500 / 8 * 1.2  # Poisson at 8 req/s
+    tiny = generate_requests(get_workload("tiny"), vocab_size=1024)
+    assert all(max(r.prompt_token_ids) < 1024 for r in tiny)
+    assert set(WORKLOADS) >= {"offline-small", "offline-8b", "latency-8b", "serve-8b", "prefill-8b", "tiny"}
+    assert parse_range("128") == (128, 128) and parse_range("100:1024") == (100, 1024)
+    assert parse_range("100..1024") == (100, 1024)
+
+
+# ---- the roofline floor ---------------------------------------------------------------------------
+
+ARCH = ModelArchConfig(architecture="LlamaForCausalLM", vocab_size=100, hidden_size=8, intermediate_size=16,
+                       num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, tie_word_embeddings=False)
+
+
+def _ceil(copy, matmul):
+    return Ceilings("cpu", "test", float(copy), float(matmul), "float32", "by hand")
+
+
+def test_step_floor_by_hand():
+    # Parameters: attention 8*(8+2*4) + 8*8 = 192, MLP 3*8*16 = 384, norms 2*8 = 16 -> 592 per layer;
+    # 2 layers + 2 untied tables of 100*8 + final norm 8 = 2792; non-embedding 1192, one table 800.
+    assert ARCH.num_parameters() == 2792
+    # A 3-token prefill (context 3) and a decode at context 10: 4 new tokens, 2 entries.
+    shape = StepShape(np.array([3, 1]), np.array([3, 10]))
+    assert attention_context_sum(shape.query_lens, shape.seq_lens) == (1 + 2 + 3) + 10
+    # KV per token: 2 x 2 layers x 1 kv head x 4 x 2 bytes = 32; read (3+10)*32 = 416, written 4*32 = 128.
+    # Attention FLOPs: 4 x 2 layers x 2 heads x 4 x 16 = 1024.
+    # spec: bytes 2792*2 + 416 + 128 = 6128; FLOPs 2*1192*4 + 2*800*4 + 1024 = 16960.
+    b, f, s = step_floor(shape, ARCH, 2, _ceil(1000, 1000), "spec")
+    assert (b, f) == (6128, 16960) and s == pytest.approx(16.96)
+    # as-run: input table gathered (4 rows of 8), LM head on 2 rows:
+    # bytes (2792 - 800 + 32)*2 + 544 = 4592; FLOPs 9536 + 2*800*2 + 1024 = 13760.
+    b, f, s = step_floor(shape, ARCH, 2, _ceil(1000, 1000))
+    assert (b, f) == (4592, 13760) and s == pytest.approx(13.76)
+    # Bandwidth-bound with a slow copy: 4592 / 100.
+    assert step_floor(shape, ARCH, 2, _ceil(100, 1000)).seconds == pytest.approx(45.92)
+
+
+def test_step_floor_tied_and_kinds():
+    tied = ModelArchConfig(architecture="Qwen3ForCausalLM", vocab_size=100, hidden_size=8, intermediate_size=16,
+                           num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, tie_word_embeddings=True)
+    shape = StepShape(np.array([1]), np.array([5]))
+    spec = step_floor(shape, tied, 2, _ceil(1, 1), "spec")
+    run = step_floor(shape, tied, 2, _ceil(1, 1))
+    assert spec == run  # one token, one entry, tied table: both conventions agree
+    assert spec.bytes == tied.num_parameters() * 2 + 5 * 32 + 32
+    assert step_kind(StepShape(np.array([1, 1]), np.array([4, 9]))) == "decode"
+    assert step_kind(StepShape(np.array([7]), np.array([7]))) == "prefill"
+    assert step_kind(StepShape(np.array([7, 1]), np.array([7, 9]))) == "mixed"
+
+
+def test_run_roofline_sums_steps():
+    steps = [StepShape(np.array([3, 1]), np.array([3, 10])), StepShape(np.array([1, 1]), np.array([4, 11]))]
+    c = _ceil(1000, 1000)
+    floor = sum(step_floor(s, ARCH, 2, c).seconds for s in steps)
+    r = run_roofline(steps, ARCH, 2, c, measured_s=4 * floor, step_seconds=[2 * floor, 2 * floor])
+    assert r["floor_s"] == pytest.approx(floor) and r["roofline_pct"] == pytest.approx(25.0)
+    assert r["by_kind"]["mixed"]["steps"] == 1 and r["by_kind"]["decode"]["steps"] == 1
+    assert r["by_kind"]["prefill"]["steps"] == 0
+    assert r["by_kind"]["decode"]["measured_s"] == pytest.approx(2 * floor)
+
+
+# ---- the commands, end to end on the CPU ----------------------------------------------------------
+
+def _load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_throughput_tiny_with_transformers(tmp_path):
+    out = tmp_path / "res"
+    rc = main(["bench", "throughput", "--workload", "tiny", "--device", "cpu", "--out", str(out),
+               "--num-prompts", "4", "--output-len", "4:12", "--warmup-requests", "2",
+               "--compare", "transformers", "--hf-num-blocks", "32", "--hf-max-batch-tokens", "256"])
+    assert rc == 0
+    r = _load(out / "throughput-tiny+custom.json")
+    for key in ("workload", "model", "dtype", "device_name", "versions", "date", "command", "ceilings", "results",
+                "roofline"):
+        assert r.get(key) is not None, key
+    assert r["versions"]["torch"] and "triton" in r["versions"]
+    s = r["summary"]
+    assert s["output_tok_per_s"] > 0 and s["output_tokens"] == r["workload_tokens"]["output_tokens"]
+    assert 0 < r["roofline"]["roofline_pct"] <= 100
+    assert r["roofline"]["num_steps"] == s["num_steps"] > 0
+    assert sum(k["steps"] for k in r["roofline"]["by_kind"].values()) == s["num_steps"]
+    peer = r["peer"]
+    assert peer["runs"][0]["output_tokens"] == s["output_tokens"] and peer["runs"][0]["num_errors"] == 0
+    assert peer["output_tok_per_s"] > 0 and s["peer_ratio"] == pytest.approx(s["output_tok_per_s"] / peer["output_tok_per_s"])
+    assert (out / "throughput-tiny+custom.png").exists()
+
+
+def test_latency_tiny(tmp_path):
+    rc = main(["bench", "latency", "--workload", "latency-tiny", "--device", "cpu", "--out", str(tmp_path),
+               "--repeat", "2", "--output-len", "8", "--tag", "t"])
+    assert rc == 0
+    r = _load(tmp_path / "latency-latency-tiny+custom-t.json")
+    s = r["summary"]
+    assert s["output_tokens"] == 8 and s["tpot_ms"] > 0 and s["ttft_ms"] > 0
+    assert 0 < s["bandwidth_pct"] <= 100 and 0 < s["roofline_pct"] <= 100
+
+
+class _FakeServer:
+    """An OpenAI-style streaming server: one chunk per token, except a two-token chunk in the middle."""
+
+    def __init__(self):
+        from aiohttp import web
+
+        async def health(request):
+            return web.Response(text="ok")
+
+        async def models(request):
+            return web.json_response({"data": [{"id": "fake"}]})
+
+        async def completions(request):
+            body = await request.json()
+            assert body["stream"] and body["ignore_eos"] and isinstance(body["prompt"], list)
+            n = body["max_tokens"]
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            sent = 0
+            while sent < n:
+                k = 2 if (sent == 2 and n - sent >= 2) else 1
+                await asyncio.sleep(0.002)
+                chunk = {"choices": [{"index": 0, "text": "", "token_ids": list(range(k))}], "usage": None}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                sent += k
+            await resp.write(f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': n}})}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/v1/models", models)
+        app.router.add_post("/v1/completions", completions)
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def test_serve_against_a_fake_server(tmp_path):
+    pytest.importorskip("aiohttp")
+    server = _FakeServer()
+    try:
+        rc = main(["bench", "serve", "--workload", "tiny", "--device", "cpu", "--base-url",
+                   f"http://127.0.0.1:{server.port}", "--rates", "50,inf", "--out", str(tmp_path)])
+    finally:
+        server.close()
+    assert rc == 0
+    r = _load(tmp_path / "serve-tiny.json")
+    assert [x["request_rate"] for x in r["rates"]] == [50.0, "inf"]
+    expected = summarize(generate_requests(get_workload("tiny"), 1024))["output_tokens"]
+    for rate in r["rates"]:
+        s = rate["summary"]
+        assert s["completed"] == 8 and s["failed"] == 0 and s["output_tokens"] == expected
+        assert s["requests_with_chunks_not_tokens"] == 0 and s["multi_token_chunks"] == 8
+        assert 0 < s["ttft_ms_p50"] <= s["ttft_ms_p99"] and 0 < s["itl_ms_p50"] <= s["itl_ms_p99"]
+        assert s["output_tok_per_s"] > 0
+
+
+def test_serve_launches_the_real_server(tmp_path):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("aiohttp")
+    try:
+        import tokenmill.entrypoints.serve_cli  # noqa: F401
+    except ImportError:
+        pytest.skip("no `tokenmill serve` in this checkout")
+    rc = main(["bench", "serve", "--workload", "tiny", "--device", "cpu", "--launch", "--num-prompts", "4",
+               "--output-len", "4:8", "--request-rate", "inf", "--warmup-requests", "1", "--out", str(tmp_path),
+               "--server-timeout", "120"])
+    assert rc == 0
+    r = _load(tmp_path / "serve-tiny+custom.json")
+    s = r["rates"][0]["summary"]
+    assert s["completed"] == 4 and s["failed"] == 0 and s["requests_short_of_max_tokens"] == 0
+    assert s["requests_with_chunks_not_tokens"] == 0 and s["ttft_ms_p50"] > 0
+    assert (tmp_path / "server-tiny+custom.log").exists()
+
+
+def test_summary_table_and_merge(tmp_path):
+    from tokenmill.bench import report
+
+    a = {"kind": "throughput", "workload": {"name": "w"}, "summary": {"output_tok_per_s": 10.0, "roofline_pct": 5.0}}
+    report.write_json(a, str(tmp_path / "a.json"))
+    merged = report.merge([str(tmp_path / "a.json"), str(tmp_path / "missing.json")])
+    table = report.format_table(report.summary_rows(merged))
+    assert "throughput" in table and "error" in table

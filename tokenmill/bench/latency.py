@@ -1,0 +1,124 @@
+"""Batch-1 latency: one request (latency-8b: 128 prompt tokens, 256 output tokens), timed per token.
+
+We drive the engine loop directly and timestamp every step's output: the first token's time
+gives TTFT (prefill + first sample), the gaps between later tokens the decode time per output
+token (TPOT = (t_last - t_first) / (n - 1)). The bandwidth fraction is the decode bytes per token
+(weights + mean KV read) over TPOT, against the measured copy bandwidth; the roofline % over all
+steps is reported as for throughput.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from tokenmill.bench import report
+from tokenmill.bench.common import build_engine, median_index, reset_prefix_cache, resolve_workload, synchronize
+from tokenmill.bench.roofline import (format_roofline, kv_bytes_per_token, measure_ceilings, run_roofline,
+                                      step_floor)
+from tokenmill.bench.workloads import generate_requests, warmup_requests
+
+
+def time_one_request(engine, prompt_ids: list[int], params) -> tuple[float, list[float]]:
+    """(start time, arrival time of each output token) for one request run alone."""
+    synchronize(engine.loaded.device)
+    start = time.perf_counter()
+    request_id = engine.add_request(None, params, prompt_ids=prompt_ids)
+    times: list[float] = []
+    finished = False
+    while not finished or engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            now = time.perf_counter()
+            n = len(out.outputs[0].token_ids)
+            times.extend([now] * (n - len(times)))
+            finished = finished or out.finished
+    return start, times
+
+
+def run(args, log=None) -> dict:
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    from tokenmill.loader.load import resolve_device
+    from tokenmill.sampling_params import SamplingParams
+
+    w = resolve_workload(args, "latency-8b")
+    device = resolve_device(args.device)
+    if w.num_requests != 1:
+        log(f"latency runs one request; using the first of the {w.num_requests} of {w.name}")
+    ceilings = measure_ceilings(device)
+    log(f"ceilings: copy {ceilings.copy_bytes_per_s / 1e9:.1f} GB/s, matmul "
+        f"{ceilings.matmul_flops_per_s / 1e12:.2f} TFLOP/s")
+    engine = build_engine(args, w)
+    arch, dtype_bytes = engine.loaded.arch, engine.loaded.dtype.itemsize
+    req = generate_requests(w, arch.vocab_size)[0]
+    params = SamplingParams(temperature=w.temperature, ignore_eos=True, max_tokens=req.max_tokens)
+    for warm in warmup_requests(w, arch.vocab_size, count=max(1, min(args.warmup_requests, 2)),
+                                max_tokens=req.max_tokens):  # full length: every decode shape compiled
+        time_one_request(engine, warm.prompt_token_ids,
+                         SamplingParams(temperature=w.temperature, ignore_eos=True, max_tokens=warm.max_tokens))
+    kv_tok = kv_bytes_per_token(arch, dtype_bytes)
+    runs = []
+    for i in range(args.repeat):
+        reset_prefix_cache(engine)
+        engine.step_log = []
+        start, times = time_one_request(engine, req.prompt_token_ids, params)
+        steps, engine.step_log = engine.step_log, None
+        elapsed = times[-1] - start
+        n = len(times)
+        ttft = times[0] - start
+        tpot = (times[-1] - times[0]) / (n - 1) if n > 1 else float("nan")
+        decode = [s for s in steps if int(np.sum(s.query_lens)) == 1 and len(s.query_lens) == 1]
+        # bytes per decode token: weights + KV read (+ written), from the as-run floor of each decode step
+        dec_bytes = [step_floor(s, arch, dtype_bytes, ceilings, "as-run").bytes for s in decode]
+        dec_bytes_spec = [step_floor(s, arch, dtype_bytes, ceilings, "spec").bytes for s in decode]
+        mean_bytes = float(np.mean(dec_bytes)) if dec_bytes else float("nan")
+        mean_bytes_spec = float(np.mean(dec_bytes_spec)) if dec_bytes_spec else float("nan")
+        bw = mean_bytes / tpot / ceilings.copy_bytes_per_s if n > 1 else float("nan")
+        bw_spec = mean_bytes_spec / tpot / ceilings.copy_bytes_per_s if n > 1 else float("nan")
+        itl = np.diff(np.asarray(times)) if n > 1 else np.zeros(0)
+        roof = run_roofline(steps, arch, dtype_bytes, ceilings, elapsed)
+        run_ = {"elapsed_s": elapsed, "output_tokens": n, "ttft_ms": 1e3 * ttft, "tpot_ms": 1e3 * tpot,
+                "decode_tok_per_s": 1.0 / tpot if n > 1 else None, "tok_per_s": n / elapsed,
+                "bytes_per_decode_token": mean_bytes, "bandwidth_pct": 100 * bw, "bandwidth_pct_spec": 100 * bw_spec,
+                "kv_bytes_per_token": kv_tok, "itl_ms": (1e3 * itl).round(4).tolist(),
+                "itl_ms_p50": float(np.percentile(1e3 * itl, 50)) if itl.size else None,
+                "itl_ms_p99": float(np.percentile(1e3 * itl, 99)) if itl.size else None,
+                "num_steps": len(steps), "roofline": roof}
+        runs.append(run_)
+        log(f"run {i + 1}/{args.repeat}: TTFT {run_['ttft_ms']:.2f} ms, TPOT {run_['tpot_ms']:.3f} ms "
+            f"({run_['decode_tok_per_s']:.1f} tok/s), bandwidth {run_['bandwidth_pct']:.1f}% of copy, "
+            f"roofline {roof['roofline_pct']:.1f}%")
+    mid = median_index([r["tpot_ms"] for r in runs])
+    med = runs[mid]
+    for j, r in enumerate(runs):
+        if j != mid:
+            r["itl_ms"] = None
+    result = report.metadata("latency")
+    result.update({
+        "tag": args.tag, "workload": w.to_dict(), "model": w.model,
+        "dtype": str(engine.loaded.dtype).replace("torch.", ""), "device": str(device),
+        "device_name": ceilings.device_name, "ceilings": ceilings.to_dict(), "repeat": args.repeat,
+        "engine": {"config": vars(engine.config).copy(), "num_parameters": arch.num_parameters()},
+        "results": {"runs": runs, "median_run": mid,
+                    "tpot_ms_median": statistics.median(r["tpot_ms"] for r in runs),
+                    "ttft_ms_median": statistics.median(r["ttft_ms"] for r in runs)},
+        "roofline": med["roofline"],
+        "summary": {"tpot_ms": med["tpot_ms"], "ttft_ms": statistics.median(r["ttft_ms"] for r in runs),
+                    "decode_tok_per_s": med["decode_tok_per_s"], "bandwidth_pct": med["bandwidth_pct"],
+                    "bandwidth_pct_spec": med["bandwidth_pct_spec"], "roofline_pct": med["roofline"]["roofline_pct"],
+                    "output_tokens": med["output_tokens"]},
+    })
+    return result
+
+
+def print_summary(result: dict, out=sys.stdout) -> None:
+    s = result["summary"]
+    print(f"{result['workload']['name']} on {result['device_name']} ({result['dtype']}): TPOT {s['tpot_ms']:.3f} ms "
+          f"({s['decode_tok_per_s']:.1f} tok/s decode, median of {result['repeat']}), TTFT {s['ttft_ms']:.2f} ms, "
+          f"decode bandwidth {s['bandwidth_pct']:.1f}% of the measured copy bandwidth "
+          f"(spec formula {s['bandwidth_pct_spec']:.1f}%)", file=out)
+    print(format_roofline(result["roofline"]), file=out)

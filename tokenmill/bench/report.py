@@ -1,0 +1,185 @@
+"""Run metadata, JSON output, merging result files and the summary table.
+
+Every result file holds: kind (throughput/latency/serve), workload, model, dtype, device name,
+torch/triton/transformers versions, date, command line, git commit, ceilings, results, roofline.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from typing import Any, Iterable, Optional
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for mod in ("torch", "triton", "transformers", "tokenmill"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # not installed, or no version attribute
+            out[mod] = None
+    try:
+        import torch
+
+        out["cuda"] = torch.version.cuda
+    except Exception:
+        pass
+    return out
+
+
+def git_commit() -> Optional[str]:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if sha.returncode != 0:
+        return None
+    return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def metadata(kind: str, argv: Optional[list[str]] = None) -> dict:
+    argv = sys.argv if argv is None else argv
+    return {
+        "kind": kind,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(a) for a in argv),
+        "host": platform.node(),
+        "versions": versions(),
+        "git_commit": git_commit(),
+    }
+
+
+def _clean(obj: Any) -> Any:
+    """JSON-safe: numpy scalars to Python, NaN/inf to None."""
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if hasattr(obj, "item") and not isinstance(obj, (str, bytes)):
+        try:
+            obj = obj.item()
+        except (ValueError, TypeError):
+            return str(obj)
+    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
+        return None
+    return obj
+
+
+def write_json(result: dict, path: str) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(_clean(result), f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def result_stem(kind: str, workload: str, tag: Optional[str]) -> str:
+    stem = f"{kind}-{workload}"
+    return f"{stem}-{tag}" if tag else stem
+
+
+# ---- merging and the summary table ------------------------------------------------------------
+
+
+def merge(paths: Iterable[str]) -> dict:
+    """{"results": [...]} from result files (a file that is itself a merge is flattened)."""
+    results = []
+    for p in paths:
+        try:
+            with open(p) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            results.append({"kind": "error", "file": p, "error": str(e)})
+            continue
+        if isinstance(data, dict) and "results" in data and isinstance(data["results"], list) and "kind" not in data:
+            results.extend(data["results"])
+        else:
+            data.setdefault("file", os.path.basename(p))
+            results.append(data)
+    return {"merged_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "results": results}
+
+
+def _fmt(x, spec: str = ".0f", none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def summary_rows(merged: dict) -> list[list[str]]:
+    rows = [["kind", "workload", "tag", "tok/s", "roofline %", "peer ratio", "other", "device"]]
+    for r in merged["results"]:
+        kind = r.get("kind", "?")
+        name = (r.get("workload") or {}).get("name", "?") if isinstance(r.get("workload"), dict) else r.get("workload", "?")
+        tag = r.get("tag") or ""
+        dev = r.get("device_name", "")
+        s = r.get("summary") or {}
+        if kind == "throughput":
+            other = (f"{_fmt(s.get('elapsed_s'), '.2f')} s, {_fmt(s.get('total_tok_per_s'))} total tok/s, "
+                     f"{s.get('output_tokens', '-')} out tok, {s.get('num_steps', '-')} steps")
+            rows.append([kind, name, tag, _fmt(s.get("output_tok_per_s")), _fmt(s.get("roofline_pct"), ".1f"),
+                         _fmt(s.get("peer_ratio"), ".2f"), other, dev])
+        elif kind == "latency":
+            other = (f"TPOT {_fmt(s.get('tpot_ms'), '.2f')} ms, TTFT {_fmt(s.get('ttft_ms'), '.1f')} ms, "
+                     f"BW {_fmt(s.get('bandwidth_pct'), '.1f')}%")
+            rows.append([kind, name, tag, _fmt(s.get("decode_tok_per_s")), _fmt(s.get("roofline_pct"), ".1f"), "-",
+                         other, dev])
+        elif kind == "serve":
+            for rate in r.get("rates") or []:
+                a = rate.get("summary", {})
+                other = (f"rate {rate.get('request_rate')}, TTFT p50/p99 {_fmt(a.get('ttft_ms_p50'), '.0f')}/"
+                         f"{_fmt(a.get('ttft_ms_p99'), '.0f')} ms, ITL p50/p99 {_fmt(a.get('itl_ms_p50'), '.1f')}/"
+                         f"{_fmt(a.get('itl_ms_p99'), '.1f')} ms, {a.get('failed', '-')} failed")
+                rows.append([kind, name, tag, _fmt(a.get("output_tok_per_s")), "-", "-", other, dev])
+        else:
+            rows.append([kind, name, tag, "-", "-", "-", r.get("error", ""), dev])
+    return rows
+
+
+def format_table(rows: list[list[str]]) -> str:
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for j, row in enumerate(rows):
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """python -m tokenmill.bench.report merge OUT.json IN.json... [--png OUT.png] | table IN.json..."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m tokenmill.bench.report")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("merge", help="merge result files into one and print the summary table")
+    m.add_argument("out")
+    m.add_argument("inputs", nargs="*")
+    m.add_argument("--png", default=None, help="also draw one figure: the summary, then every result's own figure")
+    t = sub.add_parser("table", help="print the summary table of result files")
+    t.add_argument("inputs", nargs="+")
+    args = p.parse_args(argv)
+    merged = merge(args.inputs)
+    if args.cmd == "merge":
+        write_json(merged, args.out)
+        if args.png:
+            from tokenmill.bench.plots import plot_combined
+
+            try:
+                plot_combined(merged, args.png)
+            except Exception as e:  # a figure is never worth failing the run for
+                print(f"warning: no summary figure: {e}", file=sys.stderr)
+    print(format_table(summary_rows(merged)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""The roofline report: measured device ceilings and the floor of each step the engine ran.
+
+For one step (per batch entry: q new tokens, context length s after the step):
+
+  bytes = weight bytes
+        + KV read    = sum_entries s * kv_bytes_per_token
+        + KV written = sum_entries q * kv_bytes_per_token
+          (kv_bytes_per_token = 2 (K and V) x layers x kv_heads x head_dim x dtype bytes)
+  FLOPs = 2 x non-embedding parameters x new tokens
+        + 2 x LM-head parameters x LM-head rows
+        + attention: per layer 4 x heads x head_dim x sum over new tokens of the context each attends
+          to (for an entry with q new tokens ending at s: sum_{i=1..q} (s - q + i))
+  floor = max(bytes / copy bandwidth, FLOPs / matmul rate)
+
+Two conventions are computed (both are reported; "as-run" is the headline number):
+
+* ``as-run`` (default): what the runner must physically move and compute for the schedule it ran.
+  The LM head is applied to one row per batch entry (the runner computes logits only at
+  ``logits_indices``), and an untied input-embedding table is not read whole: only the rows of the
+  new tokens are gathered.
+* ``spec``: the literal formula of the project brief: all parameters x dtype bytes (embeddings
+  once when tied), and the LM head counted for every new token. This floor is higher (so its
+  percentage is higher) for prefill-heavy steps (LM-head FLOPs) and for untied models (the input
+  embedding table, 6.5% of Llama-3.1-8B's bytes).
+
+Activations are ignored in both: the floor is a lower bound on the step's time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from tokenmill.models.config import ModelArchConfig
+
+KINDS = ("decode", "prefill", "mixed")
+
+
+@dataclass
+class Ceilings:
+    device_type: str  # "cuda" or "cpu"
+    device_name: str
+    copy_bytes_per_s: float  # bytes read + written per second
+    matmul_flops_per_s: float
+    matmul_dtype: str
+    method: str
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["copy_TB_per_s"] = self.copy_bytes_per_s / 1e12
+        d["matmul_TFLOP_per_s"] = self.matmul_flops_per_s / 1e12
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Ceilings":
+        return cls(d["device_type"], d["device_name"], float(d["copy_bytes_per_s"]), float(d["matmul_flops_per_s"]),
+                   d.get("matmul_dtype", "?"), d.get("method", "?"))
+
+
+def device_name(device) -> str:
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _do_bench_median_ms(fn) -> float:
+    from triton.testing import do_bench
+
+    try:
+        return float(do_bench(fn, return_mode="median"))
+    except TypeError:  # a Triton without return_mode
+        res = do_bench(fn, quantiles=[0.5])
+        return float(res[0] if isinstance(res, (list, tuple)) else res)
+
+
+def _median_seconds(fn, repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_ceilings(device, *, copy_bytes: Optional[int] = None, matmul_n: Optional[int] = None,
+                     repeats: int = 5) -> Ceilings:
+    """Copy bandwidth (bytes read + written) and matmul rate of `device`.
+
+    CUDA: ``y.copy_(x)`` on 2 GiB and a bf16 8192^3 product, each the median of
+    ``triton.testing.do_bench``. CPU: a 512 MiB copy and an fp32 2048^3 product, each the median of
+    `repeats` ``perf_counter`` timings. Memory is released before returning."""
+    import torch
+
+    dev = torch.device(device)
+    name = device_name(dev)
+    if dev.type == "cuda":
+        n = copy_bytes or (2 << 30)
+        mm = matmul_n or 8192
+        torch.cuda.synchronize(dev)
+        x = torch.ones(n, dtype=torch.uint8, device=dev)
+        y = torch.empty_like(x)
+        ms = _do_bench_median_ms(lambda: y.copy_(x))
+        copy_bw = 2 * n / (ms * 1e-3)
+        del x, y
+        a = torch.randn(mm, mm, dtype=torch.bfloat16, device=dev)
+        b = torch.randn(mm, mm, dtype=torch.bfloat16, device=dev)
+        c = torch.empty(mm, mm, dtype=torch.bfloat16, device=dev)
+        ms = _do_bench_median_ms(lambda: torch.matmul(a, b, out=c))
+        flops = 2 * mm ** 3 / (ms * 1e-3)
+        del a, b, c
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        method = (f"y.copy_(x) on {n / 2**30:g} GiB and bf16 {mm}^3 matmul, triton.testing.do_bench median")
+        return Ceilings("cuda", name, copy_bw, flops, "bfloat16", method)
+    n = copy_bytes or (512 << 20)
+    mm = matmul_n or 2048
+    x = torch.ones(n, dtype=torch.uint8)
+    y = torch.empty_like(x)
+    s = _median_seconds(lambda: y.copy_(x), repeats)
+    copy_bw = 2 * n / s
+    del x, y
+    a = torch.randn(mm, mm, dtype=torch.float32)
+    b = torch.randn(mm, mm, dtype=torch.float32)
+    c = torch.empty(mm, mm, dtype=torch.float32)
+    s = _median_seconds(lambda: torch.matmul(a, b, out=c), repeats)
+    flops = 2 * mm ** 3 / s
+    method = f"y.copy_(x) on {n / 2**20:g} MiB and fp32 {mm}^3 matmul, perf_counter median of {repeats}"
+    return Ceilings("cpu", name, copy_bw, flops, "float32", method)
+
+
+# ---- the floor ---------------------------------------------------------------------------
+
+
+class StepFloor(NamedTuple):
+    bytes: float
+    flops: float
+    seconds: float
+
+
+def kv_bytes_per_token(arch: ModelArchConfig, dtype_bytes: int) -> int:
+    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype_bytes
+
+
+def embedding_parameters(arch: ModelArchConfig) -> int:
+    """vocab x hidden: the size of one embedding table (the LM head has the same shape)."""
+    return arch.vocab_size * arch.hidden_size
+
+
+def non_embedding_parameters(arch: ModelArchConfig) -> int:
+    tables = 1 if arch.tie_word_embeddings else 2
+    return arch.num_parameters() - tables * embedding_parameters(arch)
+
+
+def attention_context_sum(query_lens: np.ndarray, seq_lens: np.ndarray) -> int:
+    """Sum over new tokens of the number of positions each attends to (causal, itself included)."""
+    q = np.asarray(query_lens, dtype=np.int64)
+    s = np.asarray(seq_lens, dtype=np.int64)
+    return int(np.sum(q * (s - q) + q * (q + 1) // 2))
+
+
+def step_floor(shape, arch: ModelArchConfig, dtype_bytes: int, ceilings: Ceilings,
+               convention: str = "as-run") -> StepFloor:
+    """(bytes, FLOPs, seconds) of the floor of one step; `shape` is a StepShape (query_lens, seq_lens)."""
+    q = np.asarray(shape.query_lens, dtype=np.int64)
+    s = np.asarray(shape.seq_lens, dtype=np.int64)
+    new_tokens = int(q.sum())
+    entries = int(q.size)
+    emb = embedding_parameters(arch)
+    dense = non_embedding_parameters(arch)
+    kv_tok = kv_bytes_per_token(arch, dtype_bytes)
+    if convention == "spec":
+        weight_params = arch.num_parameters()
+        lm_head_rows = new_tokens
+    elif convention == "as-run":
+        weight_params = arch.num_parameters()
+        if not arch.tie_word_embeddings:  # the input table is gathered, not streamed
+            weight_params += min(new_tokens, arch.vocab_size) * arch.hidden_size - emb
+        lm_head_rows = entries
+    else:
+        raise ValueError(f"unknown roofline convention {convention!r} (as-run or spec)")
+    nbytes = weight_params * dtype_bytes + int(s.sum()) * kv_tok + new_tokens * kv_tok
+    attn = 4 * arch.num_layers * arch.num_heads * arch.head_dim * attention_context_sum(q, s)
+    flops = 2 * dense * new_tokens + 2 * emb * lm_head_rows + attn
+    seconds = max(nbytes / ceilings.copy_bytes_per_s, flops / ceilings.matmul_flops_per_s)
+    return StepFloor(float(nbytes), float(flops), float(seconds))
+
+
+def step_kind(shape) -> str:
+    """decode: every entry has one new token; prefill: none has; mixed: both kinds in one step.
+
+    (A prefill chunk of exactly one token counts as a decode entry: a StepShape cannot tell.)"""
+    q = np.asarray(shape.query_lens)
+    ones = int(np.count_nonzero(q == 1))
+    if ones == q.size:
+        return "decode"
+    if ones == 0:
+        return "prefill"
+    return "mixed"
+
+
+def _pct(floor: float, measured: Optional[float]) -> Optional[float]:
+    if not measured or measured <= 0:
+        return None
+    return 100.0 * floor / measured
+
+
+def run_roofline(step_log: Sequence, arch: ModelArchConfig, dtype_bytes: int, ceilings: Ceilings,
+                 measured_s: float, step_seconds: Optional[Sequence[float]] = None) -> dict:
+    """The roofline report of one run: floor / measured time, overall and by kind of step.
+
+    `step_seconds` (host-side intervals, one per step, see step_timer) gives each kind its own
+    measured time and percentage; without it only the floors and counts are split by kind."""
+    if step_seconds is not None and len(step_seconds) != len(step_log):
+        step_seconds = None
+    by_kind = {k: {"steps": 0, "new_tokens": 0, "floor_s": 0.0, "floor_s_spec": 0.0, "bytes": 0.0, "flops": 0.0,
+                   "memory_bound_steps": 0, "measured_s": 0.0 if step_seconds is not None else None}
+               for k in KINDS}
+    total = {"floor_s": 0.0, "floor_s_spec": 0.0, "bytes": 0.0, "flops": 0.0, "memory_bound_steps": 0}
+    for i, shape in enumerate(step_log):
+        f = step_floor(shape, arch, dtype_bytes, ceilings, "as-run")
+        f_spec = step_floor(shape, arch, dtype_bytes, ceilings, "spec")
+        kind = by_kind[step_kind(shape)]
+        mem_bound = f.bytes / ceilings.copy_bytes_per_s >= f.flops / ceilings.matmul_flops_per_s
+        for d in (kind, total):
+            d["floor_s"] += f.seconds
+            d["floor_s_spec"] += f_spec.seconds
+            d["bytes"] += f.bytes
+            d["flops"] += f.flops
+            d["memory_bound_steps"] += int(mem_bound)
+        kind["steps"] += 1
+        kind["new_tokens"] += int(np.sum(shape.query_lens))
+        if step_seconds is not None:
+            kind["measured_s"] += float(step_seconds[i])
+    for k in KINDS:
+        d = by_kind[k]
+        d["roofline_pct"] = _pct(d["floor_s"], d["measured_s"])
+        d["roofline_pct_spec"] = _pct(d["floor_s_spec"], d["measured_s"])
+        d["share_of_floor"] = d["floor_s"] / total["floor_s"] if total["floor_s"] > 0 else 0.0
+    return {
+        "convention": "as-run (LM head on one row per batch entry; untied input embedding: gathered rows only)",
+        "num_steps": len(step_log),
+        "measured_s": measured_s,
+        "floor_s": total["floor_s"],
+        "roofline_pct": _pct(total["floor_s"], measured_s),
+        "floor_s_spec": total["floor_s_spec"],
+        "roofline_pct_spec": _pct(total["floor_s_spec"], measured_s),
+        "bytes": total["bytes"],
+        "flops": total["flops"],
+        "memory_bound_steps": total["memory_bound_steps"],
+        "per_step_time_source": "host-side step intervals (approximate)" if step_seconds is not None else None,
+        "by_kind": by_kind,
+        "ceilings": ceilings.to_dict(),
+    }
+
+
+def format_roofline(r: dict) -> str:
+    c = r["ceilings"]
+    lines = [f"roofline: {r['roofline_pct']:.1f}% of the floor ({r['floor_s']:.3f} s floor / {r['measured_s']:.3f} s "
+             f"measured; spec formula {r['roofline_pct_spec']:.1f}%) over {r['num_steps']} steps; ceilings: copy "
+             f"{c['copy_bytes_per_s'] / 1e9:.1f} GB/s, matmul {c['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s "
+             f"({c['matmul_dtype']})"]
+    for k in KINDS:
+        d = r["by_kind"][k]
+        if not d["steps"]:
+            continue
+        pct = f", {d['roofline_pct']:.1f}% of its ~{d['measured_s']:.3f} s" if d.get("roofline_pct") is not None else ""
+        lines.append(f"  {k:8s} {d['steps']:6d} steps, {d['new_tokens']:8d} tokens, floor {d['floor_s']:.3f} s "
+                     f"({100 * d['share_of_floor']:.0f}% of the floor){pct}")
+    return "\n".join(lines)

@@ -1,0 +1,403 @@
+"""Serving benchmark: an async load generator against the OpenAI-compatible HTTP server.
+
+Each request is a streamed `/v1/completions` call with the prompt as token ids, `max_tokens`,
+`ignore_eos: true` (a tokenmill extension) and `stream: true`; arrivals follow a Poisson process
+at `--request-rate` (or all at once, optionally capped by `--max-concurrency`). For every request
+we record the time to the first streamed token (TTFT) and the gaps between later tokens (ITL).
+The server sends a chunk per engine step with the new `token_ids` (normally one token); when a
+chunk carries k > 1 tokens, the gap since the previous chunk is shared evenly among them and the
+request is counted in `multi_token_chunks`. Without `token_ids`, a chunk counts as one token; the
+final usage chunk's completion_tokens is checked against the count. Reported: throughput and TTFT / ITL / TPOT / end-to-end percentiles (p50, p90, p99).
+
+`--launch` starts `tokenmill serve MODEL` as a subprocess (engine flags passed through, extra
+server flags with `--server-args`), waits for `/health`, and stops it at the end; otherwise
+`--base-url` points at a running server. `--rates 2,4,8` sweeps request rates against one server;
+before each rate we ask the server to forget its prefix cache (`POST /reset_prefix_cache`, if it
+has one) and otherwise give each later rate other token ids (same lengths), so no rate benefits
+from an earlier one's prompts. Warm-up requests also use other token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import numpy as np
+
+from tokenmill.bench import report
+from tokenmill.bench.workloads import BenchRequest, Workload, generate_requests, poisson_arrivals
+
+
+@dataclass
+class RequestRecord:
+    prompt_len: int
+    max_tokens: int
+    ok: bool = False
+    error: Optional[str] = None
+    send_time: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    usage_tokens: Optional[int] = None
+    multi_token_chunks: int = 0
+
+    def add_tokens(self, now: float, k: int) -> None:
+        """k tokens arrived in one chunk at `now`: the first one ever is TTFT's; otherwise the gap since
+        the previous chunk is shared evenly among them (so ITLs stay per token when chunks coalesce)."""
+        if k <= 0:
+            return
+        if not self.token_times:
+            self.token_times.append(now)
+            k -= 1
+            prev = now
+        else:
+            prev = self.token_times[-1]
+        step = (now - prev) / k if k else 0.0
+        self.token_times.extend(prev + step * (j + 1) for j in range(k))
+
+    @property
+    def output_tokens(self) -> int:
+        return self.usage_tokens if self.usage_tokens is not None else len(self.token_times)
+
+
+def _percentiles(values, prefix: str, scale: float = 1e3) -> dict:
+    arr = np.asarray([v for v in values if v is not None], dtype=np.float64) * scale
+    if arr.size == 0:
+        return {f"{prefix}_mean": None, f"{prefix}_p50": None, f"{prefix}_p90": None, f"{prefix}_p99": None}
+    return {f"{prefix}_mean": float(arr.mean()), f"{prefix}_p50": float(np.percentile(arr, 50)),
+            f"{prefix}_p90": float(np.percentile(arr, 90)), f"{prefix}_p99": float(np.percentile(arr, 99))}
+
+
+def summarize_records(records: list[RequestRecord], duration: float) -> dict:
+    ok = [r for r in records if r.ok]
+    ttft = [r.token_times[0] - r.send_time for r in ok if r.token_times]
+    itl = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
+    tpot = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) for r in ok if len(r.token_times) > 1]
+    e2e = [r.token_times[-1] - r.send_time for r in ok if r.token_times]
+    out_tokens = sum(r.output_tokens for r in ok)
+    prompt_tokens = sum(r.prompt_len for r in ok)
+    chunk_mismatch = sum(1 for r in ok if r.usage_tokens is not None and r.usage_tokens != len(r.token_times))
+    short = sum(1 for r in ok if r.output_tokens < r.max_tokens)
+    multi = sum(r.multi_token_chunks for r in ok)
+    s = {"completed": len(ok), "failed": len(records) - len(ok), "duration_s": duration,
+         "output_tokens": out_tokens, "prompt_tokens": prompt_tokens,
+         "requests_per_s": len(ok) / duration if duration > 0 else None,
+         "output_tok_per_s": out_tokens / duration if duration > 0 else None,
+         "total_tok_per_s": (out_tokens + prompt_tokens) / duration if duration > 0 else None,
+         "requests_with_chunks_not_tokens": chunk_mismatch, "multi_token_chunks": multi, "requests_short_of_max_tokens": short,
+         "errors": sorted({r.error for r in records if r.error})[:5]}
+    for values, prefix in ((ttft, "ttft_ms"), (itl, "itl_ms"), (tpot, "tpot_ms"), (e2e, "e2e_ms")):
+        s.update(_percentiles(values, prefix))
+    return s
+
+
+async def _one_request(session, url: str, model: str, req: BenchRequest, temperature: float,
+                       rec: RequestRecord) -> None:
+    payload = {"model": model, "prompt": list(req.prompt_token_ids), "max_tokens": req.max_tokens,
+               "temperature": temperature, "stream": True, "ignore_eos": True,
+               "stream_options": {"include_usage": True}}
+    rec.send_time = time.perf_counter()
+    try:
+        async with session.post(url, json=payload) as resp:
+            if resp.status != 200:
+                rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return
+            buffer = b""
+            done = False
+            async for raw in resp.content.iter_any():
+                now = time.perf_counter()
+                buffer += raw
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    line = line.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        done = True
+                        continue
+                    chunk = json.loads(data)
+                    if chunk.get("error"):
+                        rec.error = str(chunk["error"])[:200]
+                        return
+                    choices = chunk.get("choices")
+                    if choices:
+                        ids = choices[0].get("token_ids")
+                        k = len(ids) if isinstance(ids, list) else 1
+                        if k > 1:
+                            rec.multi_token_chunks += 1
+                        rec.add_tokens(now, k)
+                    usage = chunk.get("usage")
+                    if usage and usage.get("completion_tokens") is not None:
+                        rec.usage_tokens = int(usage["completion_tokens"])
+            rec.ok = done or bool(rec.token_times)
+            if not rec.ok:
+                rec.error = "the stream ended without tokens"
+    except Exception as e:  # one failed request must not stop the benchmark
+        rec.error = f"{type(e).__name__}: {e}"[:200]
+
+
+async def run_load(base_url: str, model: str, requests: list[BenchRequest], temperature: float,
+                   max_concurrency: Optional[int] = None, timeout_s: float = 3600.0) -> tuple[list[RequestRecord], float]:
+    """Send every request at its arrival time; returns the records and the wall time of the run."""
+    import aiohttp
+
+    url = base_url.rstrip("/") + "/v1/completions"
+    records = [RequestRecord(len(r.prompt_token_ids), r.max_tokens) for r in requests]
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        start = time.perf_counter()
+
+        async def launch(i: int, req: BenchRequest) -> None:
+            delay = start + req.arrival_time - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if limit is None:
+                await _one_request(session, url, model, req, temperature, records[i])
+            else:
+                async with limit:
+                    await _one_request(session, url, model, req, temperature, records[i])
+
+        await asyncio.gather(*(launch(i, r) for i, r in enumerate(requests)))
+        duration = time.perf_counter() - start
+    return records, duration
+
+
+# ---- the server ---------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> Optional[tuple[int, bytes]]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, b""
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def _post(url: str, timeout: float = 10.0) -> Optional[int]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def wait_healthy(base_url: str, timeout_s: float, proc: Optional[subprocess.Popen] = None) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode} before becoming healthy")
+        got = _get(base_url.rstrip("/") + "/health", timeout=5)
+        if got is not None and got[0] == 200:
+            return
+        time.sleep(1.0)
+    raise TimeoutError(f"the server at {base_url} was not healthy after {timeout_s:.0f} s")
+
+
+def served_model_name(base_url: str, fallback: str) -> str:
+    got = _get(base_url.rstrip("/") + "/v1/models")
+    if got and got[0] == 200:
+        try:
+            data = json.loads(got[1]).get("data") or []
+            if data and data[0].get("id"):
+                return str(data[0]["id"])
+        except (ValueError, AttributeError):
+            pass
+    return fallback
+
+
+def server_command(args, w: Workload, port: int) -> list[str]:
+    from tokenmill.bench.common import engine_namespace
+
+    ns = engine_namespace(args, w)
+    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", ns.model, "--host", "127.0.0.1",
+           "--port", str(port), "--load-format", ns.load_format, "--dtype", ns.dtype]
+    defaults = {"device": None, "max_model_len": None, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
+                "block_size": 16, "num_kv_blocks": None, "gpu_memory_utilization": 0.9}
+    for name, default in defaults.items():  # only the engine flags the user changed
+        value = getattr(ns, name, default)
+        if value != default:
+            cmd += ["--" + name.replace("_", "-"), str(value)]
+    for flag in ("no_prefix_caching", "no_async_scheduling", "enforce_eager"):
+        if getattr(ns, flag, False):
+            cmd.append("--" + flag.replace("_", "-"))
+    return cmd + shlex.split(args.server_args or "")
+
+
+class LaunchedServer:
+    def __init__(self, cmd: list[str], base_url: str, log_path: str, health_timeout_s: float):
+        self.cmd, self.base_url, self.log_path = cmd, base_url, log_path
+        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+        self._log = open(log_path, "w")
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        try:
+            wait_healthy(base_url, health_timeout_s, self.proc)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            for sig, wait in ((signal.SIGINT, 30), (signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+                try:
+                    os.killpg(self.proc.pid, sig)  # our own process group (start_new_session)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        self._log.close()
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            with open(self.log_path) as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+
+def _requests_for_rate(w: Workload, rate: Optional[float], index: int, fresh_ids: bool,
+                       vocab_size: Optional[int]) -> list[BenchRequest]:
+    """The workload's requests with arrivals at `rate`; with fresh_ids, the same prompt and output
+    lengths but other token ids (seed + 1000 x index), so an earlier rate's prefix cache cannot help."""
+    import random
+
+    reqs = generate_requests(replace(w, request_rate=None), vocab_size)
+    if fresh_ids:
+        rng = random.Random(w.seed + 1000 * index)
+        top = w.max_token_id if vocab_size is None else min(w.max_token_id, vocab_size - 1)
+        reqs = [replace(r, prompt_token_ids=[rng.randint(0, top) for _ in r.prompt_token_ids]) for r in reqs]
+    arrivals = poisson_arrivals(len(reqs), rate, w.seed)
+    return [replace(r, arrival_time=a) for r, a in zip(reqs, arrivals)]
+
+
+def _vocab_size(model: str) -> Optional[int]:
+    from tokenmill.models.presets import PRESETS
+
+    p = PRESETS.get(model.lower())
+    return int(p["vocab_size"]) if p else None
+
+
+def _device_name(device: Optional[str]) -> str:
+    """The GPU the server ran on (asked after the server has stopped, so the client's own CUDA
+    context never competes with the server for memory)."""
+    if device is not None and str(device).startswith("cpu"):
+        from tokenmill.bench.roofline import device_name
+
+        return device_name("cpu")
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:
+        pass
+    return "unknown (server side)"
+
+
+def run(args, log=None) -> dict:
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    from tokenmill.bench.common import resolve_workload
+
+    w = resolve_workload(args, "serve-8b")
+    if args.rates:
+        rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    else:
+        rates = [args.request_rate if args.request_rate is not None else (w.request_rate or float("inf"))]
+    server = None
+    base_url = args.base_url
+    if args.launch:
+        port = args.port or free_port()
+        base_url = f"http://127.0.0.1:{port}"
+        cmd = server_command(args, w, port)
+        log_path = os.path.join(args.out, report.result_stem("server", w.name, args.tag) + ".log")
+        log(f"launching: {' '.join(shlex.quote(c) for c in cmd)} (log: {log_path})")
+        t0 = time.perf_counter()
+        server = LaunchedServer(cmd, base_url, log_path, args.server_timeout)
+        log(f"server healthy after {time.perf_counter() - t0:.1f} s")
+    elif not base_url:
+        raise SystemExit("bench serve needs --launch or --base-url")
+    try:
+        model = served_model_name(base_url, w.model)
+        vocab = _vocab_size(w.model)
+        if args.warmup_requests > 0:
+            warm = _requests_for_rate(w, None, 99, True, vocab)[: args.warmup_requests]
+            warm = [replace(r, max_tokens=min(r.max_tokens, 16)) for r in warm]
+            records, _ = asyncio.run(run_load(base_url, model, warm, w.temperature))
+            bad = [r.error for r in records if not r.ok]
+            if bad:
+                raise RuntimeError(f"warm-up requests failed: {bad[0]}")
+        per_rate = []
+        for i, rate in enumerate(rates):
+            status = _post(base_url.rstrip("/") + "/reset_prefix_cache")
+            fresh = i > 0 and status != 200
+            reqs = _requests_for_rate(w, rate, i, fresh, vocab)
+            log(f"rate {rate} req/s: {len(reqs)} requests"
+                + (f", max concurrency {args.max_concurrency}" if args.max_concurrency else ""))
+            records, duration = asyncio.run(run_load(base_url, model, reqs, w.temperature, args.max_concurrency,
+                                                     args.request_timeout))
+            s = summarize_records(records, duration)
+            per_rate.append({"request_rate": rate if rate != float("inf") else "inf", "max_concurrency": args.max_concurrency,
+                             "prefix_cache_reset": status == 200, "fresh_token_ids": fresh, "summary": s,
+                             "ttft_ms": [1e3 * (r.token_times[0] - r.send_time) if r.token_times else None
+                                         for r in records] if args.keep_requests else None})
+            log(f"  {s['completed']} ok, {s['failed']} failed in {duration:.1f} s: {s['output_tok_per_s'] or 0:.0f} "
+                f"output tok/s, {s['requests_per_s'] or 0:.2f} req/s; TTFT p50/p90/p99 "
+                f"{s['ttft_ms_p50'] or 0:.0f}/{s['ttft_ms_p90'] or 0:.0f}/{s['ttft_ms_p99'] or 0:.0f} ms; ITL "
+                f"p50/p90/p99 {s['itl_ms_p50'] or 0:.1f}/{s['itl_ms_p90'] or 0:.1f}/{s['itl_ms_p99'] or 0:.1f} ms")
+            if s["errors"]:
+                log(f"  errors: {s['errors']}")
+    except BaseException:
+        if server is not None:
+            log("server log tail:\n" + server.tail())
+        raise
+    finally:
+        if server is not None:
+            server.stop()
+    result = report.metadata("serve")
+    result.update({"tag": args.tag, "workload": w.to_dict(), "model": w.model, "dtype": w.dtype,
+                   "device": None, "device_name": _device_name(args.device), "base_url": base_url,
+                   "launched": bool(args.launch), "server_command": server.cmd if server else None,
+                   "ceilings": None, "roofline": None, "rates": per_rate,
+                   "results": {"rates": per_rate}})
+    best = max(per_rate, key=lambda r: r["summary"]["output_tok_per_s"] or 0)
+    result["summary"] = {"output_tok_per_s": best["summary"]["output_tok_per_s"], "rates": rates}
+    return result
+
+
+def print_summary(result: dict, out=sys.stdout) -> None:
+    from tokenmill.bench.report import format_table, summary_rows
+
+    print(format_table(summary_rows({"results": [result]})), file=out)
