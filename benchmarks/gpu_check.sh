@@ -97,9 +97,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 for phase in $PHASES; do
     case "$phase" in
         tests)
-            dirs=()
-            for d in tests/kernels tests/gpu; do [ -d "$d" ] && dirs+=("$d"); done
-            run_phase tests "$PY" -m pytest -q -m gpu "${dirs[@]}" --junitxml "$OUT/gpu_tests.xml" -p no:cacheprovider ;;
+            # Kernel tests in parallel processes (their time is mostly Triton compiles); the runner
+            # tests serially (one of them checks how much device memory the engine takes).
+            run_phase kernel-tests "$PY" -m pytest -q -m gpu -n 6 tests/kernels --junitxml "$OUT/gpu_kernel_tests.xml" \
+                -p no:cacheprovider
+            run_phase runner-tests "$PY" -m pytest -q -m gpu tests/gpu --junitxml "$OUT/gpu_tests.xml" \
+                -p no:cacheprovider ;;
         kernels)
             run_phase kernels "$PY" benchmarks/kernel_bench.py --quick --out "$OUT/kernel_bench.json" ;;
         small)
