@@ -1,0 +1,123 @@
+"""Server test helpers: start `tokenmill serve` as a real subprocess on a free loopback port."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+
+# Small engine settings: the embedded model decodes only a few steps per second on a CPU.
+SMALL_ENGINE = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "512", "--max-num-seqs", "64"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], api_key: Optional[str] = None, env: Optional[dict] = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.base_url = self.url + "/v1"
+        self.api_key = api_key
+        self.log_file = tempfile.NamedTemporaryFile("w+", prefix="tokenmill-serve-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", *args, "--port", str(self.port)]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        full_env = dict(os.environ, **(env or {}))
+        full_env.pop("TOKENMILL_API_KEY", None)
+        self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=full_env)
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log(self) -> str:
+        with open(self.log_file.name) as f:
+            return f.read()
+
+    def wait_ready(self, timeout: float = 300.0) -> "ServerProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"the server did not become ready in {timeout:.0f} s:\n{self.log()[-4000:]}")
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self) -> Optional[int]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log_file.close()
+        return self.proc.returncode
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """The /metrics samples, by name (labels dropped; first sample of each name)."""
+        text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=10).text
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            m = re.match(r"^([^{\s]+)(\{[^}]*\})?\s+(\S+)$", line)
+            if m:
+                key = m.group(1)
+                if "finished_reason=" in (m.group(2) or ""):
+                    key += "{" + re.search(r'finished_reason="(\w+)"', m.group(2)).group(1) + "}"
+                values.setdefault(key, float(m.group(3)))
+        return values
+
+    def wait_idle(self, timeout: float = 60.0) -> dict[str, float]:
+        """Wait until no request runs or waits and the KV cache is empty; returns the metrics then."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = (m["tokenmill:num_active_requests"] == 0 and m["tokenmill:num_requests_running"] == 0
+                    and m["tokenmill:num_requests_waiting"] == 0 and m["tokenmill:kv_cache_usage_perc"] == 0)
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def start_server():
+    """Start servers for a module; all are stopped at its end."""
+    servers: list[ServerProcess] = []
+
+    def start(args: list[str], api_key: Optional[str] = None, env: Optional[dict] = None) -> ServerProcess:
+        server = ServerProcess(args, api_key=api_key, env=env)
+        servers.append(server)
+        return server.wait_ready()
+
+    yield start
+    for server in servers:
+        server.stop()

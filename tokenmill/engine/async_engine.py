@@ -1,0 +1,418 @@
+"""AsyncLLMEngine: the engine on a thread of its own, fed by many asyncio handlers.
+
+The LLMEngine is not thread-safe, so exactly one thread (the engine thread) touches it: tokenizing,
+rendering chat templates, validating, adding, aborting and stepping. Handlers on the event loop talk
+to it through a thread-safe command queue (submit / abort / call / stop) and get their outputs back through
+one asyncio queue per request; the engine thread hands each step's outputs to the event loop in a
+single `loop.call_soon_threadsafe` call. With no work, the engine thread blocks on the command queue
+(it does not spin).
+
+A submission is a *group* of prompts sharing one SamplingParams (the OpenAI completions API takes a
+list of prompts); each prompt becomes one engine request. The group is validated as a whole on the
+engine thread before anything is queued, so an invalid prompt refuses the whole submission and is
+reported to that submission only; the loop keeps serving everyone else.
+"""
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.errors import InvalidRequestError, TokenmillError
+from tokenmill.logger import init_logger
+from tokenmill.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+# Runs on the engine thread; returns, per prompt, (prompt text or None, prompt token ids).
+PrepareFn = Callable[[LLMEngine], list[tuple[Optional[str], list[int]]]]
+
+
+class EngineOverloadedError(TokenmillError):
+    """The waiting queue is past its bound; the client should retry later."""
+
+
+class EngineDeadError(TokenmillError):
+    """The engine thread has stopped (shutdown) or failed; no request can be served."""
+
+
+@dataclass
+class PromptInfo:
+    text: Optional[str]
+    token_ids: list[int]
+
+
+@dataclass
+class ServerStats:
+    """A snapshot the engine thread publishes after every step; safe to read from any thread."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # prompt (and recomputed) tokens prefilled so far
+    generation_tokens: int = 0
+    num_active_groups: int = 0  # submissions not yet finished
+    num_steps: int = 0
+
+
+class RequestAborted(TokenmillError):
+    """The submission was aborted (its consumer gave up)."""
+
+
+class RequestStream:
+    """What one submission gets back: first the accepted prompts (or the error that refused them),
+    then (prompt index, RequestOutput) pairs until every prompt's request has finished.
+
+    Used on the event loop only. Call `abort()` when the consumer gives up: idempotent, and free
+    once the stream has finished.
+    """
+
+    def __init__(self, engine: "AsyncLLMEngine", request_id: str):
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._remaining: Optional[int] = None
+        self._aborted = False
+        self.prompts: list[PromptInfo] = []
+        self.finished = False  # every output (or an error) has been read
+
+    async def accepted(self) -> list[PromptInfo]:
+        """Wait until the engine thread has validated and queued the prompts; raises the error that
+        refused them (InvalidRequestError, EngineOverloadedError, EngineDeadError)."""
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.prompts = item
+        self._remaining = len(item)
+        return item
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if self.finished:
+            raise StopAsyncIteration
+        if self._remaining is None:
+            await self.accepted()
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item[1].finished:
+            self._remaining -= 1
+            if self._remaining == 0:
+                self.finished = True
+        return item
+
+    def fail(self, error: BaseException) -> None:
+        """Make the consumer's next read raise `error` (e.g. when its client disconnected)."""
+        self._queue.put_nowait(error)
+
+    def abort(self) -> None:
+        if not self.finished and not self._aborted:
+            self._aborted = True
+            self._engine.abort(self.request_id)
+            self._queue.put_nowait(RequestAborted(f"request {self.request_id} was aborted"))
+
+
+@dataclass
+class _Group:
+    """Engine-thread bookkeeping of one submission."""
+
+    stream: RequestStream
+    sub_ids: list[str]
+    arrival: float
+    remaining: int
+    # per engine request: per sample [tokens seen, time of the last one]; and whether TTFT was observed
+    progress: dict[str, list[list[float]]] = field(default_factory=dict)
+    first_seen: set = field(default_factory=set)
+
+
+class AsyncLLMEngine:
+    """Drive an LLMEngine from asyncio code.
+
+    `observer` (optional) receives, on the engine thread, `first_token(seconds)` once per engine
+    request, `inter_token(seconds)` per later token of each sample, and `finished(output, seconds)`
+    per engine request (aborted ones included). It must be cheap and thread-safe.
+    """
+
+    def __init__(self, engine: LLMEngine, *, max_waiting: Optional[int] = None, observer: Any = None):
+        self.engine = engine
+        self.max_waiting = max_waiting if max_waiting and max_waiting > 0 else None
+        self.observer = observer
+        # Facts about the model that never change, readable from any thread.
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.has_tokenizer = engine.tokenizer is not None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._ids = itertools.count()
+        self._stopping = False
+        self.error: Optional[BaseException] = None  # set if the engine thread died
+        # Engine-thread state.
+        self._groups: dict[str, _Group] = {}
+        self._group_of: dict[str, tuple[str, int]] = {}  # engine request id -> (group id, prompt index)
+        self._deliveries: list[tuple[Any, Any]] = []  # (RequestStream or call future, item)
+        self._needs_step = False
+        self._num_steps = 0
+        self._stats = self._snapshot()
+
+    # ---- lifecycle (event loop side) -------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume the outputs."""
+        if self._thread is not None:
+            raise RuntimeError("the engine is already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Abort whatever is still running and stop the engine thread."""
+        if self._thread is None:
+            return
+        if not self._stopping:
+            self._stopping = True
+            self._commands.put(("stop",))
+        await asyncio.to_thread(self._thread.join, timeout)
+        if self._thread.is_alive():
+            logger.warning("the engine thread did not stop within %.0f s", timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None and not self._stopping
+
+    @property
+    def stats(self) -> ServerStats:
+        return self._stats
+
+    # ---- requests (event loop side) ----------------------------------------------------------
+    def submit(self, prepare: PrepareFn, params: SamplingParams, request_id: Optional[str] = None) -> RequestStream:
+        """Queue a submission; `await stream.accepted()` to learn whether it was taken."""
+        stream = RequestStream(self, request_id or f"req-{next(self._ids)}")
+        if not self.is_running:
+            stream.fail(self._dead_error())
+            return stream
+        self._commands.put(("add", stream, prepare, params, time.monotonic()))
+        if not self._thread.is_alive():  # it ended meanwhile and may not have seen the command
+            stream.fail(self._dead_error())
+        return stream
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread, between steps; returns its result or raises its error."""
+        if not self.is_running:
+            raise self._dead_error()
+        future = self._loop.create_future()
+        self._commands.put(("call", fn, future))
+        if not self._thread.is_alive():
+            raise self._dead_error()
+        return await future
+
+    def abort(self, request_id: str) -> None:
+        """Abort a submission (all its prompts); its KV blocks go back to the pool. Thread-safe."""
+        if self._thread is not None and self._thread.is_alive():
+            self._commands.put(("abort", request_id))
+
+    def _dead_error(self) -> EngineDeadError:
+        if self.error is not None:
+            return EngineDeadError(f"the engine has failed: {self.error!r}")
+        return EngineDeadError("the server is shutting down")
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                idle = not engine.has_unfinished_requests() and not self._needs_step
+                stop = False
+                for command in self._take_commands(block=idle):
+                    if command[0] == "add":
+                        self._add(*command[1:])
+                    elif command[0] == "abort":
+                        self._abort(command[1])
+                    elif command[0] == "call":
+                        self._call(*command[1:])
+                    elif command[0] == "stop":
+                        stop = True
+                if stop:
+                    self._shutdown()
+                    return
+                if engine.has_unfinished_requests() or self._needs_step:
+                    self._needs_step = False
+                    outputs = engine.step()
+                    self._num_steps += 1
+                    self._dispatch(outputs)
+                self._stats = self._snapshot()
+                self._flush()
+        except BaseException as e:  # a bug in the engine: fail everyone, loudly
+            logger.exception("the engine thread failed")
+            self.error = e
+            for group in self._groups.values():
+                self._deliveries.append((group.stream, self._dead_error()))
+            self._groups.clear()
+            self._group_of.clear()
+            self._refuse_queued(self._dead_error())
+            self._flush()
+
+    def _refuse_queued(self, error: EngineDeadError) -> None:
+        """Answer the submissions and calls still queued (the thread is about to end)."""
+        for command in self._take_commands(block=False):
+            if command[0] == "add":
+                self._deliveries.append((command[1], error))
+            elif command[0] == "call":
+                self._deliveries.append((command[2], error))
+
+    def _take_commands(self, block: bool) -> list[tuple]:
+        commands = []
+        if block:
+            commands.append(self._commands.get())
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _add(self, stream: RequestStream, prepare: PrepareFn, params: SamplingParams, arrival: float) -> None:
+        engine = self.engine
+        if stream.request_id in self._groups:
+            self._deliveries.append((stream, InvalidRequestError(f"request id {stream.request_id!r} is in use")))
+            return
+        added: list[str] = []
+        try:
+            # engine.tokenize checks token ids against the vocabulary (validate does not)
+            prompts = [(text, engine.tokenize(list(ids))) for text, ids in prepare(engine)]
+            if not prompts:
+                raise InvalidRequestError("no prompt was given")
+            for _, ids in prompts:  # validate everything before queueing anything
+                engine.validate(ids, params)
+            if self.max_waiting is not None and len(engine.scheduler.waiting) >= self.max_waiting:
+                raise EngineOverloadedError(
+                    f"the server is overloaded ({len(engine.scheduler.waiting)} requests waiting); retry later")
+            single = len(prompts) == 1
+            sub_ids = [stream.request_id if single else f"{stream.request_id}-{i}" for i in range(len(prompts))]
+            for sub_id, (text, ids) in zip(sub_ids, prompts):
+                engine.add_request(text, params, request_id=sub_id, prompt_ids=ids)
+                added.append(sub_id)
+        except (InvalidRequestError, EngineOverloadedError) as e:
+            for sub_id in added:
+                engine.abort_request(sub_id)
+            self._needs_step = self._needs_step or bool(added)
+            self._deliveries.append((stream, e))
+            return
+        except Exception as e:  # e.g. a chat template or tokenizer failing in an unexpected way
+            logger.exception("could not add request %s", stream.request_id)
+            for sub_id in added:
+                engine.abort_request(sub_id)
+            self._needs_step = self._needs_step or bool(added)
+            self._deliveries.append((stream, InvalidRequestError(f"the request could not be processed: {e}")))
+            return
+        group = _Group(stream, sub_ids, arrival, len(sub_ids))
+        self._groups[stream.request_id] = group
+        for i, sub_id in enumerate(sub_ids):
+            self._group_of[sub_id] = (stream.request_id, i)
+            group.progress[sub_id] = [[0, arrival] for _ in range(params.n)]
+        self._deliveries.append((stream, [PromptInfo(text, list(ids)) for text, ids in prompts]))
+
+    def _call(self, fn: Callable[[LLMEngine], Any], future: asyncio.Future) -> None:
+        try:
+            result = fn(self.engine)
+        except Exception as e:
+            result = e
+        self._deliveries.append((future, result))
+        self._needs_step = True
+
+    def _abort(self, request_id: str) -> None:
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return  # finished already, or never accepted
+        now = time.monotonic()
+        for sub_id in group.sub_ids:
+            if self._group_of.pop(sub_id, None) is None:
+                continue  # this prompt had finished
+            out = self.engine.abort_request(sub_id)
+            if out is not None and self.observer is not None:
+                self.observer.finished(out, now - group.arrival)
+        self._needs_step = True  # let the engine release runner rows even if it is now idle
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        observer = self.observer
+        for out in outputs:
+            where = self._group_of.get(out.request_id)
+            if where is None:
+                continue  # aborted meanwhile
+            group = self._groups[where[0]]
+            if observer is not None:
+                progress = group.progress[out.request_id]
+                for c in out.outputs:
+                    seen = progress[c.index]
+                    new = len(c.token_ids) - seen[0]
+                    if new <= 0:
+                        continue
+                    if seen[0] == 0 and out.request_id not in group.first_seen:
+                        group.first_seen.add(out.request_id)
+                        observer.first_token(now - group.arrival)
+                    elif seen[0] > 0:
+                        gap = (now - seen[1]) / new
+                        for _ in range(new):
+                            observer.inter_token(gap)
+                    seen[0], seen[1] = len(c.token_ids), now
+            self._deliveries.append((group.stream, where[1:] + (out,)))
+            if out.finished:
+                del self._group_of[out.request_id]
+                group.remaining -= 1
+                if observer is not None:
+                    observer.finished(out, now - group.arrival)
+                if group.remaining == 0:
+                    del self._groups[where[0]]
+
+    def _shutdown(self) -> None:
+        for request_id in list(self._groups):
+            stream = self._groups[request_id].stream
+            self._abort(request_id)
+            self._deliveries.append((stream, EngineDeadError("the server is shutting down")))
+        self._refuse_queued(EngineDeadError("the server is shutting down"))  # anything behind the stop
+        for _ in range(1000):
+            if not self.engine.has_unfinished_requests():
+                break
+            self.engine.step()
+        self.engine.step()  # releases the runner rows of what was aborted
+        self._stats = self._snapshot()
+        self._flush()
+
+    def _snapshot(self) -> ServerStats:
+        s = self.engine.stats()
+        kv = self.engine.kv
+        return ServerStats(s.num_running, s.num_waiting, s.kv_cache_usage, kv.num_free_blocks, kv.num_blocks,
+                           s.prefix_cache_hit_rate, s.num_preemptions, s.prompt_tokens, s.generation_tokens,
+                           len(self._groups), self._num_steps)
+
+    def _flush(self) -> None:
+        if not self._deliveries:
+            return
+        batch, self._deliveries = self._deliveries, []
+        try:
+            self._loop.call_soon_threadsafe(_deliver, batch)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+def _deliver(batch: list[tuple[Any, Any]]) -> None:
+    for target, item in batch:
+        if isinstance(target, RequestStream):
+            target._queue.put_nowait(item)
+        elif not target.done():  # a call's future
+            if isinstance(item, BaseException):
+                target.set_exception(item)
+            else:
+                target.set_result(item)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`tokenmill serve`); needs the `serve` extra."""

@@ -1,0 +1,109 @@
+"""Prometheus metrics, in a registry of the app's own (so several apps never share state).
+
+Names follow vLLM's conventions with a `tokenmill:` prefix. Engine state (running/waiting requests,
+KV-cache usage, prefix-cache hit rate, preemptions) is read at scrape time from the snapshot the
+engine thread publishes; latencies and token counts are observed by the engine thread as outputs
+come out (prometheus_client is thread-safe).
+"""
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engine.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineStateCollector:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    def describe(self):
+        return []  # dynamic: don't let the registry call collect() at registration
+
+    def collect(self):
+        s = self.engine.stats
+        labels = ["model_name"]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric([self.model_name], value)
+            return g
+
+        yield gauge("tokenmill:num_requests_running", "Requests (samples) in the running batch.", s.num_running)
+        yield gauge("tokenmill:num_requests_waiting", "Requests (samples) waiting to be scheduled.", s.num_waiting)
+        yield gauge("tokenmill:kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0..1).",
+                    s.kv_cache_usage)
+        yield gauge("tokenmill:num_kv_blocks_free", "Free KV-cache blocks (cached-but-unused count as free).",
+                    s.num_free_blocks)
+        yield gauge("tokenmill:num_kv_blocks", "KV-cache blocks in all.", s.num_blocks)
+        yield gauge("tokenmill:prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up.",
+                    s.prefix_cache_hit_rate)
+        yield gauge("tokenmill:num_active_requests", "HTTP-level requests not yet finished.", s.num_active_groups)
+        c = CounterMetricFamily("tokenmill:num_preemptions", "Requests preempted (recomputed later).", labels=labels)
+        c.add_metric([self.model_name], s.num_preemptions)
+        yield c
+        c = CounterMetricFamily("tokenmill:engine_steps", "Engine steps run.", labels=labels)
+        c.add_metric([self.model_name], s.num_steps)
+        yield c
+
+
+class ServerMetrics:
+    """Also the AsyncLLMEngine's observer (first_token / inter_token / finished)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=False)
+        r, lbl = self.registry, ["model_name"]
+        self.ttft = Histogram("tokenmill:time_to_first_token_seconds", "Time from arrival to the first token.",
+                              lbl, buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("tokenmill:inter_token_latency_seconds", "Time between successive tokens of a sample.",
+                             lbl, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("tokenmill:e2e_request_latency_seconds", "Time from arrival to the end of a request.",
+                             lbl, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens of finished requests.", lbl,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated.", lbl,
+                                         registry=r).labels(model_name)
+        self._success = Counter("tokenmill:request_success", "Finished samples by finish reason.",
+                                lbl + ["finished_reason"], registry=r)
+        self._rejected = Counter("tokenmill:request_rejected", "Requests refused before running, by reason.",
+                                 lbl + ["reason"], registry=r)
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name, reason)
+        for reason in ("invalid", "overloaded", "unavailable"):
+            self._rejected.labels(model_name, reason)
+
+    def attach(self, engine: AsyncLLMEngine) -> None:
+        self.registry.register(_EngineStateCollector(engine, self.model_name))
+        engine.observer = self
+
+    # ---- the engine thread's observer interface ----------------------------------------------
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def finished(self, output: RequestOutput, seconds: float) -> None:
+        self.e2e.observe(seconds)
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        for c in output.outputs:
+            self.generation_tokens.inc(len(c.token_ids))
+            self._success.labels(self.model_name, c.finish_reason or "abort").inc()
+
+    # ---- handlers ---------------------------------------------------------------------------
+    def rejected(self, reason: str) -> None:
+        self._rejected.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

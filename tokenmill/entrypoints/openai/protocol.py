@@ -1,0 +1,88 @@
+"""Request bodies of the OpenAI-compatible API, as pydantic models (they also make the OpenAPI schema).
+
+Field names, defaults and meanings follow OpenAI's public API reference. Fields OpenAI does not
+have (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
+include_stop_str_in_output, add_generation_prompt) are extensions with the same names vLLM uses.
+Unknown fields are ignored, so newer clients keep working. Bounds that protect the engine (integers
+that must fit its int64 tables, the number of choices) are enforced here; the rest is checked by
+SamplingParams and the engine, which know the model.
+"""
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenmill.sampling_params import MAX_LOGPROBS
+
+MAX_N = 128  # choices per prompt
+INT32_MAX = 2**31 - 1
+INT64_MIN = -(2**63)
+UINT64_MAX = 2**64 - 1
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: Optional[bool] = False
+
+
+class _SamplingFields(OpenAIModel):
+    """What completions and chat completions share."""
+
+    model: Optional[str] = Field(None, description="a served model name; default: the first one")
+    temperature: Optional[float] = Field(None, ge=0, description="0 is greedy; default 1")
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N, description="choices to generate for each prompt")
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[str, list[str]]] = Field(None, description="up to 32 stop strings")
+    seed: Optional[int] = Field(None, ge=INT64_MIN, le=UINT64_MAX)
+    presence_penalty: Optional[float] = Field(0.0, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(0.0, ge=-2, le=2)
+    logit_bias: Optional[dict[str, float]] = Field(None, description="token id (as a string) -> bias in [-100, 100]")
+    user: Optional[str] = None
+    # Extensions (vLLM's names).
+    top_k: Optional[int] = Field(None, ge=-1, le=INT32_MAX, description="0 or -1: off")
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    repetition_penalty: Optional[float] = Field(None, gt=0)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
+        ..., description="a string, a list of strings, a list of token ids, or a list of token-id lists")
+    max_tokens: Optional[int] = Field(16, description="tokens to generate per choice; null: up to the context")
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: Optional[bool] = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+class ContentPart(OpenAIModel):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: Optional[int] = Field(None, description="deprecated by OpenAI for max_completion_tokens")
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    # Extension: render the template without the assistant header (vLLM's name).
+    add_generation_prompt: bool = True

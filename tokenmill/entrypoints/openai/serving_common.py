@@ -1,0 +1,161 @@
+"""What the completions and chat handlers share: model check, sampling parameters, submission,
+server-sent events, and following a request to its end while watching for the client leaving."""
+
+import asyncio
+import json
+import time
+import uuid
+from typing import AsyncIterator, Callable, Optional
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+
+from tokenmill.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineOverloadedError, PrepareFn,
+                                           PromptInfo, RequestStream)
+from tokenmill.engine.outputs import Logprob, RequestOutput
+from tokenmill.entrypoints.openai.errors import APIError
+from tokenmill.entrypoints.openai.metrics import ServerMetrics
+from tokenmill.entrypoints.openai.protocol import _SamplingFields
+from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling_params import SamplingParams
+
+MAX_STOP_STRINGS = 32
+_SEED_MASK = (1 << 63) - 1
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], metrics: Optional[ServerMetrics]):
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.metrics = metrics
+
+    def model_name(self, requested: Optional[str]) -> str:
+        if requested is None or requested == "":
+            return self.served_model_names[0]
+        if requested not in self.served_model_names:
+            raise APIError(404, f"the model `{requested}` does not exist; this server serves "
+                                f"{', '.join(self.served_model_names)}", param="model", code="model_not_found")
+        return requested
+
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    @staticmethod
+    def sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+        """Map the OpenAI fields (and extensions) to SamplingParams; raises InvalidRequestError."""
+        stop = req.stop
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
+        seed = None if req.seed is None else req.seed & _SEED_MASK  # any int64/uint64 -> the engine's range
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=stop or None,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            logit_bias=req.logit_bias or None,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+
+    async def submit(self, prepare: PrepareFn, params: SamplingParams, request_id: str
+                     ) -> tuple[RequestStream, list[PromptInfo]]:
+        """Queue on the engine thread; returns once the prompts are validated and queued."""
+        stream = self.engine.submit(prepare, params, request_id)
+        try:
+            prompts = await stream.accepted()
+        except BaseException as e:
+            stream.abort()
+            if self.metrics is not None:
+                reason = ("invalid" if isinstance(e, InvalidRequestError) else "overloaded"
+                          if isinstance(e, EngineOverloadedError) else "unavailable"
+                          if isinstance(e, EngineDeadError) else None)
+                if reason:
+                    self.metrics.rejected(reason)
+            raise
+        return stream, prompts
+
+    @staticmethod
+    async def collect(stream: RequestStream, raw_request: Request) -> dict[int, RequestOutput]:
+        """Follow a non-streamed request to its end; the final output of each prompt, by prompt index.
+        A client that disconnects meanwhile aborts the request (and frees its KV blocks)."""
+        watcher = asyncio.create_task(_watch_disconnect(raw_request, stream))
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for index, output in stream:
+                if output.finished:
+                    finals[index] = output
+        except ClientDisconnected:
+            raise APIError(499, "the client closed the connection", code="client_closed_request") from None
+        finally:
+            watcher.cancel()
+            stream.abort()  # no-op once finished
+        return finals
+
+
+async def _watch_disconnect(raw_request: Request, stream: RequestStream) -> None:
+    try:
+        while True:
+            message = await raw_request.receive()
+            if message["type"] == "http.disconnect":
+                break
+    except Exception:
+        return
+    stream.fail(ClientDisconnected())
+    stream.abort()
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events; `on_close` runs however the response ends (done, client gone, cancelled)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def clamp_logprob(value: float) -> float:
+    return max(value, _MIN_LOGPROB) if value == value else _MIN_LOGPROB
+
+
+def token_str(token_id: int, lp: Logprob) -> str:
+    """How a token is shown in logprobs; `token_id:N` when the model has no tokenizer (vLLM's form)."""
+    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token_id}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
