@@ -143,7 +143,7 @@ def test_errors_through_the_client(client):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="context length"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=10**9)
-    with pytest.raises(openai.BadRequestError, match="n"):
+    with pytest.raises(openai.BadRequestError, match="greater than or equal to 1"):
         client.completions.create(model=MODEL, prompt="x", n=-1)
 
 
