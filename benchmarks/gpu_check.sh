@@ -42,6 +42,12 @@ BENCH_ARGS=${BENCH_ARGS:-}
 MARGIN_S=25
 
 mkdir -p "$OUT"
+# The server's dependencies are not on the GPU machine: install the wheels carried in .whl/
+# (benchmarks/fetch_server_wheels.sh downloads them).
+if compgen -G ".whl/*.whl" > /dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tm-site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/tm-site"
+fi
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/tokenmill-gpu-check.XXXXXX")
 RES="$WORK/results"
 mkdir -p "$RES"
@@ -96,13 +102,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 
 for phase in $PHASES; do
     case "$phase" in
-        tests)
+        tests|ktests|rtests)
             # Kernel tests in parallel processes (their time is mostly Triton compiles); the runner
             # tests serially (one of them checks how much device memory the engine takes).
-            run_phase kernel-tests "$PY" -m pytest -q -m gpu -n 6 tests/kernels --junitxml "$OUT/gpu_kernel_tests.xml" \
-                -p no:cacheprovider
-            run_phase runner-tests "$PY" -m pytest -q -m gpu tests/gpu --junitxml "$OUT/gpu_tests.xml" \
-                -p no:cacheprovider ;;
+            [ "$phase" != rtests ] && run_phase kernel-tests "$PY" -m pytest -q -m gpu -n 6 tests/kernels \
+                --junitxml "$OUT/gpu_kernel_tests.xml" -p no:cacheprovider
+            [ "$phase" != ktests ] && run_phase runner-tests "$PY" -m pytest -q -m gpu tests/gpu \
+                --junitxml "$OUT/gpu_tests.xml" -p no:cacheprovider ;;
         kernels)
             run_phase kernels "$PY" benchmarks/kernel_bench.py --quick --out "$OUT/kernel_bench.json" ;;
         small)

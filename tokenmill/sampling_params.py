@@ -3,6 +3,7 @@
 Shared by the engine (stopping, detokenizing) and the runner (the sampler), so it lives below both.
 """
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Optional, Union
 
@@ -55,18 +56,23 @@ class SamplingParams:
         def is_int(x) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                bad(f"{name} must be a finite number, got {value!r}")
+
         if not is_int(self.n) or self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n!r}")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             bad(f"temperature must be >= 0, got {self.temperature!r}")
-        if not is_int(self.top_k) or self.top_k < 0:
-            bad(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if not is_int(self.top_k) or not 0 <= self.top_k < 2**31:
+            bad(f"top_k must be -1, 0 (off) or a positive integer below 2**31, got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             bad(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
             bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not is_int(self.seed):
-            bad(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not is_int(self.seed) or not -2**63 <= self.seed < 2**64):
+            bad(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             bad(f"max_tokens must be at least 1, got {self.max_tokens!r}")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
@@ -86,6 +92,8 @@ class SamplingParams:
             if not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
                 bad(f"{name} must be in [-2, 2], got {value!r}")
         if self.logit_bias is not None:
+            if any(not math.isfinite(v) for v in self.logit_bias.values()):
+                bad("logit_bias values must be finite numbers")
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
                 bad(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries")
             if any(t < 0 for t in self.logit_bias) or any(not -100 <= v <= 100 for v in self.logit_bias.values()):

@@ -23,6 +23,11 @@ BAD_PARAMS = [
     (dict(min_tokens=10, max_tokens=5), "min_tokens"),
     (dict(presence_penalty=5.0), "presence_penalty must be in"),
     (dict(stop=[""]), "stop must be a non-empty string"),
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(top_p=float("inf")), "top_p must be a finite number"),
+    (dict(seed=2**64), "seed must be an integer in"),
+    (dict(top_k=2**40), "top_k must be"),
+    (dict(logit_bias={3: float("nan")}), "logit_bias values must be finite"),
 ]
 
 
@@ -48,6 +53,7 @@ def test_bad_requests_leave_the_engine_serving(llm):
         ("word " * 600, SamplingParams(), "context length is 512"),
         ("hi", SamplingParams(max_tokens=600), "exceeds the context length of 512"),
         ([1, 2, 10**7], SamplingParams(), "outside the vocabulary"),
+        ("hi", SamplingParams(max_tokens=None, min_tokens=600), "min_tokens \\(600\\) exceeds"),
         ("hi", SamplingParams(logit_bias={10**7: 1.0}), "outside the vocabulary"),
         ("hi", {"temperature": 0}, "must be SamplingParams"),
         (3.14, SamplingParams(), "string or a list of token ids"),
@@ -58,6 +64,12 @@ def test_bad_requests_leave_the_engine_serving(llm):
             engine.add_request(prompt, params)
         for o in engine.step():  # the good request keeps going between the failures
             outputs[o.request_id] = o
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outputs[o.request_id] = o
+    for ids in ([5, 10**7], [-1], [True, 3]):  # token ids given directly are checked too
+        with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+            engine.add_request(None, SamplingParams(), prompt_ids=ids)
     while engine.has_unfinished_requests():
         for o in engine.step():
             outputs[o.request_id] = o

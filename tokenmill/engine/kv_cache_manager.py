@@ -66,6 +66,10 @@ class KVCacheManager:
     # ---- allocation -----------------------------------------------------------------------
     def allocate(self, request: Request, num_new_tokens: int, cached_blocks: Optional[list[int]] = None) -> bool:
         """Blocks for num_new_tokens more tokens (after any cached prefix). False if they don't fit."""
+        if not cached_blocks and request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * self.block_size:
+            # The common decode case: the new tokens fit the blocks the request already holds.
+            self._cache_full_blocks(request, min(request.num_computed_tokens + num_new_tokens, request.num_tokens))
+            return True
         cached_blocks = cached_blocks or []
         computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
         needed = cdiv(computed + num_new_tokens, self.block_size) - len(request.block_ids) - len(cached_blocks)

@@ -92,13 +92,16 @@ class LLMEngine:
             ids = list(prompt)
         else:
             raise InvalidRequestError("a prompt must be a string or a list of token ids")
+        self._check_prompt_ids(ids)
+        return ids
+
+    def _check_prompt_ids(self, ids: list[int]) -> None:
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         vocab = self.loaded.arch.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab})")
-        return ids
+            raise InvalidRequestError(f"prompt token id {bad[0]!r} is outside the vocabulary (size {vocab})")
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Checks that need the model; returns the resolved max_tokens."""
@@ -106,10 +109,14 @@ class LLMEngine:
             raise InvalidRequestError(f"sampling parameters must be SamplingParams, got {type(params).__name__}")
         params.validate()
         params.check_vocab(self.loaded.arch.vocab_size)
+        self._check_prompt_ids(prompt_ids)
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt_ids)} tokens, but the context length is {self.max_model_len}")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
+        if params.min_tokens > max_tokens:
+            raise InvalidRequestError(f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens the "
+                                      "context leaves for output")
         self.scheduler.check_fits(len(prompt_ids), max_tokens)
         return max_tokens
 
@@ -124,7 +131,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         eos = set() if params.ignore_eos else set(self.loaded.eos_token_ids)
         stop_ids = frozenset(eos | set(params.stop_token_ids))
-        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        base_seed = (params.seed & _SEED_MASK) if params.seed is not None else self._rng.getrandbits(63)
         now = time.monotonic()
         children = []
         for i in range(params.n):

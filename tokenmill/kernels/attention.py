@@ -135,15 +135,24 @@ def _find_tile(qsl_ptr, num_reqs, pid, TOKENS_PER_TILE: tl.constexpr, BLOCK_B: t
     """Map a flat program id to (request, query tile) from query_start_loc, without a host sync.
 
     Requests own consecutive runs of cdiv(q_len, TOKENS_PER_TILE) ids; req == num_reqs past the end.
+    The requests are scanned BLOCK_B at a time (a fixed block, so one compile serves every batch
+    size): req counts the requests whose last id is <= pid, and the largest such "last" is where
+    pid's request starts.
     """
     offs = tl.arange(0, BLOCK_B)
-    ok = offs < num_reqs
-    starts = tl.load(qsl_ptr + offs, mask=ok, other=0)
-    ends = tl.load(qsl_ptr + offs + 1, mask=ok, other=0)
-    n_tiles = (ends - starts + TOKENS_PER_TILE - 1) // TOKENS_PER_TILE
-    last = tl.cumsum(n_tiles, 0)  # one past each request's last id
-    req = tl.sum((last <= pid).to(tl.int32), 0)
-    first = tl.sum(tl.where(offs == req, last - n_tiles, 0), 0)
+    carry = num_reqs * 0  # running tile count before the chunk
+    req = num_reqs * 0
+    first = num_reqs * 0
+    for c in range(0, num_reqs, BLOCK_B):
+        ok = c + offs < num_reqs
+        starts = tl.load(qsl_ptr + c + offs, mask=ok, other=0)
+        ends = tl.load(qsl_ptr + c + offs + 1, mask=ok, other=0)
+        n_tiles = tl.where(ok, (ends - starts + TOKENS_PER_TILE - 1) // TOKENS_PER_TILE, 0)
+        last = carry + tl.cumsum(n_tiles, 0)
+        below = ok & (last <= pid)
+        req += tl.sum(below.to(tl.int32), 0)
+        first = tl.maximum(first, tl.max(tl.where(below, last, 0), 0))
+        carry += tl.sum(n_tiles, 0)
     return req, pid - first
 
 
@@ -192,7 +201,7 @@ def _attn_kv_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr,
     qsl_ptr, seq_lens_ptr, block_tables_ptr,
@@ -279,7 +288,7 @@ def _paged_attn_kernel(
         tl.store(ws_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], acc, mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _reduce_splits_kernel(
     ws_acc_ptr, ws_m_ptr, ws_l_ptr, out_ptr, qsl_ptr,
     num_reqs, num_q_heads, num_splits, stride_ot, stride_oh,
@@ -407,7 +416,7 @@ def paged_attention_triton(
         GROUP=group, TOKENS_PER_TILE=tokens_per_tile, DECODE_ONLY=decode_only,
         SPLIT_KV=num_splits > 1, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
-        BLOCK_B=1 if decode_only else triton.next_power_of_2(num_reqs),  # decode: one compile for all B
+        BLOCK_B=1 if decode_only else 128,  # fixed: one compile for every batch size
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -22,7 +22,7 @@ def rms_norm_ref(
     return out if residual is None else (out, residual)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr,
     num_rows, rows_inner, hidden, eps,

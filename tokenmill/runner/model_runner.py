@@ -82,7 +82,10 @@ class ModelRunner:
         """Compile the kernels of common step shapes before the first request (CUDA only)."""
         if self.device.type != "cuda":
             return
-        for num_tokens, num_reqs in ((self.max_num_tokens, 4), (257, 3), (64, 64), (1, 1)):
+        # Step shapes that select different attention tile sizes (queries per request of 1, 8,
+        # 16, 24 and >= 64), the split-KV prefill of one long request, and the largest step.
+        shapes = ((self.max_num_tokens, 4), (1024, 1), (64, 8), (32, 2), (96, 4), (257, 3), (3, 3))
+        for num_tokens, num_reqs in shapes:
             self.dummy_run(min(num_tokens, self.max_num_tokens), num_reqs)
         torch.cuda.synchronize(self.device)
 
