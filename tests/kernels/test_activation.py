@@ -1,37 +1,12 @@
 """silu_and_mul: the Triton kernel against the torch reference."""
 
-import os
 
 import pytest
 import torch
 
 from tokenmill.kernels.activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_triton
 
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1")),
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs CUDA")]),
-]
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
-
-
-@pytest.fixture
-def nan_empty(monkeypatch):
-    """Fresh float tensors start as NaN, so an element the kernel forgets to write shows up."""
-    real_empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    assert not out.isnan().any(), "unwritten (NaN) elements"
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+from tests.kernels.common import DEVICES, TOL, nan_empty, rel_err  # noqa: F401
 
 
 def _cases(device):

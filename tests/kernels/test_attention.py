@@ -5,7 +5,6 @@ the CUDA cases use real model shapes in fp32 / bf16 / fp16.
 """
 
 import math
-import os
 from dataclasses import dataclass
 
 import pytest
@@ -20,17 +19,9 @@ from tokenmill.kernels.attention import (
     write_kv_cache_ref,
     write_kv_cache_triton,
 )
+from tests.kernels.common import DEVICES, INTERPRETER, rel_err  # noqa: F401
 
-CPU = pytest.param("cpu", marks=pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"))
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA")])
-DEVICES = [CPU, CUDA]
 GPU_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 @dataclass
@@ -105,7 +96,7 @@ DECODE = [(1, 37), (1, 1), (0, 0), (1, 64), (1, 100), (0, 0)]
 @pytest.mark.parametrize("page_size", [16, 32])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_mixed_batch_cpu(page_size, num_splits):
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not INTERPRETER:
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
     batch = make_batch(MIXED, num_q_heads=6, num_kv_heads=2, head_dim=64, page_size=page_size,
                        dtype=torch.float32, device="cpu", extra_tokens=2, fused_qkv=True)
@@ -116,7 +107,7 @@ def test_mixed_batch_cpu(page_size, num_splits):
 
 @pytest.mark.parametrize("num_splits", [None, 1, 4])
 def test_decode_batch_cpu(num_splits):
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not INTERPRETER:
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
     batch = make_batch(DECODE, num_q_heads=6, num_kv_heads=2, head_dim=64, page_size=16,
                        dtype=torch.float32, device="cpu", extra_tokens=1)
@@ -126,7 +117,7 @@ def test_decode_batch_cpu(num_splits):
 
 def test_default_config_and_hints_cpu():
     """Default tiles, no hints at all (max_query_len falls back to T), GQA group 1, head_dim 32."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not INTERPRETER:
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
     batch = make_batch([(9, 20), (1, 17), (0, 0), (3, 3)], num_q_heads=2, num_kv_heads=2, head_dim=32,
                        page_size=16, dtype=torch.float32, device="cpu")
@@ -135,7 +126,7 @@ def test_default_config_and_hints_cpu():
 
 
 def test_fp16_cpu():
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not INTERPRETER:
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
     batch = make_batch([(4, 20), (1, 33)], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
                        dtype=torch.float16, device="cpu")

@@ -11,12 +11,8 @@ import torch
 from tokenmill.kernels.input_prep import post_update, post_update_ref, prepare_inputs, prepare_inputs_ref
 from tokenmill.kernels.input_prep_triton import post_update_triton, prepare_inputs_triton
 
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1")),
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs CUDA")]),
-]
+from tests.kernels.common import DEVICES  # noqa: F401
+
 SENTINEL = 777777
 OUTPUTS = ("input_ids", "positions", "seq_lens", "slot_mapping", "logits_indices", "block_tables_out")
 

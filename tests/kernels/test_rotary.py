@@ -1,25 +1,12 @@
 """rotary_embedding: the in-place Triton kernel against the torch reference."""
 
-import os
 
 import pytest
 import torch
 
 from tokenmill.kernels.rotary import rotary_embedding, rotary_ref, rotary_triton
 
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1")),
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs CUDA")]),
-]
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    assert not out.isnan().any()
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+from tests.kernels.common import DEVICES, TOL, rel_err  # noqa: F401
 
 
 def cos_sin_cache(max_pos: int, head_dim: int, base: float = 10000.0, device="cpu") -> torch.Tensor:

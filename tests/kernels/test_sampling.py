@@ -1,7 +1,6 @@
 """Sampling ops: the Triton kernels against the torch references (interpreter on CPU at small
 shapes, real shapes on CUDA), and statistical tests of the reference sampler itself (the spec)."""
 
-import os
 
 import pytest
 import torch
@@ -22,12 +21,8 @@ from tokenmill.kernels.sampling_triton import (
     gumbel_sample_triton,
     logprobs_triton,
 )
+from tests.kernels.common import CPU, DEVICES, INTERPRETER  # noqa: F401
 
-INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-CPU = pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETER, reason="Triton on CPU needs TRITON_INTERPRET=1"))
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA")])
-DEVICES = [CPU, CUDA]
 NEG_INF = float("-inf")
 
 

@@ -9,12 +9,8 @@ import torch
 from tokenmill.kernels.staged_write import apply_staged_writes, apply_staged_writes_ref
 from tokenmill.kernels.staged_write_triton import apply_staged_writes_triton
 
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1")),
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs CUDA")]),
-]
+from tests.kernels.common import DEVICES  # noqa: F401
+
 SENTINEL = -7
 
 

@@ -1,0 +1,36 @@
+"""What the kernel tests share: the devices they run on, tolerances, and error measures.
+
+The CPU cases run the Triton kernels in Triton's interpreter (tests/conftest.py turns it on when
+there is no GPU); the CUDA cases are marked `gpu`.
+"""
+
+import os
+
+import pytest
+import torch
+
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+CPU = pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETER, reason="Triton on CPU needs TRITON_INTERPRET=1"))
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])
+DEVICES = [CPU, CUDA]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; unwritten (NaN) elements fail."""
+    assert out.shape == ref.shape
+    assert not out.isnan().any(), "unwritten (NaN) elements"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Fresh float tensors start as NaN, so an element the kernel forgets to write shows up."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
