@@ -71,6 +71,24 @@ def test_gumbel_sample_matches_reference(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_chunks", [2, 3, 1000])
+def test_gumbel_sample_split_rows_match_reference(device, num_chunks):
+    """Small batches split each row over several programs; the merged winner is the same token,
+    ties included (the lowest index), and a fully masked row still gives 0."""
+    B, V = shape(device)
+    logits = random_logits(B, V, device, seed=11)
+    temperature, seeds, positions = sampling_params(B, device, seed=11)
+    top = logits.max() + 1
+    logits[0, [V - 1, 1030, 5]] = top  # a greedy row (temperature[0] == 0) with ties across chunks
+    logits[-1] = NEG_INF
+    ref = gumbel_sample_ref(logits, temperature, seeds, positions)
+    out = gumbel_sample_triton(logits, temperature, seeds, positions, num_chunks=num_chunks)
+    assert torch.equal(out, ref) and int(out[0]) == 5 and int(out[-1]) == 0
+    greedy = gumbel_sample_triton(logits, temperature, seeds, positions, greedy_only=True, num_chunks=num_chunks)
+    assert torch.equal(greedy, logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_gumbel_sample_after_masking_and_other_dtypes(device):
     """Rows mostly at -inf (after top-k), a row all -inf, int32 positions."""
     B, V = shape(device)

@@ -1,8 +1,9 @@
 """Triton versions of the sampling ops in sampling.py (same signatures and semantics).
 
-  gumbel_sample          one program per row; the hash noise is computed on the fly in uint32
-                         arithmetic and folded into a running (max, argmax): no noise or
-                         probability tensor is materialised. Same tokens as the reference.
+  gumbel_sample          one program per row (per row chunk for small batches); the hash noise is
+                         computed on the fly in uint32 arithmetic and folded into a running
+                         (max, argmax): no noise or probability tensor is materialised. Same
+                         tokens as the reference.
   apply_penalties        in place, one program per (row, vocab block).
   apply_top_k_top_p_min_p  in place, one program per row; no sort: the top-k / top-p cut-offs are
                          found by a 16-way search over the float bit patterns (~8 passes each).
@@ -14,6 +15,7 @@ libdevice's logf, the function torch's CUDA log calls, so the noise and the scal
 for bit the reference's. Float outputs of penalties are exact too (launched without FMA fusion).
 """
 
+import functools
 from typing import Optional
 
 import torch
@@ -67,15 +69,16 @@ def _gumbel(key, tokens):
 
 
 @triton.jit
-def _argmax_row(row_ptr, V, key, temp, NOISY: tl.constexpr, BLOCK: tl.constexpr):
-    """argmax over the row of logits (NOISY: logits / temp + gumbel); the lowest index wins ties,
-    as in torch.argmax: blocks are visited in order and only a strictly larger max replaces."""
+def _argmax_range(row_ptr, lo, hi, key, temp, NOISY: tl.constexpr, BLOCK: tl.constexpr):
+    """(max, argmax) over columns [lo, hi) of the row (NOISY: logits / temp + gumbel); the lowest
+    index wins ties, as in torch.argmax: blocks are visited in order and only a strictly larger max
+    replaces. With every value -inf the answer is lo."""
     lanes = tl.arange(0, BLOCK)
     best_val = tl.full([], NEG_INF, tl.float32)
-    best_idx = tl.zeros([], tl.int32)
-    for start in range(0, V, BLOCK):
+    best_idx = tl.zeros([], tl.int32) + lo
+    for start in range(lo, hi, BLOCK):
         cols = start + lanes
-        valid = cols < V
+        valid = cols < hi
         x = tl.load(row_ptr + cols, mask=valid, other=NEG_INF).to(tl.float32)
         if NOISY:
             x = tl.math.div_rn(x, temp) + _gumbel(key, cols)
@@ -84,30 +87,68 @@ def _argmax_row(row_ptr, V, key, temp, NOISY: tl.constexpr, BLOCK: tl.constexpr)
         better = blk_val > best_val
         best_idx = tl.where(better, start + blk_idx, best_idx)
         best_val = tl.where(better, blk_val, best_val)
-    return best_idx
+    return best_val, best_idx
+
+
+@triton.jit
+def _sample_range(logits_ptr, stride_row, row, lo, hi, temperature_ptr, seeds_ptr, positions_ptr,
+                  GREEDY_ONLY: tl.constexpr, BLOCK: tl.constexpr):
+    """The row's (max, argmax) over [lo, hi): plain for greedy rows, with Gumbel noise otherwise."""
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    if GREEDY_ONLY:
+        val, idx = _argmax_range(row_ptr, lo, hi, 0, 1.0, False, BLOCK)
+    else:
+        temp = tl.load(temperature_ptr + row).to(tl.float32)
+        if temp == 0:
+            val, idx = _argmax_range(row_ptr, lo, hi, 0, 1.0, False, BLOCK)
+        else:
+            key = _row_key(tl.load(seeds_ptr + row), tl.load(positions_ptr + row))
+            val, idx = _argmax_range(row_ptr, lo, hi, key, tl.maximum(temp, 1e-6), True, BLOCK)
+    return val, idx
 
 
 @triton.jit
 def _gumbel_sample_kernel(logits_ptr, stride_row, V, temperature_ptr, seeds_ptr, positions_ptr, out_ptr,
                           GREEDY_ONLY: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (B,): one program scans its whole row."""
     row = tl.program_id(0)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    if GREEDY_ONLY:
-        token = _argmax_row(row_ptr, V, 0, 1.0, False, BLOCK)
-    else:
-        temp = tl.load(temperature_ptr + row).to(tl.float32)
-        if temp == 0:
-            token = _argmax_row(row_ptr, V, 0, 1.0, False, BLOCK)
-        else:
-            key = _row_key(tl.load(seeds_ptr + row), tl.load(positions_ptr + row))
-            token = _argmax_row(row_ptr, V, key, tl.maximum(temp, 1e-6), True, BLOCK)
+    _, token = _sample_range(logits_ptr, stride_row, row, 0, V, temperature_ptr, seeds_ptr, positions_ptr,
+                             GREEDY_ONLY, BLOCK)
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
+@triton.jit
+def _gumbel_chunk_kernel(logits_ptr, stride_row, V, chunk, temperature_ptr, seeds_ptr, positions_ptr,
+                         val_ptr, idx_ptr, GREEDY_ONLY: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (B, chunks): each program scans one chunk of its row and writes its (max, argmax)."""
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    lo = part * chunk
+    hi = tl.minimum(lo + chunk, V)
+    val, idx = _sample_range(logits_ptr, stride_row, row, lo, hi, temperature_ptr, seeds_ptr, positions_ptr,
+                             GREEDY_ONLY, BLOCK)
+    slot = row.to(tl.int64) * tl.num_programs(1) + part
+    tl.store(val_ptr + slot, val)
+    tl.store(idx_ptr + slot, idx)
+
+
+def _vocab_chunks(batch: int, vocab: int, device: torch.device) -> int:
+    """Split each row's vocabulary over several programs when the batch alone leaves SMs idle
+    (a batch of 1 would otherwise scan 150k logits on one SM): about 2 programs per SM."""
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 132
+    return max(1, min(triton.cdiv(2 * sms, batch), triton.cdiv(vocab, VOCAB_BLOCK)))
+
+
 def gumbel_sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                         positions: torch.Tensor, greedy_only: bool = False) -> torch.Tensor:
+                         positions: torch.Tensor, greedy_only: bool = False,
+                         num_chunks: Optional[int] = None) -> torch.Tensor:
     """int64 [B]: argmax(logits) for greedy rows (temperature 0, or all with greedy_only), else
-    argmax(logits / max(T, 1e-6) + gumbel(seed, position, token)). Allocates only the output."""
+    argmax(logits / max(T, 1e-6) + gumbel(seed, position, token)).
+
+    Small batches split each row into chunks scanned by separate programs; the chunk winners are
+    merged with torch.argmax, which keeps the lowest index on ties like a single scan does.
+    """
     _check_logits(logits)
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
@@ -115,11 +156,27 @@ def gumbel_sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds:
         return out
     if greedy_only:  # the other tensors are not read
         temperature = seeds = positions = out
-    _gumbel_sample_kernel[(B,)](
-        logits, logits.stride(0), V, temperature, seeds, positions, out,
+    chunks = num_chunks if num_chunks is not None else _vocab_chunks(B, V, logits.device)
+    chunk = triton.cdiv(triton.cdiv(V, max(chunks, 1)), VOCAB_BLOCK) * VOCAB_BLOCK
+    chunks = triton.cdiv(V, chunk)
+    if chunks == 1:
+        _gumbel_sample_kernel[(B,)](
+            logits, logits.stride(0), V, temperature, seeds, positions, out,
+            GREEDY_ONLY=greedy_only, BLOCK=VOCAB_BLOCK, num_warps=8,
+        )
+        return out
+    vals = torch.empty((B, chunks), dtype=torch.float32, device=logits.device)
+    idx = torch.empty((B, chunks), dtype=torch.int32, device=logits.device)
+    _gumbel_chunk_kernel[(B, chunks)](
+        logits, logits.stride(0), V, chunk, temperature, seeds, positions, vals, idx,
         GREEDY_ONLY=greedy_only, BLOCK=VOCAB_BLOCK, num_warps=8,
     )
-    return out
+    return idx.gather(1, vals.argmax(dim=1, keepdim=True))[:, 0].to(torch.int64)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 # ----------------------------------------------------------------------------------------------
