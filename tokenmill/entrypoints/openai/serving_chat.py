@@ -14,8 +14,8 @@ from tokenmill.engine.outputs import CompletionOutput, RequestOutput
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.entrypoints.openai.errors import APIError, stream_error_event
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from tokenmill.entrypoints.openai.serving_common import (SSE_DONE, EventStreamResponse, OpenAIServing, clamp_logprob,
-                                                         now_s, sse, token_str, usage)
+from tokenmill.entrypoints.openai.serving_common import (SSE_DONE, ChoiceProgress, EventStreamResponse, OpenAIServing,
+                                                         clamp_logprob, now_s, sse, token_str, usage)
 
 
 def message_dict(i: int, m: ChatMessage) -> dict:
@@ -100,8 +100,7 @@ class OpenAIServingChat(OpenAIServing):
     @staticmethod
     async def _stream(stream: RequestStream, infos: list[PromptInfo], request_id: str, created: int, model: str,
                       n: int, include_usage: bool, top_k):
-        tokens_sent, text_sent, done = [0] * n, [0] * n, [False] * n
-        completion_tokens = 0
+        progress = ChoiceProgress(n)
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "system_fingerprint": None}
         extra = {"usage": None} if include_usage else {}
@@ -112,23 +111,17 @@ class OpenAIServingChat(OpenAIServing):
             async for _, out in stream:
                 for c in out.outputs:
                     i = c.index
-                    if done[i]:
+                    new = progress.advance(i, c)
+                    if new is None:
                         continue
-                    start, end = tokens_sent[i], len(c.token_ids)
-                    if end == start and c.finish_reason is None:
-                        continue
-                    text = c.text[text_sent[i]:]
-                    text_sent[i] = max(text_sent[i], len(c.text))
-                    tokens_sent[i] = end
-                    completion_tokens += end - start
-                    done[i] = c.finish_reason is not None
-                    choice = {"index": i, "delta": {"content": text} if (text or not done[i]) else {},
+                    start, end, text = new
+                    choice = {"index": i, "delta": {"content": text} if (text or not progress.done[i]) else {},
                               "logprobs": chat_logprobs(c, start, end, top_k) if top_k is not None else None,
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                               "token_ids": c.token_ids[start:end]}
                     yield sse(dict(base, choices=[choice], **extra))
             if include_usage:
-                yield sse(dict(base, choices=[], usage=usage(len(infos[0].token_ids), completion_tokens)))
+                yield sse(dict(base, choices=[], usage=usage(len(infos[0].token_ids), progress.completion_tokens)))
         except RequestAborted:
             return
         except Exception as e:  # the engine died or shut down mid-stream: tell the client in-band

@@ -159,3 +159,29 @@ def token_str(token_id: int, lp: Logprob) -> str:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+class ChoiceProgress:
+    """How much of each streamed choice has been sent: tokens, characters, and whether it finished."""
+
+    def __init__(self, num_choices: int):
+        self.tokens = [0] * num_choices
+        self.chars = [0] * num_choices
+        self.done = [False] * num_choices
+        self.completion_tokens = 0
+
+    def advance(self, i: int, output) -> Optional[tuple[int, int, str]]:
+        """(first new token, end, new text) of choice i in this cumulative output, or None if nothing
+        new is there to send."""
+        if self.done[i]:
+            return None
+        start, end = self.tokens[i], len(output.token_ids)
+        if end == start and output.finish_reason is None:
+            return None
+        text = output.text[self.chars[i]:]
+        self.chars[i] = max(self.chars[i], len(output.text))
+        self.tokens[i] = end
+        self.completion_tokens += end - start
+        self.done[i] = output.finish_reason is not None
+        return start, end, text
+

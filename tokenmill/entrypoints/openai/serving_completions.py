@@ -17,8 +17,8 @@ from tokenmill.engine.async_engine import PromptInfo, RequestAborted, RequestStr
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
 from tokenmill.entrypoints.openai.errors import APIError, stream_error_event
 from tokenmill.entrypoints.openai.protocol import CompletionRequest
-from tokenmill.entrypoints.openai.serving_common import (SSE_DONE, EventStreamResponse, OpenAIServing, clamp_logprob,
-                                                         now_s, sse, token_str, usage)
+from tokenmill.entrypoints.openai.serving_common import (SSE_DONE, ChoiceProgress, EventStreamResponse, OpenAIServing,
+                                                         clamp_logprob, now_s, sse, token_str, usage)
 
 MAX_CHOICES = 4096  # prompts x n in one request
 
@@ -103,31 +103,22 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _stream(self, stream: RequestStream, infos: list[PromptInfo], request_id: str, created: int,
                       model: str, n: int, echo: bool, include_usage: bool, want_logprobs: bool):
-        num = len(infos) * n
-        tokens_sent, text_sent, offsets = [0] * num, [0] * num, [0] * num
-        done = [False] * num
-        completion_tokens = 0
+        progress = ChoiceProgress(len(infos) * n)
+        offsets = [0] * (len(infos) * n)
         base = {"id": request_id, "object": "text_completion", "created": created, "model": model}
         try:
             async for pi, out in stream:
                 for c in out.outputs:
                     i = pi * n + c.index
-                    if done[i]:
+                    new = progress.advance(i, c)
+                    if new is None:
                         continue
-                    start, end = tokens_sent[i], len(c.token_ids)
-                    if end == start and c.finish_reason is None:
-                        continue
-                    text = c.text[text_sent[i]:]
-                    text_sent[i] = max(text_sent[i], len(c.text))
+                    start, end, text = new
                     if echo and start == 0:
                         text = (infos[pi].text or "") + text
                     logprobs: Optional[dict] = None
                     if want_logprobs:
                         logprobs, offsets[i] = completion_logprobs(c, start, end, offsets[i])
-                    tokens_sent[i] = end
-                    completion_tokens += end - start
-                    if c.finish_reason is not None:
-                        done[i] = True
                     chunk = dict(base, choices=[{"index": i, "text": text, "logprobs": logprobs,
                                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                                                  "token_ids": c.token_ids[start:end]}])
@@ -136,7 +127,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     yield sse(chunk)
             if include_usage:
                 prompt_tokens = sum(len(info.token_ids) for info in infos)
-                yield sse(dict(base, choices=[], usage=usage(prompt_tokens, completion_tokens)))
+                yield sse(dict(base, choices=[], usage=usage(prompt_tokens, progress.completion_tokens)))
         except RequestAborted:
             return
         except Exception as e:  # the engine died or shut down mid-stream: tell the client in-band
