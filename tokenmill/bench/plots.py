@@ -24,6 +24,14 @@ def _title(result: dict) -> str:
     return f"{w.get('name', '?')}{tag}: {result.get('model', '?')} {result.get('dtype', '')} on {result.get('device_name', '?')}"
 
 
+def _save(plt, fig, path: str, dpi: int = 100) -> str:
+    """Lay out, write the PNG, and free the figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def plot_throughput(result: dict, path: str) -> str:
     plt = _plt()
     runs = result["results"]["runs"]
@@ -80,10 +88,7 @@ def plot_throughput(result: dict, path: str) -> str:
     ax.set_ylabel("output tokens / s")
     ax.set_title("output throughput" + (f" (ratio {peer['ratio']:.2f}x)" if peer else ""))
     fig.suptitle(_title(result), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_latency(result: dict, path: str) -> str:
@@ -102,10 +107,7 @@ def plot_latency(result: dict, path: str) -> str:
                  fontsize=9)
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_serve(result: dict, path: str) -> str:
@@ -129,10 +131,7 @@ def plot_serve(result: dict, path: str) -> str:
         ax.set_xticklabels(labels)
         ax.set_xlabel("request rate (req/s)")
     fig.suptitle(_title(result), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_summary(merged: dict, path: str) -> Optional[str]:
@@ -174,10 +173,7 @@ def plot_summary(merged: dict, path: str) -> Optional[str]:
         ax.set_xticklabels(labels, fontsize=7)
         ax.set_ylabel(ylabel)
     axes[0].set_title(f"tokenmill benchmarks ({merged.get('merged_at', '')})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, dpi=90)
 
 
 def plot_result(result: dict, path: str) -> Optional[str]:
