@@ -67,6 +67,13 @@ def register(subparsers) -> None:
     sv.add_argument("--keep-requests", action="store_true", help="keep every request's TTFT in the JSON")
     sv.set_defaults(func=cmd_serve)
 
+    pf = sub.add_parser("profile", help="torch-profiler breakdown of a window of engine steps, per kernel")
+    _add_common(pf, "offline-small", 1)
+    pf.add_argument("--skip-steps", type=int, default=200, help="steps run before the profiled window")
+    pf.add_argument("--steps", type=int, default=20, help="steps in the profiled window")
+    pf.add_argument("--trace", action="store_true", help="also write a Chrome trace (.trace.json.gz)")
+    pf.set_defaults(func=cmd_profile, no_plot=True)
+
 
 def _finish(kind: str, result: dict, args) -> int:
     from tokenmill.bench import report
@@ -103,6 +110,14 @@ def cmd_latency(args) -> int:
     result = latency.run(args)
     latency.print_summary(result)
     return _finish("latency", result, args)
+
+
+def cmd_profile(args) -> int:
+    from tokenmill.bench import profile
+
+    result = profile.run(args)
+    profile.print_summary(result)
+    return _finish("profile", result, args)
 
 
 def cmd_serve(args) -> int:
