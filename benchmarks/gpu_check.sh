@@ -14,11 +14,13 @@
 #   prefill   prefill-8b throughput, $REPEAT runs
 #   serve     serve-8b through `tokenmill serve` (launched here), Poisson at $SERVE_RATE req/s (default 8)
 #   compare   offline-small throughput, 1 run, then transformers continuous batching on the same requests
+#   profile   `tokenmill bench profile` (torch profiler, per-kernel time) of latency-8b decode and of
+#             full-batch offline-small decode                      -> $OUT/profiles.tar.gz
 # Default PHASES: "tests kernels small eager noasync latency". A device call is limited to 10 minutes:
 # run the long phases in calls of their own (e.g. PHASES=compare; PHASES="8b prefill"; PHASES=serve).
 #
-# What comes back under $OUT (at most 6 files, no folders): gpu_tests.xml, kernel_bench.json,
-# bench.json (every benchmark result of this call, merged; rewritten after each phase), bench.png (one
+# What comes back under $OUT (at most 8 files, no folders): gpu_kernel_tests.xml, gpu_tests.xml,
+# kernel_bench.json, profiles.tar.gz, bench.json (every benchmark result of this call, merged; rewritten after each phase), bench.png (one
 # combined figure), summary.txt (the summary table) and gpu_check.log (everything, tee'd).
 # Scratch results go to a fresh temporary directory outside $OUT.
 #
@@ -132,8 +134,14 @@ for phase in $PHASES; do
         compare)
             run_phase compare "${BENCH[@]}" throughput --workload offline-small --repeat 1 --compare transformers \
                 --tag compare --out "$RES" "${EXTRA[@]}" ;;
+        profile)
+            run_phase profile-latency "${BENCH[@]}" profile --workload latency-8b --skip-steps 40 --steps 50 --trace \
+                --out "$WORK/profiles" "${EXTRA[@]}"
+            run_phase profile-small "${BENCH[@]}" profile --workload offline-small --skip-steps 300 --steps 20 \
+                --trace --out "$WORK/profiles" "${EXTRA[@]}"
+            [ -d "$WORK/profiles" ] && tar -C "$WORK" -czf "$OUT/profiles.tar.gz" profiles ;;
         *)
-            log "unknown phase '$phase' (tests kernels small eager noasync latency 8b prefill serve compare)"
+            log "unknown phase '$phase' (tests kernels small eager noasync latency 8b prefill serve compare profile)"
             STATUS+=("$phase: unknown") ;;
     esac
 done
