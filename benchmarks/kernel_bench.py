@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from tokenmill.kernels import activation, attention, norm, rotary  # noqa: E402
+from tokenmill.kernels import activation, attention, norm, rotary, skinny_gemm  # noqa: E402
 
 DTYPE = torch.bfloat16
 DEVICE = "cuda"  # --smoke switches to "cpu" (Triton interpreter) to check the script itself
@@ -303,15 +303,81 @@ def print_table(rec: Recorder, best_rows: list[dict]) -> None:
               f"(default {b['default_ms']} ms)")
 
 
+# (block_n, block_k, num_warps, num_stages) for the few-token linear kernel
+SKINNY_CONFIGS = [(16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 3), (16, 128, 4, 4), (32, 128, 4, 4),
+                  (64, 128, 4, 3), (16, 256, 8, 4), (32, 512, 8, 2)]
+
+
+def _linear_shapes(m: Model) -> list[tuple[str, int, int]]:
+    q = (m.num_q_heads + 2 * m.num_kv_heads) * m.head_dim
+    return [("qkv", q, m.hidden), ("o", m.hidden, m.num_q_heads * m.head_dim), ("gate_up", 2 * m.intermediate, m.hidden),
+            ("down", m.hidden, m.intermediate)]
+
+
+def bench_skinny(rec: Recorder, m: Model, rows_list: list[int]) -> list[dict]:
+    """Few-token linear layers: cuBLAS (plus the separate norm / activation kernel) against the skinny
+    kernel with its fused prologue, over a sweep of tile configs at one row."""
+    import torch.nn.functional as F
+
+    best = []
+    esz = torch.tensor([], dtype=DTYPE).element_size()
+    for name, n, k in _linear_shapes(m):
+        w = torch.randn(n, k, device=DEVICE, dtype=DTYPE) / k ** 0.5
+        nbytes = n * k * esz
+        prologue = {"qkv": skinny_gemm.ADD_RMSNORM, "gate_up": skinny_gemm.ADD_RMSNORM,
+                    "down": skinny_gemm.SILU_MUL}.get(name, skinny_gemm.PLAIN)
+        norm_w = torch.ones(k, device=DEVICE, dtype=DTYPE)
+        timings = {}
+        for cfg in SKINNY_CONFIGS:  # plain GEMV at one row, every config
+            x = torch.randn(1, k, device=DEVICE, dtype=DTYPE)
+            conf = dict(block_n=cfg[0], block_k=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+            label = "n{}k{}w{}s{}".format(*cfg)
+            try:
+                ms = median_ms(lambda: skinny_gemm.skinny_linear_triton(x, w, config=conf))
+            except Exception as e:  # a config that does not compile (e.g. out of shared memory)
+                print(f"skinny {m.name} {name} {label}: {type(e).__name__}: {e}", file=sys.stderr)
+                continue
+            timings[label] = (ms, conf)
+            rec.add("skinny_linear", m.name, f"{name} M=1 N={n} K={k}", ms, nbytes=nbytes, config=label)
+        best_label, (best_ms, best_conf) = min(timings.items(), key=lambda kv: kv[1][0])
+        for rows in rows_list:
+            x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
+            cublas = median_ms(lambda: F.linear(x, w))
+            rec.add("cublas_linear", m.name, f"{name} M={rows} N={n} K={k}", cublas, nbytes=nbytes, config="-")
+            skinny = median_ms(lambda: skinny_gemm.skinny_linear_triton(x, w, config=best_conf))
+            rec.add("skinny_linear", m.name, f"{name} M={rows} N={n} K={k}", skinny, nbytes=nbytes, config=best_label)
+            # The op before the linear layer, unfused (cuBLAS) and fused (skinny prologue).
+            if prologue == skinny_gemm.SILU_MUL:
+                xa = torch.randn(rows, 2 * k, device=DEVICE, dtype=DTYPE)
+                unfused = median_ms(lambda: F.linear(activation.silu_and_mul(xa), w))
+                fused = median_ms(lambda: skinny_gemm.skinny_linear_triton(xa, w, prologue, config=best_conf))
+            elif prologue == skinny_gemm.ADD_RMSNORM:
+                r = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
+                unfused = median_ms(lambda: F.linear(norm.rms_norm(x, norm_w, 1e-5, r.clone())[0], w))
+                fused = median_ms(lambda: skinny_gemm.skinny_linear_triton(x, w, prologue, r, norm_w, 1e-5,
+                                                                           config=best_conf))
+            else:
+                unfused, fused = cublas, skinny
+            row = dict(model=m.name, linear=name, rows=rows, n=n, k=k, best_config=best_label,
+                       best_plain_m1_ms=round(best_ms, 5), cublas_ms=round(cublas, 5), skinny_ms=round(skinny, 5),
+                       unfused_chain_ms=round(unfused, 5), fused_chain_ms=round(fused, 5),
+                       cublas_pct_of_copy=round(100 * nbytes / (cublas * 1e-3) / 1e9 / rec.copy_gbps, 1),
+                       skinny_pct_of_copy=round(100 * nbytes / (skinny * 1e-3) / 1e9 / rec.copy_gbps, 1))
+            best.append(row)
+        del w
+    return best
+
+
 def _enter_smoke_mode() -> None:
     """Toy shapes on CPU through the Triton interpreter: exercises every code path of this script."""
-    global DEVICE, DTYPE, PREFILL_CONFIGS, DECODE_CONFIGS, DECODE_SPLITS, attention_cases
+    global DEVICE, DTYPE, PREFILL_CONFIGS, DECODE_CONFIGS, DECODE_SPLITS, SKINNY_CONFIGS, attention_cases
     assert os.environ.get("TRITON_INTERPRET") == "1", "--smoke needs TRITON_INTERPRET=1"
     DEVICE, DTYPE = "cpu", torch.float16
     MODELS["smoke"] = Model("smoke", 64, 96, 4, 2, 32)
     PREFILL_CONFIGS = [None, (32, 16, 4, 2)]
     DECODE_CONFIGS = [None, (16, 32, 4, 3)]
     DECODE_SPLITS = [2]
+    SKINNY_CONFIGS = [(16, 32, 4, 2)]
     attention_cases = lambda quick: [  # noqa: E731
         AttnCase("decode B=3", [(1, 40), (1, 7), (1, 33)]),
         AttnCase("prefill 2x24", [(24, 24)] * 2),
@@ -327,6 +393,7 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--skip-small-ops", action="store_true")
     parser.add_argument("--skip-attention", action="store_true")
+    parser.add_argument("--skip-skinny", action="store_true", help="no few-token linear (skinny GEMM) sweep")
     parser.add_argument("--smoke", action="store_true",
                         help="check the script on CPU with TRITON_INTERPRET=1 at toy shapes (numbers meaningless)")
     args = parser.parse_args()
@@ -342,10 +409,13 @@ def main() -> None:
     if args.smoke:
         token_counts = [1, 5]
     best_rows: list[dict] = []
+    skinny_rows: list[dict] = []
     for name in ("smoke",) if args.smoke else args.models.split(","):
         m = MODELS[name]
         if not args.skip_small_ops:
             bench_small_ops(rec, m, token_counts)
+        if not args.skip_skinny:
+            skinny_rows += bench_skinny(rec, m, [1, 4, 16] if not args.smoke else [1, 3])
         if not args.skip_attention:
             best_rows += bench_attention(rec, m, args.quick)
 
@@ -355,11 +425,17 @@ def main() -> None:
         sm_count=torch.cuda.get_device_properties(0).multi_processor_count if cuda else None,
         torch=torch.__version__, triton=triton.__version__, dtype=str(DTYPE),
         copy_bandwidth_gbps=round(rec.copy_gbps, 1), seconds=round(time.time() - t0, 1),
-        results=rec.rows, attention_best=best_rows,
+        results=rec.rows, attention_best=best_rows, skinny_linear=skinny_rows,
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print_table(rec, best_rows)
+    if skinny_rows:
+        print("\nfew-token linear: cuBLAS vs skinny (ms), and with the op before it (unfused -> fused)")
+        for r in skinny_rows:
+            print(f"  {r['model']:12s} {r['linear']:8s} M={r['rows']:<3d} best={r['best_config']:12s} "
+                  f"cublas {r['cublas_ms']:.4f} ({r['cublas_pct_of_copy']}%)  skinny {r['skinny_ms']:.4f} "
+                  f"({r['skinny_pct_of_copy']}%)  chain {r['unfused_chain_ms']:.4f} -> {r['fused_chain_ms']:.4f}")
     print(f"\nwrote {args.out} ({result['seconds']} s)")
 
 

@@ -15,6 +15,9 @@ class EngineConfig:
     max_model_len: Optional[int] = None  # default: the model's context length, capped at 32768
     max_num_seqs: int = 256  # requests running at once (= runner rows)
     max_num_batched_tokens: int = 8192  # tokens per step (prefill chunks + decodes)
+    # Prompt tokens a step may take while it also runs decodes (None: up to the step budget). A
+    # smaller cap bounds the inter-token latency of running requests; `tokenmill serve` sets 512.
+    max_prefill_tokens_with_decodes: Optional[int] = None
     block_size: int = 16
     num_kv_blocks: Optional[int] = None  # explicit KV cache size; else derived from memory
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory tokenmill may use
@@ -23,6 +26,9 @@ class EngineConfig:
     async_scheduling: bool = True  # schedule step N+1 while step N runs
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     cuda_graph_max_batch: int = 512  # largest decode batch captured
+    # CUDA: steps of <= 16 tokens run their linear layers through one Triton kernel each, with the
+    # RMSNorm / SiLU-and-mul before them fused in (kernels/skinny_gemm.py); False: cuBLAS + separate ops
+    fused_small_batch_linear: bool = True
     seed: int = 0
 
     def validate(self) -> None:
@@ -32,6 +38,8 @@ class EngineConfig:
 
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         need(self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        need(self.max_prefill_tokens_with_decodes is None or self.max_prefill_tokens_with_decodes >= 1,
+             f"max_prefill_tokens_with_decodes must be >= 1, got {self.max_prefill_tokens_with_decodes}")
         need(self.block_size in (8, 16, 32, 64, 128), f"block_size must be 8, 16, 32, 64 or 128, got {self.block_size}")
         need(self.max_model_len is None or self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

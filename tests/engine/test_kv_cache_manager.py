@@ -95,3 +95,28 @@ def test_scheduler_chunks_prefill_and_preempts_newest():
         preempted |= "b" in out.freed_req_ids and "b" in sched.requests
     assert preempted and sched.num_preemptions >= 1
     assert not sched.has_unfinished and kv.num_free_blocks == 6
+
+
+def test_prefill_cap_applies_only_when_decodes_run():
+    kv = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    limits = SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+                             max_prefill_tokens_with_decodes=5)
+    sched = Scheduler(limits, kv)
+    a = make_request("a", list(range(20)), max_tokens=8)
+    sched.add_request(a)
+    out = sched.schedule()  # nothing decodes yet: the whole prompt in one step
+    assert [(e.req_id, e.num_tokens) for e in out.batch] == [("a", 20)]
+    sched.take_sampled_token("a").output_token_ids.append(1)
+    b = make_request("b", list(range(100, 112)), max_tokens=4)
+    c = make_request("c", list(range(200, 203)), max_tokens=4)
+    sched.add_request(b)
+    sched.add_request(c)
+    out = sched.schedule()  # a decodes: b gets a 5-token chunk, c waits
+    assert [(e.req_id, e.num_tokens) for e in out.batch] == [("a", 1), ("b", 5)]
+    out = sched.schedule()  # async: a's next decode is scheduled ahead; b's next chunk
+    assert [(e.req_id, e.num_tokens) for e in out.batch] == [("a", 1), ("b", 5)]
+    out = sched.schedule()  # b's last 2 tokens, then 3 of c's
+    assert [(e.req_id, e.num_tokens) for e in out.batch] == [("a", 1), ("b", 2), ("c", 3)]
+    for rid in ("a", "b", "c"):
+        sched.finish_request(sched.requests[rid], RequestStatus.FINISHED_ABORTED)
+    assert kv.num_free_blocks == 64

@@ -3,7 +3,9 @@
 Each step: running requests first (decodes, then unfinished prefills), then waiting requests in
 arrival order, until the token budget (max_num_batched_tokens) or max_num_seqs is used up. A prompt
 that does not fit the remaining budget is prefilled in chunks over several steps, mixed with the
-decodes. When KV blocks run out, the most recently admitted request is preempted: its blocks are
+decodes. With `max_prefill_tokens_with_decodes` set, a step that runs decodes takes at most that many
+prompt tokens, so one long prompt cannot stall every running request's next token (the serving
+default; offline runs leave it unset). When KV blocks run out, the most recently admitted request is preempted: its blocks are
 freed and it goes back to the front of the queue, to be recomputed from prompt + generated tokens.
 
 The scheduler may run one step ahead of the results (async scheduling): a request whose step is
@@ -26,6 +28,7 @@ class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    max_prefill_tokens_with_decodes: Optional[int] = None
 
 
 class Scheduler:
@@ -81,6 +84,7 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.limits.max_num_batched_tokens
+        prefill_budget = budget  # capped once a decode is in the step
         batch: list[ScheduledRequest] = []
         new_requests: list[NewRequestData] = []
         scheduled: set[str] = set()
@@ -92,7 +96,8 @@ class Scheduler:
                 break
             if request.request_id in preempted_now:
                 continue
-            num_new = self._tokens_to_schedule(request, budget)
+            prefilling = request.num_computed_tokens < request.num_prefill_tokens  # its prompt is not done
+            num_new = self._tokens_to_schedule(request, min(budget, prefill_budget) if prefilling else budget)
             if num_new == 0:
                 continue
             blocks_before = len(request.block_ids)
@@ -107,13 +112,18 @@ class Scheduler:
             batch.append(self._entry(request, num_new, request.block_ids[blocks_before:]))
             scheduled.add(request.request_id)
             budget -= num_new
+            if prefilling:
+                prefill_budget -= num_new
+            elif self.limits.max_prefill_tokens_with_decodes is not None:
+                prefill_budget = min(prefill_budget, self.limits.max_prefill_tokens_with_decodes)
 
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+        while (self.waiting and min(budget, prefill_budget) > 0
+               and len(self.running) < self.limits.max_num_seqs):
             request = self.waiting[0]
             if request.num_pending or request.request_id in preempted_now:
                 break  # wait for its in-flight token / don't re-admit what was just preempted
             cached_blocks, num_cached = self.kv.find_cached_prefix(request)
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = min(request.num_tokens - num_cached, budget, prefill_budget)
             if not self.kv.allocate(request, num_new, cached_blocks):
                 break
             self.waiting.popleft()
@@ -127,6 +137,7 @@ class Scheduler:
             new_requests.append(self._new_request_data(request))
             batch.append(self._entry(request, num_new, []))
             budget -= num_new
+            prefill_budget -= num_new
 
         return SchedulerOutput(batch=batch, new_requests=new_requests, freed_req_ids=self.take_freed_ids())
 

@@ -16,12 +16,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None,
+                   help="prompt tokens a step may take while it runs decodes (bounds inter-token latency)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-async-scheduling", action="store_true")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
+    g.add_argument("--no-fused-small-batch-linear", action="store_true",
+                   help="CUDA: few-token steps use cuBLAS and separate norm/activation kernels")
     g.add_argument("--engine-seed", type=int, default=0, help="seeds dummy weights and unseeded requests")
 
 
@@ -35,6 +39,8 @@ def engine_from_args(args):
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching, async_scheduling=not args.no_async_scheduling,
         enforce_eager=args.enforce_eager, seed=args.engine_seed,
+        max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
+        fused_small_batch_linear=not args.no_fused_small_batch_linear,
     )
     return LLMEngine(args.model, config, dtype=args.dtype, device=args.device, load_format=args.load_format)
 

@@ -12,6 +12,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
+from tokenmill.kernels import skinny_gemm
+from tokenmill.kernels.activation import silu_and_mul
+from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, PLAIN, SILU_MUL
+
+# Few-token steps (batch-1..16 decode) on CUDA go through the skinny kernel with the op before the
+# layer fused in; the engine turns this off with EngineConfig.fused_small_batch_linear=False.
+_skinny_enabled = True
+
+
+def set_small_batch_fusion(enabled: bool) -> None:
+    global _skinny_enabled
+    _skinny_enabled = enabled
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -43,7 +55,41 @@ class LinearBase(nn.Module):
         _copy_checked(param.data, loaded, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_fused(x)
+
+    def forward_fused(self, x: torch.Tensor, prologue: int = PLAIN, residual: Optional[torch.Tensor] = None,
+                      norm: Optional[nn.Module] = None):
+        """self(a(x)), where a is the op before this layer (skinny_gemm's PLAIN, SILU_MUL, or
+        ADD_RMSNORM with the RMSNorm module `norm`); with ADD_RMSNORM and a residual, returns
+        (y, x + residual) for the next layer's residual stream."""
+        summed = None
+        if self._use_skinny(x):
+            y = skinny_gemm.skinny_linear_triton(x, self.weight, prologue, residual,
+                                                 None if norm is None else norm.weight,
+                                                 1e-6 if norm is None else norm.eps)
+            if isinstance(y, tuple):
+                y, summed = y
+        else:
+            if prologue == SILU_MUL:
+                x = silu_and_mul(x)
+            elif prologue == ADD_RMSNORM:
+                x = norm(x, residual)
+                if residual is not None:
+                    x, summed = x
+            y = self._matmul(x)
+        y = self._finish(y)
+        return y if summed is None else (y, summed)
+
+    def _use_skinny(self, x: torch.Tensor) -> bool:
+        return (_skinny_enabled and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= skinny_gemm.MAX_ROWS
+                and self.bias is None and x.stride(-1) == 1)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+    def _finish(self, y: torch.Tensor) -> torch.Tensor:
+        """What follows the product (the tensor-parallel reduction of row-parallel layers)."""
+        return y
 
 
 class ColumnParallelLinear(LinearBase):
@@ -116,8 +162,10 @@ class RowParallelLinear(LinearBase):
         _check_full_shape(loaded, (param.shape[0], cols * self.tp_size), type(self).__name__)
         _copy_checked(param.data, loaded.narrow(1, self.tp_rank * cols, cols), type(self).__name__)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)  # the bias is added once, after the reduction
+
+    def _finish(self, y: torch.Tensor) -> torch.Tensor:
         y = tp_all_reduce(y)
         return y if self.bias is None else y + self.bias
 

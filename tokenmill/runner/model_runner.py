@@ -13,6 +13,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.kernels.input_prep import post_update
 from tokenmill.layers.forward_context import AttentionMetadata, forward_context
+from tokenmill.layers.linear import set_small_batch_fusion
 from tokenmill.logger import init_logger
 from tokenmill.runner.async_output import AsyncOutput
 from tokenmill.runner.batch import SchedulerOutput
@@ -29,6 +30,7 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype):
         self.model = model
         self.config = config
+        set_small_batch_fusion(config.fused_small_batch_linear)
         self.device = device
         self.dtype = dtype
         self.max_model_len = max_model_len
