@@ -11,8 +11,8 @@ from tests.kernels.common import DEVICES, TOL, nan_empty, rel_err  # noqa: F401
 
 def _shapes(device):
     if device == "cpu":  # (M, N, K)
-        return [(1, 48, 96), (5, 40, 300), (16, 16, 64)]
-    return [(m, n, k) for m in (1, 3, 16) for n, k in ((6144, 4096), (4096, 4096), (4096, 14336), (3072, 1024))]
+        return [(1, 48, 96), (1, 40, 300), (1, 5, 64)]
+    return [(m, n, k) for m in (1,) for n, k in ((6144, 4096), (4096, 4096), (4096, 14336), (3072, 1024))]
 
 
 def _dtypes(device):
@@ -63,11 +63,11 @@ def test_add_rmsnorm_prologue(device, nan_empty):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_row_stride_and_bounds(device, nan_empty):
+def test_offset_view_and_bounds(device, nan_empty):
     torch.manual_seed(3)
-    big = torch.randn(4, 200, device=device)
-    x = big[:, :96]  # a row stride that is not K
+    big = torch.randn(1, 200, device=device)
+    x = big[:, 50:146]  # a view that does not start at the storage's beginning
     w = torch.randn(40, 96, device=device)
     assert rel_err(skinny_linear_triton(x, w, PLAIN), skinny_linear_ref(x, w)) < 1e-5
-    with pytest.raises(AssertionError, match="at most 16 rows"):
-        skinny_linear_triton(torch.randn(17, 96, device=device), w)
+    with pytest.raises(AssertionError, match="at most 1 row"):
+        skinny_linear_triton(torch.randn(2, 96, device=device), w)

@@ -1,9 +1,9 @@
-"""Linear layers at a few tokens (batch-1 to batch-16 decode), with the op before them fused in.
+"""Linear layers at one token (batch-1 decode), with the op before them fused in.
 
 At a handful of tokens a linear layer only streams its weight matrix, and the small ops around it
 (RMSNorm before q/k/v and gate/up, SiLU-and-mul before down, cuBLAS's split-K reduction after o and
-down) cost more in launches and gaps than in bytes. This kernel computes y = a(x) W^T for M <= 16
-rows, where the prologue a() is one of:
+down) cost more in launches and gaps than in bytes. This kernel computes y = a(x) W^T for one row
+(batch-1 decode), where the prologue a() is one of:
 
     PLAIN        a(x) = x
     SILU_MUL     a(x) = silu(x[:, :K]) * x[:, K:]            (x is the gate|up projection output)
@@ -26,7 +26,7 @@ from tokenmill.kernels.activation import silu_and_mul_ref
 from tokenmill.kernels.norm import rms_norm_ref
 
 PLAIN, SILU_MUL, ADD_RMSNORM = 0, 1, 2
-MAX_ROWS = 16  # the rows of one tl.dot tile; more tokens go to cuBLAS
+MAX_ROWS = 1  # batch-1 decode; more tokens go to cuBLAS
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, prologue: int = PLAIN,
@@ -45,90 +45,81 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, prologue: int = PLA
 
 
 @triton.jit
-def _load_prologue(x_ptr, r_ptr, nw_ptr, rows, row_ok, kk, k_ok, K, stride_xm, stride_rm, inv_rms,
-                   PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """a(x)[rows, kk] in the input dtype, and (ADD_RMSNORM with a residual) the rounded sum x + r."""
-    mask = row_ok[:, None] & k_ok[None, :]
-    offs = rows[:, None] * stride_xm + kk[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+def _load_prologue(x_ptr, r_ptr, nw_ptr, kk, k_ok, K, inv_rms, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """a(x)[kk] in the input dtype, and (ADD_RMSNORM with a residual) the rounded sum x + r."""
+    x = tl.load(x_ptr + kk, mask=k_ok, other=0.0)
     summed = x
     if PROLOGUE == 1:  # SILU_MUL: x holds [gate | up]
         gate = x.to(tl.float32)
-        up = tl.load(x_ptr + offs + K, mask=mask, other=0.0)
+        up = tl.load(x_ptr + K + kk, mask=k_ok, other=0.0)
         act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
         a = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
     elif PROLOGUE == 2:  # ADD_RMSNORM
         if HAS_RESIDUAL:
-            r = tl.load(r_ptr + rows[:, None] * stride_rm + kk[None, :], mask=mask, other=0.0)
+            r = tl.load(r_ptr + kk, mask=k_ok, other=0.0)
             summed = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        h = (summed.to(tl.float32) * inv_rms[:, None]).to(x.dtype).to(tl.float32)
+        h = (summed.to(tl.float32) * inv_rms).to(x.dtype).to(tl.float32)
         w = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-        a = (h * w[None, :]).to(x.dtype)
+        a = (h * w).to(x.dtype)
     else:
         a = x
     return a, summed
 
 
-@triton.jit(do_not_specialize=["M"])
-def _skinny_gemm_kernel(
+@triton.jit
+def _gemv_kernel(
     x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr,
-    M, N, K, eps,
-    stride_xm, stride_rm, stride_wn, stride_om, stride_sm,
-    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    N, K, eps, stride_wn,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Grid (cdiv(N, BLOCK_N),): program p computes out[:M, p*BLOCK_N : (p+1)*BLOCK_N]."""
+    """Grid (cdiv(N, BLOCK_N),): program p computes out[p*BLOCK_N : (p+1)*BLOCK_N] for one row x.
+
+    Products accumulate in a [BLOCK_N, BLOCK_K] fp32 tile, reduced once at the end, so the loop
+    body is loads and FMAs only."""
     pid = tl.program_id(0)
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < M
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     ks = tl.arange(0, BLOCK_K)
 
-    inv_rms = tl.zeros([BLOCK_M], tl.float32)
+    inv_rms = 0.0
     if PROLOGUE == 2:  # a first pass over the row for its RMS (from L2: every program reads it)
-        sq = tl.zeros([BLOCK_M], tl.float32)
+        sq = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + ks
-            mask = row_ok[:, None] & (kk < K)[None, :]
-            h = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=mask, other=0.0)
+            h = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
             if HAS_RESIDUAL:
-                r = tl.load(r_ptr + rows[:, None] * stride_rm + kk[None, :], mask=mask, other=0.0)
+                r = tl.load(r_ptr + kk, mask=kk < K, other=0.0)
                 h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
             h = h.to(tl.float32)
-            sq += tl.sum(h * h, axis=1)
-        inv_rms = tl.rsqrt(sq / K + eps)
+            sq += h * h
+        inv_rms = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
         k_ok = kk < K
-        a, summed = _load_prologue(x_ptr, r_ptr, nw_ptr, rows, row_ok, kk, k_ok, K, stride_xm, stride_rm,
-                                   inv_rms, PROLOGUE, HAS_RESIDUAL)
+        a, summed = _load_prologue(x_ptr, r_ptr, nw_ptr, kk, k_ok, K, inv_rms, PROLOGUE, HAS_RESIDUAL)
         if PROLOGUE == 2 and HAS_RESIDUAL:
             if pid == 0:  # one program writes the new residual stream
-                tl.store(sum_ptr + rows[:, None] * stride_sm + kk[None, :], summed,
-                         mask=row_ok[:, None] & k_ok[None, :])
+                tl.store(sum_ptr + kk, summed, mask=k_ok)
         w = tl.load(w_ptr + n[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    tl.store(out_ptr + rows[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & n_ok[None, :])
+        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+    tl.store(out_ptr + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def skinny_gemm_config(n: int, k: int, dtype: torch.dtype) -> dict:
     """BLOCK_N output features per program, BLOCK_K per step, warps, pipeline stages. Tune here."""
-    wide = dtype == torch.float32
-    return dict(block_n=16 if not wide else 16, block_k=128 if wide else 256, num_warps=4,
-                num_stages=3 if wide else 4)
+    return dict(block_n=8, block_k=512, num_warps=4, num_stages=3)
 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, prologue: int = PLAIN,
                          residual: Optional[torch.Tensor] = None, norm_weight: Optional[torch.Tensor] = None,
                          eps: float = 1e-6, config: Optional[dict] = None):
-    """Triton path of skinny_linear_ref for x [M <= 16, K or 2K] with a unit last stride."""
+    """Triton path of skinny_linear_ref for one row x [1, K] (or [1, 2K] for SILU_MUL), contiguous."""
     M = x.shape[0]
     N, K = weight.shape
-    assert M <= MAX_ROWS, f"skinny_linear takes at most {MAX_ROWS} rows, got {M}"
+    assert M <= MAX_ROWS, f"skinny_linear takes at most {MAX_ROWS} row, got {M}"
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
     assert x.shape[1] == (2 * K if prologue == SILU_MUL else K), "x does not match the weight's K"
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -138,14 +129,10 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, prologue: int = 
         assert residual.shape == (M, K) and residual.stride(-1) == 1
     cfg = {**skinny_gemm_config(N, K, x.dtype), **(config or {})}
     if M > 0:
-        _skinny_gemm_kernel[(triton.cdiv(N, cfg["block_n"]),)](
+        _gemv_kernel[(triton.cdiv(N, cfg["block_n"]),)](
             x, residual if has_residual else x, norm_weight if prologue == ADD_RMSNORM else x, weight, out, summed,
-            M, N, K, eps,
-            x.stride(0), residual.stride(0) if has_residual else 0, weight.stride(0), out.stride(0),
-            summed.stride(0),
-            PROLOGUE=prologue, HAS_RESIDUAL=has_residual,
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            BLOCK_M=MAX_ROWS, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+            N, K, eps, weight.stride(0),
+            PROLOGUE=prologue, HAS_RESIDUAL=has_residual, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     return (out, summed) if has_residual else out
