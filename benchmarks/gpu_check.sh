@@ -10,6 +10,7 @@
 #   eager     offline-small throughput, --enforce-eager, 1 run
 #   noasync   offline-small throughput, --no-async-scheduling, 1 run
 #   latency   latency-8b (batch-1 decode), $LAT_REPEAT runs (default 5)
+#   latency-unfused  the same with --no-fused-small-batch-linear (cuBLAS + separate norm/activation)
 #   8b        offline-8b throughput, $REPEAT runs
 #   prefill   prefill-8b throughput, $REPEAT runs
 #   serve     serve-8b through `tokenmill serve` (launched here), Poisson at $SERVE_RATE req/s (default 8)
@@ -24,7 +25,8 @@
 # combined figure), summary.txt (the summary table) and gpu_check.log (everything, tee'd).
 # Scratch results go to a fresh temporary directory outside $OUT.
 #
-# Environment: OUT, PHASES, REPEAT, LAT_REPEAT, SERVE_RATE, PYTHON (default python3), BUDGET_S (seconds
+# Environment: OUT, PHASES, REPEAT, LAT_REPEAT, SERVE_RATE, PROFILES (workloads the profile phase
+# traces, default "latency-8b offline-small"), PYTHON (default python3), BUDGET_S (seconds
 # this script may take in all, default 585: each phase gets what is left, minus a margin for the final
 # merge, and is interrupted with SIGINT when it runs out), BENCH_ARGS (extra flags for every bench).
 
@@ -41,6 +43,7 @@ SERVE_RATE=${SERVE_RATE:-8}
 PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-585}
 BENCH_ARGS=${BENCH_ARGS:-}
+PROFILES=${PROFILES:-"latency-8b offline-small"}
 MARGIN_S=25
 
 mkdir -p "$OUT"
@@ -124,6 +127,9 @@ for phase in $PHASES; do
                 --tag no-async --out "$RES" "${EXTRA[@]}" ;;
         latency)
             run_phase latency "${BENCH[@]}" latency --workload latency-8b --repeat "$LAT_REPEAT" --out "$RES" "${EXTRA[@]}" ;;
+        latency-unfused)
+            run_phase latency-unfused "${BENCH[@]}" latency --workload latency-8b --repeat "$LAT_REPEAT" \
+                --no-fused-small-batch-linear --tag unfused --out "$RES" "${EXTRA[@]}" ;;
         8b)
             run_phase 8b "${BENCH[@]}" throughput --workload offline-8b --repeat "$REPEAT" --out "$RES" "${EXTRA[@]}" ;;
         prefill)
@@ -135,13 +141,13 @@ for phase in $PHASES; do
             run_phase compare "${BENCH[@]}" throughput --workload offline-small --repeat 1 --compare transformers \
                 --tag compare --out "$RES" "${EXTRA[@]}" ;;
         profile)
-            run_phase profile-latency "${BENCH[@]}" profile --workload latency-8b --skip-steps 40 --steps 50 --trace \
-                --out "$WORK/profiles" "${EXTRA[@]}"
-            run_phase profile-small "${BENCH[@]}" profile --workload offline-small --skip-steps 300 --steps 20 \
-                --trace --out "$WORK/profiles" "${EXTRA[@]}"
+            [[ " $PROFILES " == *" latency-8b "* ]] && run_phase profile-latency "${BENCH[@]}" profile \
+                --workload latency-8b --skip-steps 40 --steps 50 --trace --out "$WORK/profiles" "${EXTRA[@]}"
+            [[ " $PROFILES " == *" offline-small "* ]] && run_phase profile-small "${BENCH[@]}" profile \
+                --workload offline-small --skip-steps 300 --steps 20 --trace --out "$WORK/profiles" "${EXTRA[@]}"
             [ -d "$WORK/profiles" ] && tar -C "$WORK" -czf "$OUT/profiles.tar.gz" profiles ;;
         *)
-            log "unknown phase '$phase' (tests kernels small eager noasync latency 8b prefill serve compare profile)"
+            log "unknown phase '$phase' (tests kernels small eager noasync latency latency-unfused 8b prefill serve compare profile)"
             STATUS+=("$phase: unknown") ;;
     esac
 done
