@@ -120,9 +120,6 @@ def write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping):
 # With num_splits > 1 (flash-decoding) program (.., .., split) covers a contiguous share of the
 # tile's keys, computed in the kernel from seq_lens, writes (max, sum, acc) partials in fp32, and
 # _reduce_splits_kernel merges them; the grid never depends on tensor values (CUDA-graph safe).
-# For decode the merge is fused: each split takes a ticket from a per-(request, kv head) counter
-# after writing its partials, and the last one merges them and resets the counter to 0 (a launch
-# and a gap less per layer, which shows at batch 1).
 # ----------------------------------------------------------------------------------------------
 
 LOG2E = 1.4426950408889634
@@ -204,34 +201,9 @@ def _attn_kv_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
-def _merge_splits_of_tile(ws_acc_ptr, ws_m_ptr, ws_l_ptr, out_ptr, token_idx, head, row_ok, num_q_heads,
-                          num_splits, stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_M: tl.constexpr):
-    """The fused merge: out rows of this tile from all splits' partials (read from L2, .cg)."""
-    dims = tl.arange(0, BLOCK_D)
-    first = (token_idx * num_q_heads + head) * num_splits
-    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(0, num_splits):
-        m_max = tl.maximum(m_max, tl.load(ws_m_ptr + first + s, mask=row_ok, other=float("-inf"),
-                                          cache_modifier=".cg"))
-    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    l_sum = tl.zeros([BLOCK_M], tl.float32)
-    for s in range(0, num_splits):
-        w = tl.math.exp2(tl.load(ws_m_ptr + first + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                         - m_ref)
-        l_sum += w * tl.load(ws_l_ptr + first + s, mask=row_ok, other=0.0, cache_modifier=".cg")
-        acc += w[:, None] * tl.load(ws_acc_ptr + (first + s)[:, None] * BLOCK_D + dims[None, :],
-                                    mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-    out = acc / tl.where(row_ok, l_sum, 1.0)[:, None]
-    tl.store(out_ptr + token_idx[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :])
-
-
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _paged_attn_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, tickets_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr,
     qsl_ptr, seq_lens_ptr, block_tables_ptr,
     num_reqs, num_q_heads, num_splits, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -314,13 +286,6 @@ def _paged_attn_kernel(
         tl.store(ws_m_ptr + part, m_i, mask=row_ok)
         tl.store(ws_l_ptr + part, l_i, mask=row_ok)
         tl.store(ws_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], acc, mask=row_ok[:, None])
-        if DECODE_ONLY:
-            tl.debug_barrier()  # every thread's partials are written before the ticket is taken
-            ticket_ptr = tickets_ptr + req * tl.num_programs(1) + kv_head
-            if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == num_splits - 1:
-                _merge_splits_of_tile(ws_acc_ptr, ws_m_ptr, ws_l_ptr, out_ptr, token_idx, head, row_ok,
-                                      num_q_heads, num_splits, stride_ot, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_M)
-                tl.atomic_xchg(ticket_ptr, 0)  # ready for the next launch (and graph replay)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])
@@ -370,19 +335,6 @@ def attention_config(max_query_len: int, group: int, head_dim: int, dtype: torch
     num_warps = 8 if block_m >= 128 else 4
     num_stages = 2 if fp32 or wide else 3
     return dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-
-
-_TICKETS: dict = {}
-
-
-def _split_tickets(device: torch.device, count: int) -> torch.Tensor:
-    """The fused merge's counters: zeros, reset by the kernel itself, so one buffer per device
-    serves every launch and every CUDA graph. Allocated outside graph capture by the warm-up."""
-    tickets = _TICKETS.get(device)
-    if tickets is None or tickets.numel() < count:
-        tickets = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-        _TICKETS[device] = tickets
-    return tickets
 
 
 @functools.lru_cache(maxsize=None)
@@ -466,10 +418,8 @@ def paged_attention_triton(
     else:
         ws_acc = ws_m = ws_l = out  # unused
 
-    fused_merge = num_splits > 1 and decode_only
-    tickets = _split_tickets(q.device, num_reqs * num_kv_heads) if fused_merge else out  # unused without
     _paged_attn_kernel[(grid0, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, ws_acc, ws_m, ws_l, tickets,
+        q, k_cache, v_cache, out, ws_acc, ws_m, ws_l,
         query_start_loc, seq_lens, block_tables,
         num_reqs, num_q_heads, num_splits, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -482,7 +432,7 @@ def paged_attention_triton(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1 and not fused_merge:
+    if num_splits > 1:
         _reduce_splits_kernel[(tokens, num_q_heads)](
             ws_acc, ws_m, ws_l, out, query_start_loc,
             num_reqs, num_q_heads, num_splits, out.stride(0), out.stride(1),
