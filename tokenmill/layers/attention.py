@@ -1,9 +1,12 @@
-"""Attention over the paged KV cache: store this step's K/V, then attend."""
+"""Attention over the paged KV cache: prepare q/k (optional q/k norm, rotary), store this step's K/V, attend."""
+
+from typing import Optional
 
 import torch
 from torch import nn
 
-from tokenmill.kernels.attention import paged_attention, write_kv_cache
+from tokenmill.kernels.attention import paged_attention
+from tokenmill.kernels.qkv_prep import qkv_prep
 from tokenmill.layers.forward_context import get_forward_context
 
 
@@ -16,12 +19,20 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hk, D] -> [T, Hq * D]."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cos_sin_cache: torch.Tensor, q_norm_weight: Optional[torch.Tensor] = None,
+                k_norm_weight: Optional[torch.Tensor] = None, norm_eps: float = 0.0) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hk, D] as split from the qkv projection (strided views) -> [T, Hq * D].
+
+        q and k are RMS-normalised per head when norm weights are given, then rotated by `positions`
+        with the rotary table; k and v go into this layer's cache slots; then q attends. On CUDA one
+        fused kernel does everything before the attention.
+        """
         ctx = get_forward_context()
         meta = ctx.metadata
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = qkv_prep(positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
+                     q_norm_weight, k_norm_weight, norm_eps)
         out = paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, num_splits=meta.num_splits,

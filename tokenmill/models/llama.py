@@ -48,11 +48,13 @@ class LlamaAttention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(tokens, self.num_heads, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        # q/k norm, rotary and the KV-cache write happen inside the attention layer (one fused kernel).
+        if self.q_norm is None:
+            out = self.attn(positions, q, k, v, self.rotary.cos_sin_cache)
+        else:
+            out = self.attn(positions, q, k, v, self.rotary.cos_sin_cache,
+                            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
