@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from tokenmill.distributed import divide, get_tp_size
-from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, default_weight_loader
+from tokenmill.layers.linear import (ADD_RMSNORM, SILU_MUL, MergedColumnParallelLinear, QKVParallelLinear,
+                                     RowParallelLinear, default_weight_loader)
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, rope_inv_freq
 from tokenmill.models.config import ModelArchConfig
@@ -42,8 +42,11 @@ class LlamaAttention(nn.Module):
         divide(cfg.num_heads, tp)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+        return self.attend(positions, self.qkv_proj(hidden))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Everything after the q/k/v projection: attention over the cache, then o_proj."""
+        tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
@@ -63,10 +66,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
                                                        dtype=dtype, device=device)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj.forward_fused(self.gate_up_proj(x), SILU_MUL)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -78,15 +80,19 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, dtype, device)
 
     def forward(self, positions, hidden, residual: Optional[torch.Tensor]):
-        # The residual stream is carried separately so each add fuses into the following RMSNorm.
+        # The residual stream is carried separately so each add fuses into the following RMSNorm,
+        # and each RMSNorm into the projection after it (a single-kernel GEMV for batch-1 decode on
+        # CUDA; norm kernel + cuBLAS otherwise: see LinearBase.forward_fused).
+        attn, mlp = self.self_attn, self.mlp
         if residual is None:
+            qkv = attn.qkv_proj.forward_fused(hidden, ADD_RMSNORM, None, self.input_layernorm)
             residual = hidden
-            hidden = self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            qkv, residual = attn.qkv_proj.forward_fused(hidden, ADD_RMSNORM, residual, self.input_layernorm)
+        hidden = attn.attend(positions, qkv)
+        gate_up, residual = mlp.gate_up_proj.forward_fused(hidden, ADD_RMSNORM, residual,
+                                                           self.post_attention_layernorm)
+        return mlp.down_proj.forward_fused(gate_up, SILU_MUL), residual
 
 
 class LlamaModel(nn.Module):
