@@ -304,8 +304,8 @@ def print_table(rec: Recorder, best_rows: list[dict]) -> None:
 
 
 # (block_n, block_k, num_warps, num_stages) for the few-token linear kernel
-SKINNY_CONFIGS = [(8, 512, 4, 3), (4, 1024, 4, 3), (16, 256, 4, 3), (8, 256, 4, 4), (16, 512, 8, 2),
-                  (8, 1024, 8, 2), (4, 512, 4, 4), (2, 1024, 4, 3)]
+SKINNY_CONFIGS = [(8, 512, 4, 3), (16, 256, 4, 3), (32, 128, 4, 3), (4, 1024, 4, 3), (16, 512, 8, 3),
+                  (32, 256, 8, 3), (64, 64, 4, 3), (8, 256, 4, 3)]
 
 
 def _linear_shapes(m: Model) -> list[tuple[str, int, int]]:
@@ -314,10 +314,18 @@ def _linear_shapes(m: Model) -> list[tuple[str, int, int]]:
             ("down", m.hidden, m.intermediate)]
 
 
-def bench_skinny(rec: Recorder, m: Model, rows_list: list[int]) -> list[dict]:
-    """Batch-1 linear layers: cuBLAS (plus the separate norm / activation kernel) against the skinny
-    GEMV with its fused prologue, over a sweep of tile configs. Kernels this short are partly
-    launch-bound here; `tokenmill bench profile` gives their time inside the CUDA graph."""
+def graph_ms(fn: Callable[[], object]) -> float:
+    """Median time of fn replayed inside a CUDA graph: no launch overhead, as in the decode graphs."""
+    if DEVICE != "cuda":
+        return median_ms(fn)
+    from triton.testing import do_bench_cudagraph
+
+    return float(do_bench_cudagraph(fn, rep=50, return_mode="median"))
+
+
+def bench_skinny(rec: Recorder, m: Model) -> list[dict]:
+    """Batch-1 linear layers inside CUDA graphs: the unfused chain (norm or SiLU-and-mul kernel, then
+    cuBLAS) against the skinny GEMV with the op fused in, over a sweep of tile configs."""
     import torch.nn.functional as F
 
     best = []
@@ -328,43 +336,35 @@ def bench_skinny(rec: Recorder, m: Model, rows_list: list[int]) -> list[dict]:
         prologue = {"qkv": skinny_gemm.ADD_RMSNORM, "gate_up": skinny_gemm.ADD_RMSNORM,
                     "down": skinny_gemm.SILU_MUL}.get(name, skinny_gemm.PLAIN)
         norm_w = torch.ones(k, device=DEVICE, dtype=DTYPE)
+        x = torch.randn(1, 2 * k if prologue == skinny_gemm.SILU_MUL else k, device=DEVICE, dtype=DTYPE)
+        r = torch.randn(1, k, device=DEVICE, dtype=DTYPE)
+        if prologue == skinny_gemm.SILU_MUL:
+            unfused = graph_ms(lambda: F.linear(activation.silu_and_mul(x), w))
+        elif prologue == skinny_gemm.ADD_RMSNORM:
+            unfused = graph_ms(lambda: F.linear(norm.rms_norm(x, norm_w, 1e-5, r)[0], w))
+        else:
+            unfused = graph_ms(lambda: F.linear(x, w))
+        rec.add("cublas_chain", m.name, f"{name} M=1 N={n} K={k}", unfused, nbytes=nbytes, config="-")
         timings = {}
-        for cfg in SKINNY_CONFIGS:  # plain GEMV at one row, every config
-            x = torch.randn(1, k, device=DEVICE, dtype=DTYPE)
+        for cfg in SKINNY_CONFIGS:
             conf = dict(block_n=cfg[0], block_k=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
             label = "n{}k{}w{}s{}".format(*cfg)
             try:
-                ms = median_ms(lambda: skinny_gemm.skinny_linear_triton(x, w, config=conf))
-            except Exception as e:  # a config that does not compile (e.g. out of shared memory)
+                ms = graph_ms(lambda: skinny_gemm.skinny_linear_triton(x, w, prologue, r, norm_w, 1e-5, config=conf))
+            except Exception as e:  # a config that does not compile (e.g. out of registers)
                 print(f"skinny {m.name} {name} {label}: {type(e).__name__}: {e}", file=sys.stderr)
                 continue
-            timings[label] = (ms, conf)
-            rec.add("skinny_linear", m.name, f"{name} M=1 N={n} K={k}", ms, nbytes=nbytes, config=label)
-        best_label, (best_ms, best_conf) = min(timings.items(), key=lambda kv: kv[1][0])
-        for rows in rows_list:
-            x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
-            cublas = median_ms(lambda: F.linear(x, w))
-            rec.add("cublas_linear", m.name, f"{name} M={rows} N={n} K={k}", cublas, nbytes=nbytes, config="-")
-            skinny = median_ms(lambda: skinny_gemm.skinny_linear_triton(x, w, config=best_conf))
-            rec.add("skinny_linear", m.name, f"{name} M={rows} N={n} K={k}", skinny, nbytes=nbytes, config=best_label)
-            # The op before the linear layer, unfused (cuBLAS) and fused (skinny prologue).
-            if prologue == skinny_gemm.SILU_MUL:
-                xa = torch.randn(rows, 2 * k, device=DEVICE, dtype=DTYPE)
-                unfused = median_ms(lambda: F.linear(activation.silu_and_mul(xa), w))
-                fused = median_ms(lambda: skinny_gemm.skinny_linear_triton(xa, w, prologue, config=best_conf))
-            elif prologue == skinny_gemm.ADD_RMSNORM:
-                r = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
-                unfused = median_ms(lambda: F.linear(norm.rms_norm(x, norm_w, 1e-5, r.clone())[0], w))
-                fused = median_ms(lambda: skinny_gemm.skinny_linear_triton(x, w, prologue, r, norm_w, 1e-5,
-                                                                           config=best_conf))
-            else:
-                unfused, fused = cublas, skinny
-            row = dict(model=m.name, linear=name, rows=rows, n=n, k=k, best_config=best_label,
-                       best_plain_m1_ms=round(best_ms, 5), cublas_ms=round(cublas, 5), skinny_ms=round(skinny, 5),
-                       unfused_chain_ms=round(unfused, 5), fused_chain_ms=round(fused, 5),
-                       cublas_pct_of_copy=round(100 * nbytes / (cublas * 1e-3) / 1e9 / rec.copy_gbps, 1),
-                       skinny_pct_of_copy=round(100 * nbytes / (skinny * 1e-3) / 1e9 / rec.copy_gbps, 1))
-            best.append(row)
+            timings[label] = ms
+            rec.add("skinny_fused", m.name, f"{name} M=1 N={n} K={k}", ms, nbytes=nbytes, config=label)
+        best_label, best_ms = min(timings.items(), key=lambda kv: kv[1])
+        default = skinny_gemm.skinny_gemm_config(n, k, DTYPE, prologue)
+        default_label = "n{block_n}k{block_k}w{num_warps}s{num_stages}".format(**default)
+        default_ms = timings.get(default_label)
+        best.append(dict(model=m.name, linear=name, n=n, k=k, prologue=prologue, unfused_chain_ms=round(unfused, 5),
+                         best_config=best_label, best_ms=round(best_ms, 5), default_config=default_label,
+                         default_ms=None if default_ms is None else round(default_ms, 5),
+                         unfused_pct_of_copy=round(100 * nbytes / (unfused * 1e-3) / 1e9 / rec.copy_gbps, 1),
+                         best_pct_of_copy=round(100 * nbytes / (best_ms * 1e-3) / 1e9 / rec.copy_gbps, 1)))
         del w
     return best
 
@@ -416,7 +416,7 @@ def main() -> None:
         if not args.skip_small_ops:
             bench_small_ops(rec, m, token_counts)
         if not args.skip_skinny:
-            skinny_rows += bench_skinny(rec, m, [1])
+            skinny_rows += bench_skinny(rec, m)
         if not args.skip_attention:
             best_rows += bench_attention(rec, m, args.quick)
 
@@ -432,11 +432,11 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=1))
     print_table(rec, best_rows)
     if skinny_rows:
-        print("\nfew-token linear: cuBLAS vs skinny (ms), and with the op before it (unfused -> fused)")
+        print("\nbatch-1 linear in a CUDA graph: op + cuBLAS (unfused) vs the fused GEMV (ms, % of copy bandwidth)")
         for r in skinny_rows:
-            print(f"  {r['model']:12s} {r['linear']:8s} M={r['rows']:<3d} best={r['best_config']:12s} "
-                  f"cublas {r['cublas_ms']:.4f} ({r['cublas_pct_of_copy']}%)  skinny {r['skinny_ms']:.4f} "
-                  f"({r['skinny_pct_of_copy']}%)  chain {r['unfused_chain_ms']:.4f} -> {r['fused_chain_ms']:.4f}")
+            print(f"  {r['model']:12s} {r['linear']:8s} unfused {r['unfused_chain_ms']:.4f} ({r['unfused_pct_of_copy']}%)"
+                  f"  fused best {r['best_config']:12s} {r['best_ms']:.4f} ({r['best_pct_of_copy']}%)"
+                  f"  default {r['default_config']} {r['default_ms']}")
     print(f"\nwrote {args.out} ({result['seconds']} s)")
 
 

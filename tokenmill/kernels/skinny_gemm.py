@@ -108,8 +108,15 @@ def _gemv_kernel(
     tl.store(out_ptr + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def skinny_gemm_config(n: int, k: int, dtype: torch.dtype) -> dict:
-    """BLOCK_N output features per program, BLOCK_K per step, warps, pipeline stages. Tune here."""
+def skinny_gemm_config(n: int, k: int, dtype: torch.dtype, prologue: int = PLAIN) -> dict:
+    """BLOCK_N output features per program, BLOCK_K per step, warps, stages. Tune here.
+
+    With ADD_RMSNORM every program re-reads the row (and residual) twice from L2, so programs own
+    more output features when there are plenty of them (gate/up), fewer when that would leave SMs
+    short of loads in flight."""
+    if prologue == ADD_RMSNORM:
+        return dict(block_n=32, block_k=128, num_warps=4, num_stages=3) if n >= 16384 else \
+            dict(block_n=16, block_k=256, num_warps=4, num_stages=3)
     return dict(block_n=8, block_k=512, num_warps=4, num_stages=3)
 
 
@@ -127,7 +134,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, prologue: int = 
     summed = torch.empty((M, K), dtype=x.dtype, device=x.device) if has_residual else out
     if has_residual:
         assert residual.shape == (M, K) and residual.stride(-1) == 1
-    cfg = {**skinny_gemm_config(N, K, x.dtype), **(config or {})}
+    cfg = {**skinny_gemm_config(N, K, x.dtype, prologue), **(config or {})}
     if M > 0:
         _gemv_kernel[(triton.cdiv(N, cfg["block_n"]),)](
             x, residual if has_residual else x, norm_weight if prologue == ADD_RMSNORM else x, weight, out, summed,
