@@ -5,11 +5,13 @@ shapes, real shapes on CUDA), and statistical tests of the reference sampler its
 import pytest
 import torch
 
+import tokenmill.kernels.sampling_triton as sampling_triton
 from tokenmill.kernels.sampling import (
     apply_penalties,
     apply_penalties_ref,
     apply_top_k_top_p_min_p,
     apply_top_k_top_p_min_p_ref,
+    gumbel_from_bits_ref,
     gumbel_sample,
     gumbel_sample_ref,
     logprobs,
@@ -117,6 +119,70 @@ def test_greedy_ties_pick_the_lowest_index(device):
     assert [int(out[r]) for r, _ in ties] == [min(c) for _, c in ties]
 
 
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """256-column blocks, so that small CPU shapes split into many chunks of several blocks."""
+    monkeypatch.setattr(sampling_triton, "VOCAB_BLOCK", 256)
+
+
+def with_ties(logits: torch.Tensor, temperature: torch.Tensor) -> None:
+    """In place: a greedy row and a sampling row whose maximum repeats across blocks and chunks. The
+    sampling row's temperature is so small that T * gumbel vanishes next to the logits: its noisy
+    values tie too, so the Triton scan's tie rule is checked on the noisy path as well."""
+    V = logits.shape[1]
+    top = logits.float().max() + 1
+    cols = [V - 1, 1027, 768, 700, 257, 256, 3]  # 3 and 1027, 256 and 768: one lane of a 256-block
+    logits[0, cols] = top.to(logits.dtype)
+    temperature[0] = 0.0
+    if logits.shape[0] > 1:
+        logits[1, cols[:-1]] = top.to(logits.dtype)
+        temperature[1] = 1e-30
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="Triton on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B", [1, 3, 8])
+@pytest.mark.parametrize("num_chunks", [1, 2, 5, 1000])
+def test_gumbel_sample_bit_exact_dtypes_and_chunks(small_blocks, dtype, B, num_chunks):
+    """Triton (in the interpreter) against the reference for each logits dtype, with rows split into
+    1 (the direct path), 2, 5 and 10 chunks of 10, 5, 2 and 1 blocks; ties go to the lowest index."""
+    V = 2500
+    logits = random_logits(B, V, "cpu", seed=B + num_chunks).to(dtype)
+    temperature, seeds, positions = sampling_params(max(B, 3), "cpu", seed=B)
+    temperature, seeds, positions = temperature[:B], seeds[:B], positions[:B]
+    with_ties(logits, temperature)
+    if B > 2:
+        logits[-1] = NEG_INF
+    ref = gumbel_sample_ref(logits, temperature, seeds, positions)
+    assert torch.equal(ref, gumbel_sample_ref(logits.float(), temperature, seeds, positions))
+    out = gumbel_sample_triton(logits, temperature, seeds, positions, num_chunks=num_chunks)
+    assert torch.equal(out, ref)
+    assert int(out[0]) == 3 and (B == 1 or int(out[1]) == 256) and (B < 3 or int(out[-1]) == 0)
+    greedy = gumbel_sample_triton(logits, temperature, seeds, positions, greedy_only=True, num_chunks=num_chunks)
+    assert torch.equal(greedy, logits.float().argmax(dim=-1))
+
+
+def test_gumbel_chunks_fill_the_gpu_at_every_batch_size():
+    """At least PROGRAMS_PER_SM programs per SM (132 SMs) at any batch, unless the rows have fewer
+    blocks than that in all; chunks are whole blocks."""
+    V, block = 151936, sampling_triton.VOCAB_BLOCK
+    blocks = -(-V // block)
+    for B in range(1, 1100):
+        chunk = sampling_triton._vocab_chunk(B, V, torch.device("cpu"))
+        assert chunk % block == 0
+        assert B * -(-V // chunk) >= min(sampling_triton.PROGRAMS_PER_SM * 132, B * blocks), B
+
+
+def test_gumbel_noise_is_finite_at_the_extreme_hashes():
+    """Every 32-bit hash gives finite noise (the old 24-bit mapping made u = 1.0, +inf noise, for
+    one hash in 2**24: a token drawn regardless of its logit, -inf included)."""
+    bits = torch.tensor([0, 1, 511, 512, 2**31, 2**32 - 513, 2**32 - 512, 2**32 - 1], dtype=torch.int64)
+    g = gumbel_from_bits_ref(bits)
+    assert torch.isfinite(g).all()
+    assert g.min() > -3.0 and g.max() < 17.0
+    assert torch.equal(g[:3], g[:1].expand(3)) and g[-1] == g.max()
+
+
 @pytest.mark.parametrize("impl", ["ref", pytest.param("triton", marks=CPU.marks)])
 def test_same_seed_and_position_same_token_in_any_row(impl):
     """A request's sample depends on its own logits, seed and position only, not on its batch row."""
@@ -173,10 +239,22 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("vary", ["seed", "position"])
-@pytest.mark.parametrize("temperature", [1.0, 0.5])
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
 def test_reference_sampler_follows_softmax(temperature, vary):
+    """argmax(logits + T * gumbel) draws from softmax(logits / T); the Triton kernel is the
+    reference bit for bit (tests above), so this holds for it too."""
     counts = draw(SPEC_LOGITS, temperature, vary)
-    assert chi_square_p(counts, torch.softmax(SPEC_LOGITS.double() / temperature, -1)) > 1e-3
+    expected = torch.softmax(SPEC_LOGITS.double() / temperature, -1)
+    assert chi_square_p(counts, expected) > 1e-3
+    # Not the distribution of another temperature: the test can tell them apart.
+    assert chi_square_p(counts, torch.softmax(SPEC_LOGITS.double() / (1.3 * temperature), -1)) < 1e-6
+
+
+def test_reference_sampler_follows_softmax_of_bf16_logits():
+    """bf16 logits sample from the softmax of their own (rounded) values, computed in float32."""
+    logits = (SPEC_LOGITS * 1.37).to(torch.bfloat16)
+    counts = draw(logits, 0.7)
+    assert chi_square_p(counts, torch.softmax(logits.double() / 0.7, -1)) > 1e-3
 
 
 def test_reference_top_k_renormalises_over_the_k_best():

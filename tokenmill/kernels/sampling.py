@@ -1,8 +1,13 @@
-"""Sampling ops over a batch of logits [B, V] (float32), each row reading its request's parameters.
+"""Sampling ops over a batch of logits [B, V], each row reading its request's parameters.
+
+Logits may be float32, bfloat16 or float16; every op computes in float32 (the in-place ones round
+their result back to the logits' dtype once).
 
 The noise of Gumbel-max sampling is a stateless hash of (request seed, position, token id), so a
 seeded request samples the same tokens whatever else is in the batch, and no softmax over the
-vocabulary is ever materialised for sampling: the sample is argmax(logits / T + gumbel).
+vocabulary is ever materialised for sampling: the sample is argmax(logits + T * gumbel), which for
+T > 0 is argmax(logits / T + gumbel) scaled by T, i.e. a draw from softmax(logits / T). Multiplying
+the noise instead of dividing the logits saves the kernel an IEEE division per element.
 
 The hash works on 32-bit unsigned words. The torch reference emulates them in int64 with
 multipliers below 2**31, so every product fits and both implementations agree bit for bit.
@@ -38,35 +43,45 @@ def row_keys_ref(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return _mix32(key ^ (positions.long() & MASK32))
 
 
+def gumbel_from_bits_ref(bits: torch.Tensor) -> torch.Tensor:
+    """float32 Gumbel(0, 1) noise from uint32 hash values (held in int64), always finite.
+
+    u takes the 2**23 values (k + 0.5) / 2**23, all exact in float32 and inside (0, 1). (With 24
+    bits, the top value 1 - 2**-25 would round to 1.0 and give +inf noise: one token in 2**24.)"""
+    u = (bits >> 9).float() * (1.0 / (1 << 23)) + (0.5 / (1 << 23))
+    return -torch.log(-torch.log(u))
+
+
 def gumbel_noise_ref(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[B, V] float32 Gumbel(0, 1) noise from (seed, position, token id)."""
     keys = row_keys_ref(seeds, positions)[:, None]
     tokens = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)[None, :]
-    bits = _mix32(keys ^ ((tokens * GOLDEN) & MASK32))
-    u = (bits >> 8).float() * (1.0 / (1 << 24)) + (0.5 / (1 << 24))  # in (0, 1)
-    return -torch.log(-torch.log(u))
+    return gumbel_from_bits_ref(_mix32(keys ^ ((tokens * GOLDEN) & MASK32)))
 
 
 def apply_penalties_ref(logits, output_counts, prompt_mask, repetition, frequency, presence) -> None:
     """In place. repetition applies to tokens seen in prompt or output (HF's rule: divide positive
     logits, multiply negative ones); frequency and presence (OpenAI's) to output tokens only."""
+    x = logits.float()
     seen_out = output_counts > 0
     seen = seen_out | prompt_mask if prompt_mask is not None else seen_out
-    rep = repetition[:, None]
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
-    logits.copy_(torch.where(seen, penalised, logits))
-    logits -= frequency[:, None] * output_counts.float() + presence[:, None] * seen_out.float()
+    rep = repetition.float()[:, None]
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - (frequency.float()[:, None] * output_counts.float() + presence.float()[:, None] * seen_out.float())
+    logits.copy_(x)
 
 
 def apply_top_k_top_p_min_p_ref(logits, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
                                 min_p: Optional[torch.Tensor]) -> None:
     """In place: -inf outside each row's allowed set. top_k 0 / top_p 1 / min_p 0 mean off."""
+    x = logits.float()  # the thresholds and the top-p mass in float32; kept values are untouched
     if min_p is not None:
-        threshold = logits.max(dim=-1, keepdim=True).values + torch.log(min_p.clamp(min=1e-30))[:, None]
-        logits.masked_fill_((logits < threshold) & (min_p[:, None] > 0), float("-inf"))
+        threshold = x.max(dim=-1, keepdim=True).values + torch.log(min_p.float().clamp(min=1e-30))[:, None]
+        logits.masked_fill_((x < threshold) & (min_p[:, None] > 0), float("-inf"))
+        x = logits.float()
     if top_k is None and top_p is None:
         return
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits, order = x.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if top_k is not None:
@@ -78,26 +93,30 @@ def apply_top_k_top_p_min_p_ref(logits, top_k: Optional[torch.Tensor], top_p: Op
         # Keep the smallest prefix whose mass reaches top_p; top_p = 1 is off (rounding in the
         # cumulative sum must not drop the tail).
         drop |= (before >= top_p[:, None]) & (top_p[:, None] < 1)
-    logits.scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    logits.scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")).to(logits.dtype))
 
 
 def gumbel_sample_ref(logits, temperature, seeds, positions, greedy_only: bool = False) -> torch.Tensor:
-    """Rows with temperature 0 take argmax(logits); others argmax(logits / T + gumbel)."""
-    greedy = logits.argmax(dim=-1)
+    """int64 [B]: argmax(logits + T * gumbel) in float32, rounding the product and then the sum.
+    The noise is finite, so rows with temperature 0 (and greedy_only) take plain argmax(logits);
+    ties go to the lowest index."""
+    x = logits.float()
     if greedy_only:
-        return greedy
-    t = temperature.clamp(min=1e-6)[:, None]
-    noisy = logits / t + gumbel_noise_ref(seeds, positions, logits.shape[-1])
-    return torch.where(temperature == 0, greedy, noisy.argmax(dim=-1))
+        return x.argmax(dim=-1)
+    noise = gumbel_noise_ref(seeds, positions, x.shape[-1])
+    return (x + temperature.float()[:, None] * noise).argmax(dim=-1)
 
 
 def logprobs_ref(raw_logits, sampled, num_top: int):
-    """From unprocessed logits: the sampled token's logprob and rank, and the top-`num_top` pairs."""
-    lse = torch.logsumexp(raw_logits, dim=-1)
-    chosen = raw_logits.gather(1, sampled.long()[:, None])[:, 0]
-    rank = (raw_logits > chosen[:, None]).sum(dim=-1) + 1
-    top_vals, top_ids = raw_logits.topk(num_top, dim=-1) if num_top > 0 else (raw_logits[:, :0], sampled[:, None][:, :0])
-    return chosen - lse, rank, top_ids, top_vals - lse[:, None]
+    """From unprocessed logits: the sampled token's logprob and rank, and the top-`num_top` pairs;
+    logprobs are float32 whatever the logits' dtype."""
+    x = raw_logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    chosen = x.gather(1, sampled.long()[:, None])[:, 0]
+    rank = (x > chosen[:, None]).sum(dim=-1) + 1
+    # topk in the logits' own dtype, as the Triton path does (same values; same order among ties).
+    top_vals, top_ids = raw_logits.topk(num_top, dim=-1) if num_top > 0 else (x[:, :0], sampled[:, None][:, :0])
+    return chosen - lse, rank, top_ids, top_vals.float() - lse[:, None]
 
 
 def gumbel_sample(logits, temperature, seeds, positions, greedy_only: bool = False) -> torch.Tensor:

@@ -1,18 +1,22 @@
 """Triton versions of the sampling ops in sampling.py (same signatures and semantics).
 
-  gumbel_sample          one program per row (per row chunk for small batches); the hash noise is
-                         computed on the fly in uint32 arithmetic and folded into a running
-                         (max, argmax): no noise or probability tensor is materialised. Same
-                         tokens as the reference.
+  gumbel_sample          one program per (row, vocabulary chunk), then a tiny merge of the chunk
+                         winners; the hash noise is computed on the fly in uint32 arithmetic and
+                         folded into per-lane running (max, argmax): no noise or probability
+                         tensor is materialised. Same tokens as the reference.
   apply_penalties        in place, one program per (row, vocab block).
   apply_top_k_top_p_min_p  in place, one program per row; no sort: the top-k / top-p cut-offs are
                          found by a 16-way search over the float bit patterns (~8 passes each).
   logprobs               one program per row for the logsumexp and the sampled token's rank;
                          the top-`num_top` pairs come from torch.topk on the raw logits.
 
+Every kernel loads the logits in their own dtype (float32, bfloat16 or float16) and computes in
+float32; the in-place ones store their result back in that dtype.
+
 Rounding: divisions use div_rn (Triton's `/` on fp32 is approximate on CUDA) and tl.log lowers to
-libdevice's logf, the function torch's CUDA log calls, so the noise and the scaled logits are bit
-for bit the reference's. Float outputs of penalties are exact too (launched without FMA fusion).
+libdevice's logf, the function torch's CUDA log calls, so the noise and the noisy logits are bit
+for bit the reference's (the sampler and penalties are launched without FMA fusion, so products
+and sums round separately, as in torch).
 """
 
 import functools
@@ -22,7 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-VOCAB_BLOCK = 1024  # vocabulary elements per loop step (one program per row)
+VOCAB_BLOCK = 2048  # vocabulary elements per loop step of the Gumbel sampler
+VOCAB_WARPS = 8
+PROGRAMS_PER_SM = 4  # the Gumbel sampler's grid: programs per SM aimed at, at any batch size
+LSE_BLOCK = 1024  # vocabulary elements per loop step of the logprobs kernel
 PENALTY_BLOCK = 1024  # vocabulary elements per program of apply_penalties
 SEARCH_BLOCK = 512  # vocabulary elements per step of the threshold search
 SEARCH_WAYS = 16  # candidate thresholds per pass of the search (4 bits of the 32 per pass)
@@ -62,93 +69,98 @@ def _row_key(seed, position):
 def _gumbel(key, tokens):
     """sampling.gumbel_noise_ref at the given token ids (int32) of a row with this key."""
     bits = _mix32(key ^ (tokens.to(tl.uint32) * 0x9E3779B1))
-    # (bits >> 8) < 2**24 converts exactly and the product by 2**-24 is exact, so an FMA here
-    # rounds like the reference's separate multiply and add.
-    u = (bits >> 8).to(tl.float32) * (1.0 / 16777216.0) + (0.5 / 16777216.0)
+    # The reference's u = (k + 0.5) / 2**23, k = bits >> 9, exact in both, without the slow
+    # int-to-float conversion: k as the mantissa of a float in [1, 2) is 1 + k / 2**23, and
+    # subtracting 1 - 2**-24 is exact.
+    u = ((bits >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - (1.0 - 1.0 / 16777216.0)
     return -tl.log(-tl.log(u))
 
 
 @triton.jit
-def _argmax_range(row_ptr, lo, hi, key, temp, NOISY: tl.constexpr, BLOCK: tl.constexpr):
-    """(max, argmax) over columns [lo, hi) of the row (NOISY: logits / temp + gumbel); the lowest
-    index wins ties, as in torch.argmax: blocks are visited in order and only a strictly larger max
-    replaces. With every value -inf the answer is lo."""
+def _argmax_chunk(row_ptr, lo, hi, key, temp, NOISY: tl.constexpr, BLOCK: tl.constexpr):
+    """(max, argmax) over columns [lo, hi) of the row in float32 (NOISY: of logits + temp * gumbel),
+    the lowest index winning ties as in torch.argmax; with every value -inf the answer is lo.
+
+    Each lane keeps its own running best through the loop and the lanes are reduced once at the
+    end, so the loop has no cross-warp reduction. A lane's columns increase, so a strict > keeps
+    its earliest maximum; the final reduction takes the lowest index among the lanes at the max."""
     lanes = tl.arange(0, BLOCK)
-    best_val = tl.full([], NEG_INF, tl.float32)
-    best_idx = tl.zeros([], tl.int32) + lo
+    best_val = tl.full([BLOCK], NEG_INF, tl.float32)
+    best_idx = tl.zeros([BLOCK], tl.int32) + lo
     for start in range(lo, hi, BLOCK):
         cols = start + lanes
-        valid = cols < hi
-        x = tl.load(row_ptr + cols, mask=valid, other=NEG_INF).to(tl.float32)
+        x = tl.load(row_ptr + cols, mask=cols < hi, other=NEG_INF).to(tl.float32)
         if NOISY:
-            x = tl.math.div_rn(x, temp) + _gumbel(key, cols)
-            x = tl.where(valid, x, NEG_INF)
-        blk_val, blk_idx = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        better = blk_val > best_val
-        best_idx = tl.where(better, start + blk_idx, best_idx)
-        best_val = tl.where(better, blk_val, best_val)
-    return best_val, best_idx
-
-
-@triton.jit
-def _sample_range(logits_ptr, stride_row, row, lo, hi, temperature_ptr, seeds_ptr, positions_ptr,
-                  GREEDY_ONLY: tl.constexpr, BLOCK: tl.constexpr):
-    """The row's (max, argmax) over [lo, hi): plain for greedy rows, with Gumbel noise otherwise."""
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    if GREEDY_ONLY:
-        val, idx = _argmax_range(row_ptr, lo, hi, 0, 1.0, False, BLOCK)
-    else:
-        temp = tl.load(temperature_ptr + row).to(tl.float32)
-        if temp == 0:
-            val, idx = _argmax_range(row_ptr, lo, hi, 0, 1.0, False, BLOCK)
-        else:
-            key = _row_key(tl.load(seeds_ptr + row), tl.load(positions_ptr + row))
-            val, idx = _argmax_range(row_ptr, lo, hi, key, tl.maximum(temp, 1e-6), True, BLOCK)
-    return val, idx
-
-
-@triton.jit
-def _gumbel_sample_kernel(logits_ptr, stride_row, V, temperature_ptr, seeds_ptr, positions_ptr, out_ptr,
-                          GREEDY_ONLY: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (B,): one program scans its whole row."""
-    row = tl.program_id(0)
-    _, token = _sample_range(logits_ptr, stride_row, row, 0, V, temperature_ptr, seeds_ptr, positions_ptr,
-                             GREEDY_ONLY, BLOCK)
-    tl.store(out_ptr + row, token.to(tl.int64))
+            x = x + temp * _gumbel(key, cols)  # finite noise: masked-off lanes stay -inf
+        better = x > best_val
+        best_val = tl.where(better, x, best_val)
+        best_idx = tl.where(better, cols, best_idx)
+    top = tl.max(best_val, axis=0)
+    return top, tl.min(tl.where(best_val == top, best_idx, hi), axis=0)
 
 
 @triton.jit
 def _gumbel_chunk_kernel(logits_ptr, stride_row, V, chunk, temperature_ptr, seeds_ptr, positions_ptr,
-                         val_ptr, idx_ptr, GREEDY_ONLY: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (B, chunks): each program scans one chunk of its row and writes its (max, argmax)."""
+                         val_ptr, idx_ptr, out_ptr,
+                         GREEDY_ONLY: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (B, chunks): each program scans one chunk of its row. SPLIT: writes the chunk's
+    (max, argmax) for _merge_chunks_kernel; else (one chunk per row) the token itself."""
     row = tl.program_id(0)
     part = tl.program_id(1)
     lo = part * chunk
     hi = tl.minimum(lo + chunk, V)
-    val, idx = _sample_range(logits_ptr, stride_row, row, lo, hi, temperature_ptr, seeds_ptr, positions_ptr,
-                             GREEDY_ONLY, BLOCK)
-    slot = row.to(tl.int64) * tl.num_programs(1) + part
-    tl.store(val_ptr + slot, val)
-    tl.store(idx_ptr + slot, idx)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    if GREEDY_ONLY:
+        val, idx = _argmax_chunk(row_ptr, lo, hi, 0, 0.0, False, BLOCK)
+    else:
+        temp = tl.load(temperature_ptr + row).to(tl.float32)
+        if temp == 0:  # the noise is finite, so this is the noisy scan's answer without the hashing
+            val, idx = _argmax_chunk(row_ptr, lo, hi, 0, 0.0, False, BLOCK)
+        else:
+            key = _row_key(tl.load(seeds_ptr + row), tl.load(positions_ptr + row))
+            val, idx = _argmax_chunk(row_ptr, lo, hi, key, temp, True, BLOCK)
+    if SPLIT:
+        slot = row.to(tl.int64) * tl.num_programs(1) + part
+        tl.store(val_ptr + slot, val)
+        tl.store(idx_ptr + slot, idx)
+    else:
+        tl.store(out_ptr + row, idx.to(tl.int64))
 
 
-def _vocab_chunks(batch: int, vocab: int, device: torch.device) -> int:
-    """Split each row's vocabulary over several programs when the batch alone leaves SMs idle
-    (a batch of 1 would otherwise scan 150k logits on one SM): about 2 programs per SM."""
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 132
-    return max(1, min(triton.cdiv(2 * sms, batch), triton.cdiv(vocab, VOCAB_BLOCK)))
+@triton.jit
+def _merge_chunks_kernel(val_ptr, idx_ptr, out_ptr, chunks, BLOCK_C: tl.constexpr):
+    """Grid (B,): the row's token from its chunk winners: the max, and among equal maxima the
+    lowest index (chunks cover increasing columns, so this is the whole row's torch.argmax)."""
+    row = tl.program_id(0)
+    parts = tl.arange(0, BLOCK_C)
+    valid = parts < chunks
+    base = row.to(tl.int64) * chunks
+    vals = tl.load(val_ptr + base + parts, mask=valid, other=NEG_INF)
+    idx = tl.load(idx_ptr + base + parts, mask=valid, other=2**31 - 1)
+    top = tl.max(vals, axis=0)
+    tl.store(out_ptr + row, tl.min(tl.where(vals == top, idx, 2**31 - 1), axis=0).to(tl.int64))
+
+
+def _vocab_chunk(batch: int, vocab: int, device: torch.device, num_chunks: Optional[int] = None) -> int:
+    """Columns per program: each row is split so that every batch size gives at least
+    PROGRAMS_PER_SM programs per SM (one program per row leaves most of the GPU idle at a batch of a
+    few hundred, and a batch of 1 would scan 150k logits on one SM), in whole blocks, at least
+    one. Rounding down to whole blocks can only add chunks; num_chunks overrides the target."""
+    if num_chunks is None:
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else 132
+        num_chunks = triton.cdiv(PROGRAMS_PER_SM * sms, batch)
+    return max(1, triton.cdiv(vocab, VOCAB_BLOCK) // max(num_chunks, 1)) * VOCAB_BLOCK
 
 
 def gumbel_sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                          positions: torch.Tensor, greedy_only: bool = False,
                          num_chunks: Optional[int] = None) -> torch.Tensor:
     """int64 [B]: argmax(logits) for greedy rows (temperature 0, or all with greedy_only), else
-    argmax(logits / max(T, 1e-6) + gumbel(seed, position, token)).
+    argmax(logits + T * gumbel(seed, position, token)), in float32 whatever the logits' dtype.
 
-    Small batches split each row into chunks scanned by separate programs; the chunk winners are
-    merged with torch.argmax, which keeps the lowest index on ties like a single scan does.
-    """
+    Each row is split into chunks scanned by separate programs (num_chunks overrides the choice);
+    the chunk winners are merged by a second, tiny kernel."""
     _check_logits(logits)
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
@@ -156,22 +168,19 @@ def gumbel_sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds:
         return out
     if greedy_only:  # the other tensors are not read
         temperature = seeds = positions = out
-    chunks = num_chunks if num_chunks is not None else _vocab_chunks(B, V, logits.device)
-    chunk = triton.cdiv(triton.cdiv(V, max(chunks, 1)), VOCAB_BLOCK) * VOCAB_BLOCK
+    chunk = _vocab_chunk(B, V, logits.device, num_chunks)
     chunks = triton.cdiv(V, chunk)
-    if chunks == 1:
-        _gumbel_sample_kernel[(B,)](
-            logits, logits.stride(0), V, temperature, seeds, positions, out,
-            GREEDY_ONLY=greedy_only, BLOCK=VOCAB_BLOCK, num_warps=8,
-        )
-        return out
-    vals = torch.empty((B, chunks), dtype=torch.float32, device=logits.device)
-    idx = torch.empty((B, chunks), dtype=torch.int32, device=logits.device)
+    split = chunks > 1
+    vals = torch.empty((B, chunks), dtype=torch.float32, device=logits.device) if split else out
+    idx = torch.empty((B, chunks), dtype=torch.int32, device=logits.device) if split else out
     _gumbel_chunk_kernel[(B, chunks)](
-        logits, logits.stride(0), V, chunk, temperature, seeds, positions, vals, idx,
-        GREEDY_ONLY=greedy_only, BLOCK=VOCAB_BLOCK, num_warps=8,
+        logits, logits.stride(0), V, chunk, temperature, seeds, positions, vals, idx, out,
+        GREEDY_ONLY=greedy_only, SPLIT=split, BLOCK=VOCAB_BLOCK, num_warps=VOCAB_WARPS,
+        enable_fp_fusion=False,  # round temp * gumbel before the sum, like the reference
     )
-    return idx.gather(1, vals.argmax(dim=1, keepdim=True))[:, 0].to(torch.int64)
+    if split:
+        _merge_chunks_kernel[(B,)](vals, idx, out, chunks, BLOCK_C=triton.next_power_of_2(chunks), num_warps=1)
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -406,7 +415,8 @@ def _lse_rank_kernel(logits_ptr, stride_row, V, sampled_ptr, lse_ptr, logprob_pt
 
 def logprobs_triton(raw_logits: torch.Tensor, sampled: torch.Tensor, num_top: int):
     """(sampled logprob [B], rank int64 [B], top ids [B, num_top], top logprobs [B, num_top]) from
-    the unprocessed logits. Allocates the four outputs (plus an lse buffer); topk is torch's."""
+    the unprocessed logits, any float dtype; the logprobs are float32. Allocates the four outputs
+    (plus an lse buffer); topk is torch's, on the logits in their own dtype."""
     _check_logits(raw_logits)
     B, V = raw_logits.shape
     device = raw_logits.device
@@ -415,10 +425,10 @@ def logprobs_triton(raw_logits: torch.Tensor, sampled: torch.Tensor, num_top: in
     rank = torch.empty(B, dtype=torch.int64, device=device)
     if B > 0:
         _lse_rank_kernel[(B,)](raw_logits, raw_logits.stride(0), V, sampled, lse, logprob, rank,
-                               BLOCK=VOCAB_BLOCK, num_warps=8)
+                               BLOCK=LSE_BLOCK, num_warps=8)
     if num_top > 0:
         top_vals, top_ids = raw_logits.topk(num_top, dim=-1)
-        top_logprobs = top_vals - lse.to(raw_logits.dtype)[:, None]
+        top_logprobs = top_vals.float() - lse[:, None]
     else:
-        top_ids, top_logprobs = sampled[:, None][:, :0], raw_logits[:, :0]
-    return logprob.to(raw_logits.dtype), rank, top_ids, top_logprobs
+        top_ids, top_logprobs = sampled[:, None][:, :0], lse[:, None][:, :0]
+    return logprob, rank, top_ids, top_logprobs

@@ -4,6 +4,9 @@ Stages run in this order, each only when some request in the batch uses it (deci
 from the rows' numpy mirrors, so no device value is read): logit bias, min_tokens masking,
 penalties, temperature + min-p + top-k/top-p masking, then Gumbel-max sampling (plain argmax for an
 all-greedy batch). Logprobs are taken from the raw logits, before any processing, like vLLM's default.
+
+The logits come in the model's dtype; every kernel computes in float32. A float32 copy is made only
+when a stage has to modify the logits; the caller's tensor is never written.
 """
 
 from dataclasses import dataclass
@@ -60,38 +63,43 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, idx_mapping: torch.Tensor, positions: torch.Tensor,
                  plan: BatchSamplingPlan) -> SamplerOutput:
-        """logits [B, V] float32 (modified in place); idx_mapping [B] rows; positions [B]: the
-        position the sampled token will take (its index in the sequence)."""
+        """logits [B, V] float32, bfloat16 or float16, never modified; idx_mapping [B] rows;
+        positions [B]: the position the sampled token will take (its index in the sequence)."""
         s = self.states
         rows = idx_mapping.long()
-        raw = logits.clone() if plan.max_logprobs >= 0 else None
+        temperature = s.field_gpu("temperature")[rows]
+        filters = not plan.all_greedy and (plan.any_top_k or plan.any_top_p or plan.any_min_p)
+        work = logits
+        if plan.any_bias or plan.any_min_tokens or plan.any_penalty or filters:
+            # These stages write into the logits: a float32 copy, which also leaves the raw logits
+            # for logprobs. Plain temperature / greedy sampling reads the model's logits directly.
+            work = logits.to(torch.float32, copy=True)
         if plan.any_bias:
             ids, vals = (t[rows] for t in s.logit_bias)
             valid = ids >= 0
-            logits.scatter_add_(1, ids.clamp(min=0).long(), torch.where(valid, vals, torch.zeros_like(vals)))
+            work.scatter_add_(1, ids.clamp(min=0).long(), torch.where(valid, vals, torch.zeros_like(vals)))
         if plan.any_min_tokens:
-            self._mask_stop_tokens(logits, rows, positions)
+            self._mask_stop_tokens(work, rows, positions)
         if plan.any_penalty:
-            apply_penalties(logits, s.output_counts[rows], s.prompt_mask[rows], s.field_gpu("repetition")[rows],
+            apply_penalties(work, s.output_counts[rows], s.prompt_mask[rows], s.field_gpu("repetition")[rows],
                             s.field_gpu("frequency")[rows], s.field_gpu("presence")[rows])
-        temperature = s.field_gpu("temperature")[rows]
-        if not plan.all_greedy and (plan.any_top_k or plan.any_top_p or plan.any_min_p):
+        if filters:
             # Masks apply to the temperature-scaled distribution; greedy rows are unaffected by
             # them (their argmax always survives), so scale only sampling rows.
             scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-            logits.div_(scale[:, None])
+            work.div_(scale[:, None])
             temperature = torch.where(temperature > 0, torch.ones_like(temperature), temperature)
             apply_top_k_top_p_min_p(
-                logits,
+                work,
                 s.field_gpu("top_k")[rows] if plan.any_top_k else None,
                 s.field_gpu("top_p")[rows] if plan.any_top_p else None,
                 s.field_gpu("min_p")[rows] if plan.any_min_p else None,
             )
-        sampled = gumbel_sample(logits, temperature, s.field_gpu("seed")[rows], positions, plan.all_greedy)
+        sampled = gumbel_sample(work, temperature, s.field_gpu("seed")[rows], positions, plan.all_greedy)
         out = SamplerOutput(sampled=sampled)
-        if raw is not None:
+        if plan.max_logprobs >= 0:
             out.token_logprobs, out.token_ranks, out.top_ids, out.top_logprobs = logprobs(
-                raw, sampled, max(plan.max_logprobs, 0))
+                logits, sampled, max(plan.max_logprobs, 0))
         return out
 
     def _mask_stop_tokens(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> None:
