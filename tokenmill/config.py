@@ -16,7 +16,7 @@ class EngineConfig:
     max_num_seqs: int = 256  # requests running at once (= runner rows)
     max_num_batched_tokens: int = 8192  # tokens per step (prefill chunks + decodes)
     # Prompt tokens a step may take while it also runs decodes (None: up to the step budget). A
-    # smaller cap bounds the inter-token latency of running requests; `tokenmill serve` sets 512.
+    # cap shortens the longest steps but makes more of them mixed (see docs/PERFORMANCE.md, serve-8b).
     max_prefill_tokens_with_decodes: Optional[int] = None
     block_size: int = 16
     num_kv_blocks: Optional[int] = None  # explicit KV cache size; else derived from memory

@@ -34,8 +34,7 @@ def register(subparsers) -> None:
     g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_engine_args(p)
-    # Serving: a step with running decodes takes at most 512 prompt tokens (bounds the inter-token latency).
-    p.set_defaults(func=cmd_serve, max_prefill_tokens_with_decodes=512)
+    p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
