@@ -26,12 +26,14 @@ from tokenmill.bench.workloads import generate_requests
 
 # Kernel family by name: first match wins (Triton kernels carry their Python function's name).
 FAMILIES = [
-    ("attention", r"attention|attn|flash"),
+    ("gemm", r"splitkreduce"),  # cuBLAS's split-K reduction, before "reduce" below catches it
+    ("attention", r"attention|attn|flash|reduce_splits"),
+    ("qkv-prep", r"qkv_prep"),  # q/k norm + rotary + KV write, fused
     ("kv-write", r"kv_cache|write_kv|reshape_and_cache"),
     ("norm", r"rms|norm"),
     ("rotary", r"rotary|rope"),
     ("activation", r"silu|act_and_mul|gelu"),
-    ("sampling", r"gumbel|sampl|top_?k|top_?p|min_p|penalt|logit_bias|logprob|argmax|temperature|softmax|sort"),
+    ("sampling", r"gumbel|merge_chunks|sampl|top_?k|top_?p|min_p|penalt|logit_bias|logprob|argmax|temperature|softmax|sort"),
     ("input-prep", r"prepare|input_prep|post_update|staged|slot|gather_block|positions"),
     ("gemm", r"gemm|gemv|nvjet|cutlass|xmma|sm90|splitk|matmul|cublas"),
     ("copy", r"memcpy|memset|copy|fill|cat|index|elementwise|vectorized|reduce"),
