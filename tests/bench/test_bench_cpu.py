@@ -241,3 +241,17 @@ def test_summary_table_and_merge(tmp_path):
     merged = report.merge([str(tmp_path / "a.json"), str(tmp_path / "missing.json")])
     table = report.format_table(report.summary_rows(merged))
     assert "throughput" in table and "error" in table
+
+
+def test_profile_tiny(tmp_path):
+    rc = main(["bench", "profile", "--workload", "tiny", "--device", "cpu", "--out", str(tmp_path),
+               "--num-prompts", "3", "--input-len", "12", "--output-len", "10", "--skip-steps", "3", "--steps", "4"])
+    assert rc == 0
+    (path,) = tmp_path.glob("profile-*.json")
+    result = json.loads(path.read_text())
+    assert result["window"] == {"skip_steps": 3, "steps": 4, "batch_min": 3, "batch_max": 3, "new_tokens_mean": 3.0}
+    summary = result["summary"]
+    assert summary["wall_ms_per_step"] > 0 and summary["kernel_launches_per_step"] > 0
+    # On the CPU the "kernels" are torch ops; the linear layers' matmuls must be among them.
+    assert summary["families"]["gemm"]["ms_per_step"] > 0
+    assert sum(k["share_pct"] for k in summary["kernels"]) == pytest.approx(100, rel=1e-6)

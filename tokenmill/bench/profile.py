@@ -2,7 +2,7 @@
 
 The workload's requests are all added, the engine steps until `--skip-steps` steps have run (so the
 window sits in the steady state, e.g. full-batch decode), then `--steps` steps run under
-torch.profiler. The report gives, per kernel and per kernel family (GEMM, attention, norm, ...),
+torch.profiler. The report gives, per kernel (on a CPU run: per torch op) and per kernel family (GEMM, attention, norm, ...),
 the device time per step and its share, the device-busy fraction of the wall time, and, for every
 distinct linear layer shape of the model, the weight-streaming bandwidth of that GEMM alone at the
 window's batch size against the measured copy bandwidth (each GEMM's own roofline). A Chrome trace
@@ -35,7 +35,7 @@ FAMILIES = [
     ("activation", r"silu|act_and_mul|gelu"),
     ("sampling", r"gumbel|merge_chunks|sampl|top_?k|top_?p|min_p|penalt|logit_bias|logprob|argmax|temperature|softmax|sort"),
     ("input-prep", r"prepare|input_prep|post_update|staged|slot|gather_block|positions"),
-    ("gemm", r"gemm|gemv|nvjet|cutlass|xmma|sm90|splitk|matmul|cublas"),
+    ("gemm", r"gemm|gemv|nvjet|cutlass|xmma|sm90|splitk|matmul|cublas|aten::(mm|addmm|bmm|linear)$"),
     ("copy", r"memcpy|memset|copy|fill|cat|index|elementwise|vectorized|reduce"),
 ]
 
@@ -58,6 +58,12 @@ def _device_events(prof):
         start, end = ev.time_range.start, ev.time_range.end
         out.append((ev.name, float(start), float(end - start)))
     return out
+
+
+def _cpu_op_events(prof):
+    """Without a GPU: (name, start_us, self time_us) of the torch ops, the CPU's equivalent of kernels."""
+    return [(ev.name, float(ev.time_range.start), float(ev.self_cpu_time_total)) for ev in prof.events()
+            if ev.name.startswith("aten::") and ev.self_cpu_time_total > 0]
 
 
 def summarize_kernels(events, steps: int, wall_s: float) -> dict:
@@ -145,7 +151,8 @@ def run(args, log=None) -> dict:
     shapes, engine.step_log = engine.step_log, None
     batch_sizes = [len(s.query_lens) for s in shapes]
     new_tokens = [int(s.query_lens.sum()) for s in shapes]
-    summary = summarize_kernels(_device_events(prof), args.steps, wall)
+    events = _device_events(prof) if device.type == "cuda" else _cpu_op_events(prof)
+    summary = summarize_kernels(events, args.steps, wall)
     log(f"{args.steps} steps, batch {min(batch_sizes)}..{max(batch_sizes)}, {wall / args.steps * 1e3:.3f} ms/step wall, "
         f"{summary['busy_ms_per_step']:.3f} ms/step device busy ({summary['device_busy_pct']:.1f} %), "
         f"{summary['kernel_launches_per_step']:.0f} kernels/step")
