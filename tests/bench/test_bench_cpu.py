@@ -231,6 +231,11 @@ def test_serve_launches_the_real_server(tmp_path):
     assert s["completed"] == 4 and s["failed"] == 0 and s["requests_short_of_max_tokens"] == 0
     assert s["requests_with_chunks_not_tokens"] == 0 and s["ttft_ms_p50"] > 0
     assert (tmp_path / "server-tiny+custom.log").exists()
+    # The server's own step intervals, scraped from /metrics around the load: 4 prompts of 4-8
+    # tokens make at least a few decode steps after the prefill.
+    steps = r["rates"][0]["server_steps"]
+    assert steps["decode"]["count"] >= 2 and steps["decode"]["mean_ms"] > 0
+    assert sum(v["count"] for v in steps.values()) >= 4
 
 
 def test_summary_table_and_merge(tmp_path):
@@ -255,3 +260,25 @@ def test_profile_tiny(tmp_path):
     # On the CPU the "kernels" are torch ops; the linear layers' matmuls must be among them.
     assert summary["families"]["gemm"]["ms_per_step"] > 0
     assert sum(k["share_pct"] for k in summary["kernels"]) == pytest.approx(100, rel=1e-6)
+
+
+def test_step_histogram_parsing():
+    from tokenmill.bench.serve import step_histograms, step_summary
+
+    def scrape(decode_buckets, mixed_buckets):
+        lines = ["# HELP tokenmill:step_interval_seconds ...", "# TYPE tokenmill:step_interval_seconds histogram"]
+        for kind, buckets in (("decode", decode_buckets), ("mixed", mixed_buckets)):
+            for le, c in buckets:
+                lines.append(f'tokenmill:step_interval_seconds_bucket{{model_name="m",kind="{kind}",le="{le}"}} {c}')
+            lines.append(f'tokenmill:step_interval_seconds_count{{model_name="m",kind="{kind}"}} {buckets[-1][1]}')
+            lines.append(f'tokenmill:step_interval_seconds_sum{{model_name="m",kind="{kind}"}} {0.005 * buckets[-1][1]}')
+        return "\n".join(lines)
+
+    before = step_histograms(scrape([("0.005", 10.0), ("0.03", 10.0), ("+Inf", 10.0)],
+                                    [("0.005", 0.0), ("0.03", 0.0), ("+Inf", 0.0)]))
+    after = step_histograms(scrape([("0.005", 108.0), ("0.03", 110.0), ("+Inf", 110.0)],
+                                   [("0.005", 0.0), ("0.03", 3.0), ("+Inf", 4.0)]))
+    s = step_summary(before, after)
+    assert s["decode"] == {"count": 100, "mean_ms": pytest.approx(5.0), "p50_le_ms": 5.0, "p99_le_ms": 30.0}
+    assert s["mixed"]["count"] == 4 and s["mixed"]["p50_le_ms"] == 30.0 and s["mixed"]["p99_le_ms"] == float("inf")
+

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -195,6 +196,49 @@ def _get(url: str, timeout: float = 5.0) -> Optional[tuple[int, bytes]]:
         return None
 
 
+def step_histograms(metrics_text: str) -> dict:
+    """{kind: {"count", "sum", "buckets": {le: cumulative count}}} of the server's
+    tokenmill:step_interval_seconds histogram (Prometheus text format)."""
+    out: dict = {}
+    pattern = re.compile(r'^tokenmill:step_interval_seconds_(bucket|count|sum)\{([^}]*)\}\s+(\S+)$')
+    for line in metrics_text.splitlines():
+        m = pattern.match(line)
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+        entry = out.setdefault(labels.get("kind", "?"), {"count": 0.0, "sum": 0.0, "buckets": {}})
+        if m.group(1) == "bucket":
+            entry["buckets"][labels["le"]] = float(m.group(3))
+        else:
+            entry[m.group(1)] = float(m.group(3))
+    return out
+
+
+def step_summary(before: dict, after: dict) -> dict:
+    """The steps between two scrapes, per kind: count, mean, and the bucket bounds that hold the
+    median and the 99th percentile (a histogram gives no finer answer)."""
+    summary = {}
+    for kind, a in after.items():
+        b = before.get(kind, {"count": 0.0, "sum": 0.0, "buckets": {}})
+        count = a["count"] - b["count"]
+        if count <= 0:
+            continue
+        cum = sorted(((float("inf") if le == "+Inf" else float(le), v - b["buckets"].get(le, 0.0))
+                      for le, v in a["buckets"].items()))
+
+        def bound(q: float) -> float:
+            return next((le for le, c in cum if c >= q * count), float("inf"))
+
+        summary[kind] = {"count": int(count), "mean_ms": 1e3 * (a["sum"] - b["sum"]) / count,
+                         "p50_le_ms": 1e3 * bound(0.5), "p99_le_ms": 1e3 * bound(0.99)}
+    return summary
+
+
+def _scrape_steps(base_url: str) -> Optional[dict]:
+    got = _get(base_url.rstrip("/") + "/metrics")
+    return step_histograms(got[1].decode()) if got and got[0] == 200 else None
+
+
 def _post(url: str, timeout: float = 10.0) -> Optional[int]:
     import urllib.error
     import urllib.request
@@ -366,17 +410,25 @@ def run(args, log=None) -> dict:
             reqs = _requests_for_rate(w, rate, i, fresh, vocab)
             log(f"rate {rate} req/s: {len(reqs)} requests"
                 + (f", max concurrency {args.max_concurrency}" if args.max_concurrency else ""))
+            steps_before = _scrape_steps(base_url)
             records, duration = asyncio.run(run_load(base_url, model, reqs, w.temperature, args.max_concurrency,
                                                      args.request_timeout))
+            steps_after = _scrape_steps(base_url)
+            server_steps = step_summary(steps_before, steps_after) if steps_before is not None and steps_after else None
             s = summarize_records(records, duration)
             per_rate.append({"request_rate": rate if rate != float("inf") else "inf", "max_concurrency": args.max_concurrency,
                              "prefix_cache_reset": status == 200, "fresh_token_ids": fresh, "summary": s,
+                             "server_steps": server_steps,
                              "ttft_ms": [1e3 * (r.token_times[0] - r.send_time) if r.token_times else None
                                          for r in records] if args.keep_requests else None})
             log(f"  {s['completed']} ok, {s['failed']} failed in {duration:.1f} s: {s['output_tok_per_s'] or 0:.0f} "
                 f"output tok/s, {s['requests_per_s'] or 0:.2f} req/s; TTFT p50/p90/p99 "
                 f"{s['ttft_ms_p50'] or 0:.0f}/{s['ttft_ms_p90'] or 0:.0f}/{s['ttft_ms_p99'] or 0:.0f} ms; ITL "
                 f"p50/p90/p99 {s['itl_ms_p50'] or 0:.1f}/{s['itl_ms_p90'] or 0:.1f}/{s['itl_ms_p99'] or 0:.1f} ms")
+            if server_steps:
+                log("  server steps: " + "; ".join(
+                    f"{kind} {v['count']}, mean {v['mean_ms']:.1f} ms, p50 <= {v['p50_le_ms']:.1f} ms, "
+                    f"p99 <= {v['p99_le_ms']:.1f} ms" for kind, v in sorted(server_steps.items())))
             if s["errors"]:
                 log(f"  errors: {s['errors']}")
     except BaseException:

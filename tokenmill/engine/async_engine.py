@@ -166,6 +166,7 @@ class AsyncLLMEngine:
         self._deliveries: list[tuple[Any, Any]] = []  # (RequestStream or call future, item)
         self._needs_step = False
         self._num_steps = 0
+        self._last_step_end: Optional[float] = None
         self._stats = self._snapshot()
 
     # ---- lifecycle (event loop side) -------------------------------------------------------
@@ -249,9 +250,13 @@ class AsyncLLMEngine:
                     return
                 if engine.has_unfinished_requests() or self._needs_step:
                     self._needs_step = False
+                    completed = engine.steps_completed
                     outputs = engine.step()
                     self._num_steps += 1
+                    self._observe_step(engine.last_step_kind if engine.steps_completed > completed else None)
                     self._dispatch(outputs)
+                else:
+                    self._last_step_end = None  # idle: the next interval starts afresh
                 self._stats = self._snapshot()
                 self._flush()
         except BaseException as e:  # a bug in the engine: fail everyone, loudly
@@ -343,6 +348,16 @@ class AsyncLLMEngine:
             if out is not None and self.observer is not None:
                 self.observer.finished(out, now - group.arrival)
         self._needs_step = True  # let the engine release runner rows even if it is now idle
+
+    def _observe_step(self, kind: Optional[str]) -> None:
+        """The interval between two engine steps in a busy loop, by the kind of the step whose
+        results just came back (kind None: none did). With async scheduling that interval is the
+        device time of that step, or the CPU's if the CPU is the slower."""
+        now = time.monotonic()
+        last, self._last_step_end = self._last_step_end, now
+        observe = getattr(self.observer, "step_interval", None)
+        if observe is not None and last is not None and kind is not None:
+            observe(kind, now - last)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()

@@ -70,6 +70,9 @@ class ServerMetrics:
                              lbl, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("tokenmill:e2e_request_latency_seconds", "Time from arrival to the end of a request.",
                              lbl, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self._steps = Histogram("tokenmill:step_interval_seconds",
+                                "Time between engine steps while busy, by the kind of step that completed.",
+                                lbl + ["kind"], buckets=_ITL_BUCKETS, registry=r)
         self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens of finished requests.", lbl,
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated.", lbl,
@@ -93,6 +96,9 @@ class ServerMetrics:
 
     def inter_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
+
+    def step_interval(self, kind: str, seconds: float) -> None:
+        self._steps.labels(self.model_name, kind).observe(seconds)
 
     def finished(self, output: RequestOutput, seconds: float) -> None:
         self.e2e.observe(seconds)
