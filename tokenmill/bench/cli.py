@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -45,11 +46,11 @@ def register(subparsers) -> None:
     tp.add_argument("--hf-max-batch-tokens", type=int, default=None, help="transformers CB tokens per batch")
     tp.add_argument("--no-keep-steps", dest="keep_steps", action="store_false",
                     help="leave the per-step points out of the JSON")
-    tp.set_defaults(func=cmd_throughput)
+    tp.set_defaults(func=functools.partial(_run, "throughput"))
 
     lat = sub.add_parser("latency", help="batch-1 decode latency (time per output token, TTFT)")
     _add_common(lat, "latency-8b", 5)
-    lat.set_defaults(func=cmd_latency)
+    lat.set_defaults(func=functools.partial(_run, "latency"))
 
     sv = sub.add_parser("serve", help="load the HTTP server with Poisson arrivals; TTFT, ITL, throughput")
     _add_common(sv, "serve-8b", 1)
@@ -65,14 +66,14 @@ def register(subparsers) -> None:
     sv.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     sv.add_argument("--request-timeout", type=float, default=3600.0, help="seconds, for the whole run")
     sv.add_argument("--keep-requests", action="store_true", help="keep every request's TTFT in the JSON")
-    sv.set_defaults(func=cmd_serve)
+    sv.set_defaults(func=functools.partial(_run, "serve"))
 
     pf = sub.add_parser("profile", help="torch-profiler breakdown of a window of engine steps, per kernel")
     _add_common(pf, "offline-small", 1)
     pf.add_argument("--skip-steps", type=int, default=200, help="steps run before the profiled window")
     pf.add_argument("--steps", type=int, default=20, help="steps in the profiled window")
     pf.add_argument("--trace", action="store_true", help="also write a Chrome trace (.trace.json.gz)")
-    pf.set_defaults(func=cmd_profile, no_plot=True)
+    pf.set_defaults(func=functools.partial(_run, "profile"), no_plot=True)
 
 
 def _finish(kind: str, result: dict, args) -> int:
@@ -96,33 +97,11 @@ def _finish(kind: str, result: dict, args) -> int:
     return 0
 
 
-def cmd_throughput(args) -> int:
-    from tokenmill.bench import throughput
+def _run(kind: str, args) -> int:
+    """Run bench module `kind` (throughput, latency, profile, serve): its run(), summary, files."""
+    import importlib
 
-    result = throughput.run(args)
-    throughput.print_summary(result)
-    return _finish("throughput", result, args)
-
-
-def cmd_latency(args) -> int:
-    from tokenmill.bench import latency
-
-    result = latency.run(args)
-    latency.print_summary(result)
-    return _finish("latency", result, args)
-
-
-def cmd_profile(args) -> int:
-    from tokenmill.bench import profile
-
-    result = profile.run(args)
-    profile.print_summary(result)
-    return _finish("profile", result, args)
-
-
-def cmd_serve(args) -> int:
-    from tokenmill.bench import serve
-
-    result = serve.run(args)
-    serve.print_summary(result)
-    return _finish("serve", result, args)
+    module = importlib.import_module(f"tokenmill.bench.{kind}")
+    result = module.run(args)
+    module.print_summary(result)
+    return _finish(kind, result, args)

@@ -19,6 +19,15 @@ from tokenmill.layers.rotary import RotaryEmbedding, rope_inv_freq
 from tokenmill.models.config import ModelArchConfig
 
 
+def _norm_then_project(proj, hidden: torch.Tensor, residual: Optional[torch.Tensor], norm: RMSNorm):
+    """(proj(norm(hidden + residual)), hidden + residual); the first layer has no residual yet, and
+    its input becomes the stream. The norm rides in the projection (LinearBase.forward_fused: one
+    GEMV kernel for batch-1 decode on CUDA, norm kernel + cuBLAS otherwise)."""
+    if residual is None:
+        return proj.forward_fused(hidden, ADD_RMSNORM, None, norm), hidden
+    return proj.forward_fused(hidden, ADD_RMSNORM, residual, norm)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, layer_idx: int, dtype, device):
         super().__init__()
@@ -41,11 +50,11 @@ class LlamaAttention(nn.Module):
                               layer_idx=layer_idx)
         divide(cfg.num_heads, tp)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(hidden))
-
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """Everything after the q/k/v projection: attention over the cache, then o_proj."""
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
+                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(hidden + residual) -> q/k/v -> attention over the cache -> o_proj; returns the
+        output and the new residual stream."""
+        qkv, residual = _norm_then_project(self.qkv_proj, hidden, residual, norm)
         tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -57,7 +66,7 @@ class LlamaAttention(nn.Module):
         else:
             out = self.attn(positions, q, k, v, self.rotary.cos_sin_cache,
                             self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        return self.o_proj(out)
+        return self.o_proj(out), residual
 
 
 class LlamaMLP(nn.Module):
@@ -67,8 +76,10 @@ class LlamaMLP(nn.Module):
                                                        dtype=dtype, device=device)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_fused(self.gate_up_proj(x), SILU_MUL)
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """down(silu_and_mul(gate_up(norm(hidden + residual)))) and the new residual stream."""
+        gate_up, residual = _norm_then_project(self.gate_up_proj, hidden, residual, norm)
+        return self.down_proj.forward_fused(gate_up, SILU_MUL), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -81,18 +92,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions, hidden, residual: Optional[torch.Tensor]):
         # The residual stream is carried separately so each add fuses into the following RMSNorm,
-        # and each RMSNorm into the projection after it (a single-kernel GEMV for batch-1 decode on
-        # CUDA; norm kernel + cuBLAS otherwise: see LinearBase.forward_fused).
-        attn, mlp = self.self_attn, self.mlp
-        if residual is None:
-            qkv = attn.qkv_proj.forward_fused(hidden, ADD_RMSNORM, None, self.input_layernorm)
-            residual = hidden
-        else:
-            qkv, residual = attn.qkv_proj.forward_fused(hidden, ADD_RMSNORM, residual, self.input_layernorm)
-        hidden = attn.attend(positions, qkv)
-        gate_up, residual = mlp.gate_up_proj.forward_fused(hidden, ADD_RMSNORM, residual,
-                                                           self.post_attention_layernorm)
-        return mlp.down_proj.forward_fused(gate_up, SILU_MUL), residual
+        # and each RMSNorm into the projection after it.
+        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm)
+        return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):
