@@ -1,4 +1,4 @@
-"""skinny_linear (few-token linear with a fused prologue): the Triton kernel against the torch reference."""
+"""skinny_linear (batch-1 linear with a fused prologue): the Triton kernel against the torch reference."""
 
 import pytest
 import torch
@@ -9,57 +9,45 @@ from tokenmill.kernels.skinny_gemm import (ADD_RMSNORM, PLAIN, SILU_MUL, skinny_
 from tests.kernels.common import DEVICES, TOL, nan_empty, rel_err  # noqa: F401
 
 
-def _shapes(device):
-    if device == "cpu":  # (M, N, K)
-        return [(1, 48, 96), (1, 40, 300), (1, 5, 64)]
-    return [(m, n, k) for m in (1,) for n, k in ((6144, 4096), (4096, 4096), (4096, 14336), (3072, 1024))]
+def _cases(device):
+    """(N, K, dtype): toy shapes on the CPU, the Llama-3.1-8B and Qwen3-0.6B projections on CUDA."""
+    if device == "cpu":
+        return [(n, k, torch.float32) for n, k in ((48, 96), (40, 300), (5, 64))]
+    return [(n, k, dtype) for n, k in ((6144, 4096), (4096, 4096), (4096, 14336), (3072, 1024))
+            for dtype in (torch.float32, torch.bfloat16)]
 
 
-def _dtypes(device):
-    return [torch.float32] if device == "cpu" else [torch.float32, torch.bfloat16]
-
-
-def _inputs(m, n, k, dtype, device, width=None):
-    x = torch.randn(m, width or k, device=device, dtype=dtype)
+def _inputs(n, k, dtype, device, width=None):
+    x = torch.randn(1, width or k, device=device, dtype=dtype)
     w = torch.randn(n, k, device=device, dtype=dtype) / k ** 0.5
     return x, w
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_plain(device, nan_empty):
-    torch.manual_seed(0)
-    for m, n, k in _shapes(device):
-        for dtype in _dtypes(device):
-            x, w = _inputs(m, n, k, dtype, device)
-            assert rel_err(skinny_linear_triton(x, w), skinny_linear_ref(x, w)) < TOL[dtype], (m, n, k, dtype)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_silu_mul_prologue(device, nan_empty):
-    torch.manual_seed(1)
-    for m, n, k in _shapes(device):
-        for dtype in _dtypes(device):
-            x, w = _inputs(m, n, k, dtype, device, width=2 * k)
-            out = skinny_linear_triton(x, w, SILU_MUL)
-            assert rel_err(out, skinny_linear_ref(x, w, SILU_MUL)) < TOL[dtype], (m, n, k, dtype)
+@pytest.mark.parametrize("prologue", [PLAIN, SILU_MUL])
+def test_plain_and_silu_mul(device, prologue, nan_empty):
+    torch.manual_seed(prologue)
+    for n, k, dtype in _cases(device):
+        x, w = _inputs(n, k, dtype, device, width=2 * k if prologue == SILU_MUL else k)
+        out = skinny_linear_triton(x, w, prologue)
+        assert rel_err(out, skinny_linear_ref(x, w, prologue)) < TOL[dtype], (prologue, n, k, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_add_rmsnorm_prologue(device, nan_empty):
     torch.manual_seed(2)
-    for m, n, k in _shapes(device):
-        for dtype in _dtypes(device):
-            x, w = _inputs(m, n, k, dtype, device)
-            residual = torch.randn(m, k, device=device, dtype=dtype)
-            norm_w = 1 + 0.1 * torch.randn(k, device=device, dtype=dtype)
-            out, summed = skinny_linear_triton(x, w, ADD_RMSNORM, residual, norm_w, 1e-5)
-            ref_out, ref_sum = skinny_linear_ref(x, w, ADD_RMSNORM, residual, norm_w, 1e-5)
-            # The residual stream is bit-exact: the same rounded sum as the reference.
-            torch.testing.assert_close(summed, ref_sum, rtol=0, atol=0)
-            assert rel_err(out, ref_out) < TOL[dtype], (m, n, k, dtype)
-            # Without a residual (the first layer) there is no sum to write.
-            out = skinny_linear_triton(x, w, ADD_RMSNORM, None, norm_w, 1e-5)
-            assert rel_err(out, skinny_linear_ref(x, w, ADD_RMSNORM, None, norm_w, 1e-5)) < TOL[dtype]
+    for n, k, dtype in _cases(device):
+        x, w = _inputs(n, k, dtype, device)
+        residual = torch.randn(1, k, device=device, dtype=dtype)
+        norm_w = 1 + 0.1 * torch.randn(k, device=device, dtype=dtype)
+        out, summed = skinny_linear_triton(x, w, ADD_RMSNORM, residual, norm_w, 1e-5)
+        ref_out, ref_sum = skinny_linear_ref(x, w, ADD_RMSNORM, residual, norm_w, 1e-5)
+        # The residual stream is bit-exact: the same rounded sum as the reference.
+        torch.testing.assert_close(summed, ref_sum, rtol=0, atol=0)
+        assert rel_err(out, ref_out) < TOL[dtype], (n, k, dtype)
+        # Without a residual (the first layer) there is no sum to write.
+        out = skinny_linear_triton(x, w, ADD_RMSNORM, None, norm_w, 1e-5)
+        assert rel_err(out, skinny_linear_ref(x, w, ADD_RMSNORM, None, norm_w, 1e-5)) < TOL[dtype]
 
 
 @pytest.mark.parametrize("device", DEVICES)
