@@ -106,6 +106,7 @@ def test_prefill_cap_applies_only_when_decodes_run():
     sched.add_request(a)
     out = sched.schedule()  # nothing decodes yet: the whole prompt in one step
     assert [(e.req_id, e.num_tokens) for e in out.batch] == [("a", 20)]
+    assert out.kind == "prefill"
     sched.take_sampled_token("a").output_token_ids.append(1)
     b = make_request("b", list(range(100, 112)), max_tokens=4)
     c = make_request("c", list(range(200, 203)), max_tokens=4)
@@ -113,10 +114,17 @@ def test_prefill_cap_applies_only_when_decodes_run():
     sched.add_request(c)
     out = sched.schedule()  # a decodes: b gets a 5-token chunk, c waits
     assert [(e.req_id, e.num_tokens) for e in out.batch] == [("a", 1), ("b", 5)]
+    assert out.num_decodes == 1 and out.kind == "mixed"
     out = sched.schedule()  # async: a's next decode is scheduled ahead; b's next chunk
     assert [(e.req_id, e.num_tokens) for e in out.batch] == [("a", 1), ("b", 5)]
     out = sched.schedule()  # b's last 2 tokens, then 3 of c's
     assert [(e.req_id, e.num_tokens) for e in out.batch] == [("a", 1), ("b", 2), ("c", 3)]
+    for rid in ("a", "b", "c"):  # their tokens come back: now every entry decodes
+        sched.take_sampled_token(rid).output_token_ids.append(1)
+    while sched.requests["a"].num_pending:
+        sched.take_sampled_token("a").output_token_ids.append(1)
+    out = sched.schedule()
+    assert out.kind == "decode" and out.num_decodes == len(out.batch) == 3
     for rid in ("a", "b", "c"):
         sched.finish_request(sched.requests[rid], RequestStatus.FINISHED_ABORTED)
     assert kv.num_free_blocks == 64

@@ -187,7 +187,7 @@ class LLMEngine:
         while len(self._inflight) > keep:
             sched, pending = self._inflight.popleft()
             self.steps_completed += 1
-            self.last_step_kind = _step_kind(sched)
+            self.last_step_kind = sched.kind
             results.extend(self._process(sched, pending.get(), emit_unfinished))
         if not launched and not results and self.scheduler.has_unfinished and not self._inflight:
             raise RuntimeError("the scheduler could not schedule any request (this is a bug)")
@@ -226,9 +226,3 @@ class LLMEngine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,
                            self.kv.prefix_hit_rate, self.scheduler.num_preemptions,
                            self.scheduler.num_prefill_tokens, self.generation_tokens)
-
-
-def _step_kind(sched: SchedulerOutput) -> str:
-    """decode: one new token per entry; prefill: none of those; mixed: both kinds in one step."""
-    singles = sum(1 for e in sched.batch if e.num_tokens == 1)
-    return "decode" if singles == len(sched.batch) else ("prefill" if singles == 0 else "mixed")

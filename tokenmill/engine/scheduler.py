@@ -85,6 +85,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.limits.max_num_batched_tokens
         prefill_budget = budget  # capped once a decode is in the step
+        num_decodes = 0
         batch: list[ScheduledRequest] = []
         new_requests: list[NewRequestData] = []
         scheduled: set[str] = set()
@@ -114,8 +115,10 @@ class Scheduler:
             budget -= num_new
             if prefilling:
                 prefill_budget -= num_new
-            elif self.limits.max_prefill_tokens_with_decodes is not None:
-                prefill_budget = min(prefill_budget, self.limits.max_prefill_tokens_with_decodes)
+            else:
+                num_decodes += 1
+                if self.limits.max_prefill_tokens_with_decodes is not None:
+                    prefill_budget = min(prefill_budget, self.limits.max_prefill_tokens_with_decodes)
 
         while (self.waiting and min(budget, prefill_budget) > 0
                and len(self.running) < self.limits.max_num_seqs):
@@ -139,7 +142,8 @@ class Scheduler:
             budget -= num_new
             prefill_budget -= num_new
 
-        return SchedulerOutput(batch=batch, new_requests=new_requests, freed_req_ids=self.take_freed_ids())
+        return SchedulerOutput(batch=batch, new_requests=new_requests, freed_req_ids=self.take_freed_ids(),
+                               num_decodes=num_decodes)
 
     def take_freed_ids(self) -> list[str]:
         """Requests whose runner rows can be released (finished or preempted since the last call)."""

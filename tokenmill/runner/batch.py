@@ -39,6 +39,14 @@ class SchedulerOutput:
     batch: list[ScheduledRequest]
     new_requests: list[NewRequestData] = field(default_factory=list)
     freed_req_ids: list[str] = field(default_factory=list)  # rows to release before this step
+    num_decodes: int = 0  # entries whose prompt was already done (the rest prefill a chunk)
+
+    @property
+    def kind(self) -> str:
+        """decode (every entry decodes), prefill (none does) or mixed."""
+        if self.num_decodes == len(self.batch):
+            return "decode"
+        return "prefill" if self.num_decodes == 0 else "mixed"
 
     @property
     def num_tokens(self) -> int:
