@@ -37,6 +37,17 @@ def test_bad_sampling_params(kwargs, message):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_prefill_tokens_with_decodes=0), "max_prefill_tokens_with_decodes must be >= 1, got 0"),
+    (dict(max_num_seqs=0), "max_num_seqs must be >= 1"),
+])
+def test_bad_engine_config(kwargs, message):
+    from tokenmill.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**kwargs).validate()
+
+
 def test_unknown_field():
     with pytest.raises(TypeError, match="unexpected keyword argument 'temprature'"):
         SamplingParams(temprature=0.5)
