@@ -303,7 +303,7 @@ def print_table(rec: Recorder, best_rows: list[dict]) -> None:
               f"(default {b['default_ms']} ms)")
 
 
-# (block_n, block_k, num_warps, num_stages) for the few-token linear kernel
+# (block_n, block_k, num_warps, num_stages) for the batch-1 GEMV
 SKINNY_CONFIGS = [(8, 512, 4, 3), (16, 256, 4, 3), (32, 128, 4, 3), (4, 1024, 4, 3), (16, 512, 8, 3),
                   (32, 256, 8, 3), (64, 64, 4, 3), (8, 256, 4, 3)]
 
@@ -394,7 +394,7 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--skip-small-ops", action="store_true")
     parser.add_argument("--skip-attention", action="store_true")
-    parser.add_argument("--skip-skinny", action="store_true", help="no few-token linear (skinny GEMM) sweep")
+    parser.add_argument("--skip-skinny", action="store_true", help="no batch-1 GEMV (skinny_gemm) sweep")
     parser.add_argument("--smoke", action="store_true",
                         help="check the script on CPU with TRITON_INTERPRET=1 at toy shapes (numbers meaningless)")
     args = parser.parse_args()

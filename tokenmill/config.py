@@ -26,7 +26,7 @@ class EngineConfig:
     async_scheduling: bool = True  # schedule step N+1 while step N runs
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     cuda_graph_max_batch: int = 512  # largest decode batch captured
-    # CUDA: steps of <= 16 tokens run their linear layers through one Triton kernel each, with the
+    # CUDA: one-token steps (batch-1 decode) run their linear layers through one Triton GEMV each, with the
     # RMSNorm / SiLU-and-mul before them fused in (kernels/skinny_gemm.py); False: cuBLAS + separate ops
     fused_small_batch_linear: bool = True
     seed: int = 0

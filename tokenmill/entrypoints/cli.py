@@ -25,7 +25,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-async-scheduling", action="store_true")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
     g.add_argument("--no-fused-small-batch-linear", action="store_true",
-                   help="CUDA: few-token steps use cuBLAS and separate norm/activation kernels")
+                   help="CUDA: batch-1 decode steps use cuBLAS and separate norm/activation kernels")
     g.add_argument("--engine-seed", type=int, default=0, help="seeds dummy weights and unseeded requests")
 
 

@@ -16,8 +16,9 @@ from tokenmill.kernels import skinny_gemm
 from tokenmill.kernels.activation import silu_and_mul
 from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, PLAIN, SILU_MUL
 
-# Few-token steps (batch-1..16 decode) on CUDA go through the skinny kernel with the op before the
-# layer fused in; the engine turns this off with EngineConfig.fused_small_batch_linear=False.
+# One-token steps (batch-1 decode) on CUDA go through the skinny GEMV with the op before the layer
+# fused in. The switch is process-wide: the last ModelRunner built sets it from
+# EngineConfig.fused_small_batch_linear.
 _skinny_enabled = True
 
 
