@@ -140,7 +140,9 @@ for phase in $PHASES; do
             run_phase prefill "${BENCH[@]}" throughput --workload prefill-8b --repeat "$REPEAT" --out "$RES" "${EXTRA[@]}" ;;
         serve)
             run_phase serve "${BENCH[@]}" serve --workload serve-8b --launch --request-rate "$SERVE_RATE" \
-                --out "$RES" "${EXTRA[@]}" ;;
+                --out "$RES" "${EXTRA[@]}"
+            # The server's own warnings (e.g. a Triton kernel compiled on the step path) into our log.
+            grep -h "WARNING\|ERROR" "$RES"/server-*.log 2>/dev/null | tail -40 | tee -a "$LOG" ;;
         compare)
             run_phase compare "${BENCH[@]}" throughput --workload offline-small --repeat 1 --compare transformers \
                 --tag compare --out "$RES" "${EXTRA[@]}" ;;

@@ -236,6 +236,12 @@ def test_serve_launches_the_real_server(tmp_path):
     steps = r["rates"][0]["server_steps"]
     assert steps["decode"]["count"] >= 2 and steps["decode"]["mean_ms"] > 0
     assert sum(v["count"] for v in steps.values()) >= 4
+    # The server's own ITL histogram saw every gap between the requests' tokens (>= 3 per request),
+    # and the compile counter is exported (0 on the CPU: interpreted kernels do not compile).
+    seen = r["rates"][0]["server_side"]
+    (itl,) = seen["itl"].values()
+    assert itl["count"] >= 4 * 3 and itl["mean_ms"] > 0
+    assert seen["kernel_compiles"] == 0
 
 
 def test_summary_table_and_merge(tmp_path):
@@ -281,4 +287,23 @@ def test_step_histogram_parsing():
     s = step_summary(before, after)
     assert s["decode"] == {"count": 100, "mean_ms": pytest.approx(5.0), "p50_le_ms": 5.0, "p99_le_ms": 30.0}
     assert s["mixed"]["count"] == 4 and s["mixed"]["p50_le_ms"] == 30.0 and s["mixed"]["p99_le_ms"] == float("inf")
+
+
+def test_server_side_counters_and_histograms():
+    from tokenmill.bench.serve import server_side
+
+    def scrape(compiles, gc_count):
+        return "\n".join([
+            'tokenmill:kernel_compiles_after_warmup_total{model_name="m"} %s' % compiles,
+            'tokenmill:kernel_compile_seconds_after_warmup_total{model_name="m"} %s' % (0.5 * compiles),
+            'tokenmill:gc_pause_seconds_bucket{model_name="m",generation="2",le="0.01"} 0.0',
+            'tokenmill:gc_pause_seconds_bucket{model_name="m",generation="2",le="0.05"} %s' % gc_count,
+            'tokenmill:gc_pause_seconds_bucket{model_name="m",generation="2",le="+Inf"} %s' % gc_count,
+            'tokenmill:gc_pause_seconds_count{model_name="m",generation="2"} %s' % gc_count,
+            'tokenmill:gc_pause_seconds_sum{model_name="m",generation="2"} %s' % (0.02 * gc_count)])
+
+    seen = server_side(scrape(3, 1), scrape(5, 4))
+    assert seen["kernel_compiles"] == 2 and seen["kernel_compile_s"] == pytest.approx(1.0)
+    assert seen["gc_pauses"]["2"] == {"count": 3, "mean_ms": pytest.approx(20.0), "p50_le_ms": 50.0, "p99_le_ms": 50.0}
+    assert seen["steps"] == {} and seen["itl"] == {}
 

@@ -196,17 +196,17 @@ def _get(url: str, timeout: float = 5.0) -> Optional[tuple[int, bytes]]:
         return None
 
 
-def step_histograms(metrics_text: str) -> dict:
-    """{kind: {"count", "sum", "buckets": {le: cumulative count}}} of the server's
-    tokenmill:step_interval_seconds histogram (Prometheus text format)."""
+def histograms(metrics_text: str, name: str, by: str) -> dict:
+    """{value of label `by`: {"count", "sum", "buckets": {le: cumulative count}}} of the Prometheus
+    histogram `name` in a /metrics scrape (text format)."""
     out: dict = {}
-    pattern = re.compile(r'^tokenmill:step_interval_seconds_(bucket|count|sum)\{([^}]*)\}\s+(\S+)$')
+    pattern = re.compile(r'^' + re.escape(name) + r'_(bucket|count|sum)\{([^}]*)\}\s+(\S+)$')
     for line in metrics_text.splitlines():
         m = pattern.match(line)
         if not m:
             continue
         labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
-        entry = out.setdefault(labels.get("kind", "?"), {"count": 0.0, "sum": 0.0, "buckets": {}})
+        entry = out.setdefault(labels.get(by, "?"), {"count": 0.0, "sum": 0.0, "buckets": {}})
         if m.group(1) == "bucket":
             entry["buckets"][labels["le"]] = float(m.group(3))
         else:
@@ -214,9 +214,21 @@ def step_histograms(metrics_text: str) -> dict:
     return out
 
 
+def step_histograms(metrics_text: str) -> dict:
+    """The server's tokenmill:step_interval_seconds histogram, by kind of step."""
+    return histograms(metrics_text, "tokenmill:step_interval_seconds", "kind")
+
+
+def counter_total(metrics_text: str, name: str) -> Optional[float]:
+    """The sum over label sets of the counter `name` (exported as `name_total`), None if absent."""
+    pattern = re.compile(r'^' + re.escape(name) + r'(?:_total)?(?:\{[^}]*\})?\s+(\S+)$')
+    values = [float(m.group(1)) for m in map(pattern.match, metrics_text.splitlines()) if m]
+    return sum(values) if values else None
+
+
 def step_summary(before: dict, after: dict) -> dict:
-    """The steps between two scrapes, per kind: count, mean, and the bucket bounds that hold the
-    median and the 99th percentile (a histogram gives no finer answer)."""
+    """The observations between two scrapes of a histogram, per label value: count, mean, and the
+    bucket bounds that hold the median and the 99th percentile (a histogram gives no finer answer)."""
     summary = {}
     for kind, a in after.items():
         b = before.get(kind, {"count": 0.0, "sum": 0.0, "buckets": {}})
@@ -234,9 +246,27 @@ def step_summary(before: dict, after: dict) -> dict:
     return summary
 
 
-def _scrape_steps(base_url: str) -> Optional[dict]:
+def server_side(before: str, after: str) -> dict:
+    """What the server saw between two /metrics scrapes: its step intervals by kind, its own ITL
+    (before the HTTP stream), garbage-collection pauses by generation, and Triton kernels compiled
+    on the step path. Set beside the client's ITL, this tells engine time from delivery time."""
+    def hist(name: str, by: str) -> dict:
+        return step_summary(histograms(before, name, by), histograms(after, name, by))
+
+    def delta(name: str) -> Optional[float]:
+        a, b = counter_total(after, name), counter_total(before, name)
+        return None if a is None else a - (b or 0.0)
+
+    return {"steps": hist("tokenmill:step_interval_seconds", "kind"),
+            "itl": hist("tokenmill:inter_token_latency_seconds", "model_name"),
+            "gc_pauses": hist("tokenmill:gc_pause_seconds", "generation"),
+            "kernel_compiles": delta("tokenmill:kernel_compiles_after_warmup"),
+            "kernel_compile_s": delta("tokenmill:kernel_compile_seconds_after_warmup")}
+
+
+def _scrape(base_url: str) -> Optional[str]:
     got = _get(base_url.rstrip("/") + "/metrics")
-    return step_histograms(got[1].decode()) if got and got[0] == 200 else None
+    return got[1].decode() if got and got[0] == 200 else None
 
 
 def _post(url: str, timeout: float = 10.0) -> Optional[int]:
@@ -332,6 +362,19 @@ class LaunchedServer:
             return ""
 
 
+def server_log_line(server: dict) -> str:
+    def hists(title: str, h: dict) -> str:
+        return f"{title}: " + ("; ".join(
+            f"{k} {v['count']}, mean {v['mean_ms']:.1f} ms, p50 <= {v['p50_le_ms']:.1f}, p99 <= {v['p99_le_ms']:.1f} ms"
+            for k, v in sorted(h.items())) or "none")
+
+    compiles = server.get("kernel_compiles")
+    return " | ".join([hists("server steps", server["steps"]), hists("server ITL", server["itl"]),
+                       hists("GC pauses by generation", server["gc_pauses"]),
+                       f"kernels compiled on the step path: {'?' if compiles is None else int(compiles)}"
+                       + (f" ({server['kernel_compile_s']:.2f} s)" if compiles else "")])
+
+
 def _requests_for_rate(w: Workload, rate: Optional[float], index: int, fresh_ids: bool,
                        vocab_size: Optional[int]) -> list[BenchRequest]:
     """The workload's requests with arrivals at `rate`; with fresh_ids, the same prompt and output
@@ -410,25 +453,23 @@ def run(args, log=None) -> dict:
             reqs = _requests_for_rate(w, rate, i, fresh, vocab)
             log(f"rate {rate} req/s: {len(reqs)} requests"
                 + (f", max concurrency {args.max_concurrency}" if args.max_concurrency else ""))
-            steps_before = _scrape_steps(base_url)
+            metrics_before = _scrape(base_url)
             records, duration = asyncio.run(run_load(base_url, model, reqs, w.temperature, args.max_concurrency,
                                                      args.request_timeout))
-            steps_after = _scrape_steps(base_url)
-            server_steps = step_summary(steps_before, steps_after) if steps_before is not None and steps_after else None
+            metrics_after = _scrape(base_url)
+            seen = server_side(metrics_before, metrics_after) if metrics_before and metrics_after else None
             s = summarize_records(records, duration)
             per_rate.append({"request_rate": rate if rate != float("inf") else "inf", "max_concurrency": args.max_concurrency,
                              "prefix_cache_reset": status == 200, "fresh_token_ids": fresh, "summary": s,
-                             "server_steps": server_steps,
+                             "server_steps": seen["steps"] if seen else None, "server_side": seen,
                              "ttft_ms": [1e3 * (r.token_times[0] - r.send_time) if r.token_times else None
                                          for r in records] if args.keep_requests else None})
             log(f"  {s['completed']} ok, {s['failed']} failed in {duration:.1f} s: {s['output_tok_per_s'] or 0:.0f} "
                 f"output tok/s, {s['requests_per_s'] or 0:.2f} req/s; TTFT p50/p90/p99 "
                 f"{s['ttft_ms_p50'] or 0:.0f}/{s['ttft_ms_p90'] or 0:.0f}/{s['ttft_ms_p99'] or 0:.0f} ms; ITL "
                 f"p50/p90/p99 {s['itl_ms_p50'] or 0:.1f}/{s['itl_ms_p90'] or 0:.1f}/{s['itl_ms_p99'] or 0:.1f} ms")
-            if server_steps:
-                log("  server steps: " + "; ".join(
-                    f"{kind} {v['count']}, mean {v['mean_ms']:.1f} ms, p50 <= {v['p50_le_ms']:.1f} ms, "
-                    f"p99 <= {v['p99_le_ms']:.1f} ms" for kind, v in sorted(server_steps.items())))
+            if seen:
+                log("  " + server_log_line(seen))
             if s["errors"]:
                 log(f"  errors: {s['errors']}")
     except BaseException:

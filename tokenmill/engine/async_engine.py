@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.errors import InvalidRequestError, TokenmillError
+from tokenmill.kernels import compile_watch
 from tokenmill.logger import init_logger
 from tokenmill.sampling_params import SamplingParams
 
@@ -62,6 +63,8 @@ class ServerStats:
     generation_tokens: int = 0
     num_active_groups: int = 0  # submissions not yet finished
     num_steps: int = 0
+    kernel_compiles_after_warmup: int = 0  # Triton compiles on the step path (each one stalls a step)
+    kernel_compile_seconds_after_warmup: float = 0.0
 
 
 class RequestAborted(TokenmillError):
@@ -408,9 +411,11 @@ class AsyncLLMEngine:
     def _snapshot(self) -> ServerStats:
         s = self.engine.stats()
         kv = self.engine.kv
+        compiles = compile_watch.stats()
         return ServerStats(s.num_running, s.num_waiting, s.kv_cache_usage, kv.num_free_blocks, kv.num_blocks,
                            s.prefix_cache_hit_rate, s.num_preemptions, s.prompt_tokens, s.generation_tokens,
-                           len(self._groups), self._num_steps)
+                           len(self._groups), self._num_steps, compiles.compiles_after_warm,
+                           compiles.seconds_after_warm)
 
     def _flush(self) -> None:
         if not self._deliveries:

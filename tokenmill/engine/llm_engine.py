@@ -21,6 +21,7 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerLimits
 from tokenmill.errors import InvalidRequestError
+from tokenmill.kernels import compile_watch
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.logger import init_logger
 from tokenmill.runner.async_output import AsyncOutput
@@ -66,8 +67,13 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded.model, self.config, self.max_model_len, self.loaded.device,
                                   self.loaded.dtype)
         num_blocks = self.runner.initialize_kv_cache()
+        on_gpu = self.loaded.device.type == "cuda"
+        if on_gpu:
+            compile_watch.install()  # count Triton compiles; warn about those after warm-up
         self.runner.warm_up()
         self.runner.capture_cuda_graphs()
+        if on_gpu:
+            compile_watch.mark_warm()
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerLimits(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                                    self.max_model_len, self.config.max_prefill_tokens_with_decodes),

@@ -9,6 +9,7 @@ is stopped, which aborts what still runs (see Server below); then the process ex
 
 import asyncio
 import contextlib
+import gc
 import signal
 import threading
 import time
@@ -56,11 +57,13 @@ def build_app(engine: AsyncLLMEngine, settings: Optional[ServerSettings] = None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        gc.callbacks.append(metrics.gc_callback)
         engine.start()
         logger.info("engine started; serving %s", ", ".join(names))
         try:
             yield
         finally:
+            gc.callbacks.remove(metrics.gc_callback)
             await engine.stop(settings.engine_stop_timeout)
 
     app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan,
@@ -184,6 +187,10 @@ def run_server(engine, *, host: str = "127.0.0.1", port: int = 8000, settings: O
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=backstop, lifespan="on", timeout_keep_alive=30)
     server = _uvicorn_server_class()(config, async_engine, shutdown_grace)
+    # What exists now (model, tokenizer, modules) lives as long as the process: keep it out of the
+    # collector's full passes, whose pauses stop the engine thread too.
+    gc.collect()
+    gc.freeze()
     server.run()
     if async_engine.error is not None:
         logger.error("the engine failed: %r", async_engine.error)

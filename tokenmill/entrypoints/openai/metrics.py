@@ -6,6 +6,8 @@ engine thread publishes; latencies and token counts are observed by the engine t
 come out (prometheus_client is thread-safe).
 """
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -55,6 +57,14 @@ class _EngineStateCollector:
         c = CounterMetricFamily("tokenmill:engine_steps", "Engine steps run.", labels=labels)
         c.add_metric([self.model_name], s.num_steps)
         yield c
+        c = CounterMetricFamily("tokenmill:kernel_compiles_after_warmup",
+                                "Triton kernels compiled on the step path after warm-up.", labels=labels)
+        c.add_metric([self.model_name], s.kernel_compiles_after_warmup)
+        yield c
+        c = CounterMetricFamily("tokenmill:kernel_compile_seconds_after_warmup",
+                                "Seconds spent compiling Triton kernels on the step path.", labels=labels)
+        c.add_metric([self.model_name], s.kernel_compile_seconds_after_warmup)
+        yield c
 
 
 class ServerMetrics:
@@ -73,6 +83,10 @@ class ServerMetrics:
         self._steps = Histogram("tokenmill:step_interval_seconds",
                                 "Time between engine steps while busy, by the kind of step that completed.",
                                 lbl + ["kind"], buckets=_ITL_BUCKETS, registry=r)
+        self._gc = Histogram("tokenmill:gc_pause_seconds",
+                             "Python garbage-collection pauses, by generation (a pause stops every thread).",
+                             lbl + ["generation"], buckets=_ITL_BUCKETS, registry=r)
+        self._gc_start: float = 0.0
         self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens of finished requests.", lbl,
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated.", lbl,
@@ -106,6 +120,14 @@ class ServerMetrics:
         for c in output.outputs:
             self.generation_tokens.inc(len(c.token_ids))
             self._success.labels(self.model_name, c.finish_reason or "abort").inc()
+
+    def gc_callback(self, phase: str, info: dict) -> None:
+        """For gc.callbacks (the app's lifespan adds and removes it): times each collection."""
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self._gc.labels(self.model_name, str(info.get("generation", "?"))).observe(
+                time.perf_counter() - self._gc_start)
 
     # ---- handlers ---------------------------------------------------------------------------
     def rejected(self, reason: str) -> None:
