@@ -7,6 +7,8 @@
 #   tests     pytest -m gpu tests/kernels tests/gpu            -> $OUT/gpu_tests.xml
 #   kernels   benchmarks/kernel_bench.py --quick                -> $OUT/kernel_bench.json
 #   gemv      kernel_bench's batch-1 GEMV sweep only (Llama-3.1-8B shapes) -> $OUT/kernel_bench_gemv.json
+#   overhead  benchmarks/step_overhead.py: host vs device time of eager (prefill / mixed) steps, Llama-3.1-8B
+#             preset, with a host profile                          -> $OUT/step_overhead.json
 #   small     offline-small throughput, defaults, $REPEAT runs (default 3)
 #   eager     offline-small throughput, --enforce-eager, 1 run
 #   noasync   offline-small throughput, --no-async-scheduling, 1 run
@@ -120,6 +122,8 @@ for phase in $PHASES; do
         gemv)
             run_phase gemv "$PY" benchmarks/kernel_bench.py --skip-attention --skip-small-ops --models llama3.1-8b \
                 --out "$OUT/kernel_bench_gemv.json" ;;
+        overhead)
+            run_phase overhead "$PY" benchmarks/step_overhead.py --model llama-3.1-8b --out "$OUT/step_overhead.json" ;;
         small)
             run_phase small "${BENCH[@]}" throughput --workload offline-small --repeat "$REPEAT" --tag default \
                 --out "$RES" "${EXTRA[@]}" ;;
@@ -153,7 +157,7 @@ for phase in $PHASES; do
                 --workload offline-small --skip-steps 300 --steps 20 --trace --out "$WORK/profiles" "${EXTRA[@]}"
             [ -d "$WORK/profiles" ] && tar -C "$WORK" -czf "$OUT/profiles.tar.gz" profiles ;;
         *)
-            log "unknown phase '$phase' (tests kernels gemv small eager noasync latency latency-unfused 8b prefill serve compare profile)"
+            log "unknown phase '$phase' (tests kernels gemv overhead small eager noasync latency latency-unfused 8b prefill serve compare profile)"
             STATUS+=("$phase: unknown") ;;
     esac
 done

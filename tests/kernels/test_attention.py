@@ -5,13 +5,16 @@ the CUDA cases use real model shapes in fp32 / bf16 / fp16.
 """
 
 import math
+import random
 from dataclasses import dataclass
 
 import pytest
 import torch
 
 from tokenmill.kernels.attention import (
+    attention_variants,
     choose_num_splits,
+    launch_plan,
     paged_attention,
     paged_attention_ref,
     paged_attention_triton,
@@ -228,3 +231,28 @@ def test_dispatch_cpu_uses_reference():
     c1, c2 = torch.zeros(2, 16, 2, 16), torch.zeros(2, 16, 2, 16)
     write_kv_cache(k, k, c1, c2, torch.tensor([3, 20]))
     assert torch.equal(c1[0, 3], k[0]) and torch.equal(c2[1, 4], k[1])
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype", [(32, 8, 128, torch.bfloat16), (16, 8, 128, torch.bfloat16),
+                                                           (4, 2, 64, torch.float32)])
+def test_attention_variants_cover_every_launch(heads, kv_heads, head_dim, dtype):
+    """Warm-up compiles attention_variants(); any step shape must select one of them (else it
+    compiles under load), and each variant's small shape must select exactly that variant."""
+    max_tokens, max_reqs = 8192, 256
+    variants = attention_variants(heads, kv_heads, head_dim, dtype, max_tokens, max_reqs)
+    keys = {plan.compile_key for plan, _, _ in variants}
+    assert len(keys) == len(variants)
+    for plan, tokens, reqs in variants:
+        mql = 1 if plan.decode_only else tokens - reqs + 1
+        again = launch_plan(tokens, reqs, heads, kv_heads, head_dim, dtype, mql, None, plan.num_splits,
+                            block_m=plan.block_m, block_n=plan.block_n, num_warps=plan.num_warps,
+                            num_stages=plan.num_stages)
+        assert again.compile_key == plan.compile_key
+    rng = random.Random(0)
+    for _ in range(3000):
+        reqs = rng.randint(1, max_reqs)
+        tokens = reqs if rng.random() < 0.5 else rng.randint(reqs, max_tokens)
+        mql = 1 if tokens == reqs else rng.randint(2, tokens - reqs + 1)
+        max_seq_len = rng.choice([None, rng.randint(mql, 1 << 17)])
+        plan = launch_plan(tokens, reqs, heads, kv_heads, head_dim, dtype, mql, max_seq_len)
+        assert plan.compile_key in keys, (tokens, reqs, mql, max_seq_len)

@@ -72,8 +72,6 @@ class LLMEngine:
             compile_watch.install()  # count Triton compiles; warn about those after warm-up
         self.runner.warm_up()
         self.runner.capture_cuda_graphs()
-        if on_gpu:
-            compile_watch.mark_warm()
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerLimits(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                                    self.max_model_len, self.config.max_prefill_tokens_with_decodes),
@@ -82,10 +80,34 @@ class LLMEngine:
         self._inflight: deque[tuple[SchedulerOutput, AsyncOutput]] = deque()
         self._rng = random.Random(self.config.seed)
         self._ids = itertools.count()
-        self.generation_tokens = 0
         self.step_log: Optional[list[StepShape]] = None  # set to [] to record every step's shape
+        self.generation_tokens = 0
         self.steps_completed = 0  # steps whose results came back
         self.last_step_kind: Optional[str] = None  # "decode", "mixed" or "prefill": the last of those
+        if on_gpu:
+            self._warm_up_step_path()
+            compile_watch.mark_warm()
+
+    def _warm_up_step_path(self) -> None:
+        """A few tiny requests through the whole step (input preparation, greedy and sampled rows,
+        top-k/top-p, penalties, logprobs), so those kernels compile now rather than on the first
+        user's request; then the counters and the prefix cache forget them."""
+        prompt = [1, 2, 3]
+        for params in (SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                       SamplingParams(temperature=0.8, seed=0, max_tokens=3, ignore_eos=True),
+                       SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=1, max_tokens=3, ignore_eos=True),
+                       SamplingParams(temperature=0.0, repetition_penalty=1.1, logprobs=2, max_tokens=3,
+                                      ignore_eos=True)):
+            self.add_request(list(prompt), params)
+        while self.has_unfinished_requests():
+            self.step(emit_unfinished=False)
+        self.scheduler.num_prefill_tokens = 0
+        self.kv.prefix_queries = self.kv.prefix_hits = 0
+        self.kv.reset_prefix_cache()
+        self.generation_tokens = self.steps_completed = 0
+        self.last_step_kind = None
+        self._rng = random.Random(self.config.seed)  # as if nothing had run
+        self._ids = itertools.count()
 
     @property
     def model_name(self) -> str:

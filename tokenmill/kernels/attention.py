@@ -10,6 +10,7 @@ Requests with q_len == 0 (padding) are skipped.
 """
 
 import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -356,6 +357,85 @@ def choose_num_splits(num_programs: int, max_seq_len: Optional[int], sm_count: i
     return max(1, min(splits, MAX_SPLITS, triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)))
 
 
+@dataclass(frozen=True)
+class AttnLaunch:
+    """How one paged_attention_triton call launches: its tile config, grid and split-KV count."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int
+    decode_only: bool
+    grid0: int  # programs along the query axis
+
+    @property
+    def compile_key(self) -> tuple:
+        """What selects a compiled kernel (the split count itself is a runtime argument; only the
+        reduction's block size, its next power of two, is compiled in)."""
+        split = triton.next_power_of_2(self.num_splits) if self.num_splits > 1 else 0
+        return (self.block_m, self.block_n, self.num_warps, self.num_stages, self.decode_only, split)
+
+
+def launch_plan(tokens: int, num_reqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                max_query_len: Optional[int] = None, max_seq_len: Optional[int] = None,
+                num_splits: Optional[int] = None, sm_count: int = DEFAULT_SM_COUNT, *,
+                block_m: Optional[int] = None, block_n: Optional[int] = None,
+                num_warps: Optional[int] = None, num_stages: Optional[int] = None) -> AttnLaunch:
+    """The launch of a step shape (host-side ints only); explicit arguments override the choice."""
+    group = num_q_heads // num_kv_heads
+    mql = tokens if max_query_len is None else max(1, min(max_query_len, tokens))
+    cfg = attention_config(mql, group, head_dim, dtype, tokens / num_reqs)
+    block_m = block_m or cfg["block_m"]
+    block_n = block_n or cfg["block_n"]
+    num_warps = num_warps or cfg["num_warps"]
+    stages_given = num_stages is not None
+    num_stages = num_stages or cfg["num_stages"]
+    assert block_m >= group, "BLOCK_M must hold a whole GQA group"
+    tokens_per_tile = block_m // group
+    decode_only = mql == 1
+    if decode_only:
+        grid0 = num_reqs
+    else:
+        grid0 = min(num_reqs * triton.cdiv(mql, tokens_per_tile), triton.cdiv(tokens, tokens_per_tile) + num_reqs)
+    block_d = triton.next_power_of_2(head_dim)
+    if num_splits is None:
+        num_splits = choose_num_splits(grid0 * num_kv_heads, max_seq_len, sm_count)
+        while num_splits > 1 and tokens * num_q_heads * num_splits * (block_d + 2) * 4 > MAX_WORKSPACE_BYTES:
+            num_splits //= 2
+    num_splits = max(1, int(num_splits))
+    if not stages_given and block_m <= 32 and dtype != torch.float32 \
+            and num_splits == 1 and grid0 * num_kv_heads >= DEFAULT_SM_COUNT:
+        # Decode tiles over a full grid: two stages leave room for a third program per SM, which
+        # streams the cache faster (H200: 12-27 % at 64-256 requests); few programs keep three.
+        num_stages = 2
+    return AttnLaunch(block_m, block_n, num_warps, num_stages, num_splits, decode_only, grid0)
+
+
+def attention_variants(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_tokens: int,
+                       max_reqs: int, sm_count: int = DEFAULT_SM_COUNT) -> list[tuple[AttnLaunch, int, int]]:
+    """Every distinct compiled kernel that steps of up to max_tokens tokens and max_reqs requests
+    can select, each with a small (tokens, num_reqs) shape that selects it. The engine's warm-up
+    runs them all: a variant first met under load would compile on the step path (about 1.3 s on
+    the H200, a stall for every running request)."""
+    found: dict[tuple, tuple[AttnLaunch, int, int]] = {}
+    counts = sorted({min(2 ** i, max_tokens) for i in range(max_tokens.bit_length() + 1)})
+    # Split counts are capped by keys / MIN_KEYS_PER_SPLIT: lengths around each power of two of it
+    seq_lens = (None, 16) + tuple(MIN_KEYS_PER_SPLIT * 2 ** i + d for i in range(7) for d in (0, 1))
+    for tokens in counts:
+        for reqs in (r for r in counts if r <= min(tokens, max_reqs)):
+            for mql in sorted({1, 2, 4, 8, 16, 64, tokens - reqs + 1}):
+                if mql > tokens - reqs + 1 or (mql == 1 and tokens != reqs):
+                    continue
+                for max_seq_len in seq_lens:
+                    plan = launch_plan(tokens, reqs, num_q_heads, num_kv_heads, head_dim, dtype, mql, max_seq_len,
+                                       None, sm_count)
+                    key = plan.compile_key
+                    if key not in found or tokens < found[key][1]:
+                        found[key] = (plan, tokens, reqs)
+    return [found[k] for k in sorted(found, key=str)]
+
+
 def paged_attention_triton(
     q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out=None,
     max_query_len: Optional[int] = None, max_seq_len: Optional[int] = None,
@@ -382,35 +462,13 @@ def paged_attention_triton(
     if tokens == 0 or num_reqs == 0:
         return out
 
-    mql = tokens if max_query_len is None else max(1, min(max_query_len, tokens))
-    cfg = attention_config(mql, group, head_dim, q.dtype, tokens / num_reqs)
-    block_m = block_m or cfg["block_m"]
-    block_n = block_n or cfg["block_n"]
-    num_warps = num_warps or cfg["num_warps"]
-    stages_given = num_stages is not None
-    num_stages = num_stages or cfg["num_stages"]
-    assert block_m >= group, "BLOCK_M must hold a whole GQA group"
-    tokens_per_tile = block_m // group
-    decode_only = mql == 1
-    if decode_only:
-        grid0 = num_reqs
-    else:
-        grid0 = min(num_reqs * triton.cdiv(mql, tokens_per_tile), triton.cdiv(tokens, tokens_per_tile) + num_reqs)
-
+    sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
+        if q.is_cuda else DEFAULT_SM_COUNT
+    plan = launch_plan(tokens, num_reqs, num_q_heads, num_kv_heads, head_dim, q.dtype, max_query_len, max_seq_len,
+                       num_splits, sms, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    block_m, num_splits, decode_only = plan.block_m, plan.num_splits, plan.decode_only
     block_d = triton.next_power_of_2(head_dim)
-    if num_splits is None:
-        sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
-            if q.is_cuda else DEFAULT_SM_COUNT
-        num_splits = choose_num_splits(grid0 * num_kv_heads, max_seq_len, sms)
-        while num_splits > 1 and tokens * num_q_heads * num_splits * (block_d + 2) * 4 > MAX_WORKSPACE_BYTES:
-            num_splits //= 2
-    num_splits = max(1, int(num_splits))
-    if not stages_given and block_m <= 32 and q.dtype != torch.float32 \
-            and num_splits == 1 and grid0 * num_kv_heads >= DEFAULT_SM_COUNT:
-        # Decode tiles over a full grid: two stages leave room for a third program per SM, which
-        # streams the cache faster (H200: 12-27 % at 64-256 requests); few programs keep three.
-        num_stages = 2
-
+    grid0 = plan.grid0
     if num_splits > 1:
         ws_acc = torch.empty((tokens, num_q_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
         ws_ml = torch.empty((2, tokens, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -425,12 +483,12 @@ def paged_attention_triton(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        GROUP=group, TOKENS_PER_TILE=tokens_per_tile, DECODE_ONLY=decode_only,
+        GROUP=group, TOKENS_PER_TILE=block_m // group, DECODE_ONLY=decode_only,
         SPLIT_KV=num_splits > 1, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
+        BLOCK_M=block_m, BLOCK_N=plan.block_n, PAGE_SIZE=page_size,
         BLOCK_B=1 if decode_only else 128,  # fixed: one compile for every batch size
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(tokens, num_q_heads)](

@@ -127,7 +127,7 @@ def _gumbel_chunk_kernel(logits_ptr, stride_row, V, chunk, temperature_ptr, seed
         tl.store(out_ptr + row, idx.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunks"])
 def _merge_chunks_kernel(val_ptr, idx_ptr, out_ptr, chunks, BLOCK_C: tl.constexpr):
     """Grid (B,): the row's token from its chunk winners: the max, and among equal maxima the
     lowest index (chunks cover increasing columns, so this is the whole row's torch.argmax)."""
@@ -179,7 +179,9 @@ def gumbel_sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds:
         enable_fp_fusion=False,  # round temp * gumbel before the sum, like the reference
     )
     if split:
-        _merge_chunks_kernel[(B,)](vals, idx, out, chunks, BLOCK_C=triton.next_power_of_2(chunks), num_warps=1)
+        # BLOCK_C from the vocabulary alone: one compile for every batch size
+        _merge_chunks_kernel[(B,)](vals, idx, out, chunks, BLOCK_C=triton.next_power_of_2(triton.cdiv(V, VOCAB_BLOCK)),
+                                   num_warps=1)
     return out
 
 

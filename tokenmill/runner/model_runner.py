@@ -21,6 +21,7 @@ from tokenmill.runner.input_buffers import InputBuffers, StepDescriptor
 from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_cache, cuda_kv_budget_bytes
 from tokenmill.runner.request_states import RequestStates
 from tokenmill.runner.sampler import BatchSamplingPlan, Sampler
+from tokenmill.runner.warmup import warm_up_attention, warm_up_forward
 
 logger = init_logger(__name__)
 
@@ -81,15 +82,14 @@ class ModelRunner:
         self.graphs = manager
 
     def warm_up(self) -> None:
-        """Compile the kernels of common step shapes before the first request (CUDA only)."""
+        """Compile the kernels of common step shapes and every attention variant before the first
+        request (CUDA only): a compile under load stalls every running request."""
         if self.device.type != "cuda":
             return
-        # Step shapes that select different attention tile sizes (queries per request of 1, 8,
-        # 16, 24 and >= 64), the split-KV prefill of one long request, and the largest step.
-        shapes = ((self.max_num_tokens, 4), (1024, 1), (64, 8), (32, 2), (96, 4), (257, 3), (3, 3))
-        for num_tokens, num_reqs in shapes:
-            self.dummy_run(min(num_tokens, self.max_num_tokens), num_reqs)
+        warm_up_forward(self)
+        variants = warm_up_attention(self)
         torch.cuda.synchronize(self.device)
+        logger.info("warm-up: forward passes and %d attention variants compiled", variants)
 
     def _blocks_from_cuda_memory(self) -> int:
         # A profiling run at the largest step shape measures the activation peak.

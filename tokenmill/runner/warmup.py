@@ -1,0 +1,48 @@
+"""Compiling kernels before the first request.
+
+A Triton kernel compiles the first time a launch selects a new specialization; under load, that
+compile (about 1.3 s for the attention kernel on the H200) stalls every running request. The
+decode graphs compile what they capture; the rest is compiled here: the model forward at a few
+step shapes, and every attention variant (tile config x decode grid x split-KV) a step can select.
+"""
+
+import numpy as np
+import torch
+
+from tokenmill.kernels.attention import attention_variants, paged_attention
+from tokenmill.logger import init_logger
+
+logger = init_logger(__name__)
+
+# Step shapes whose forward passes run once: queries per request of 1, 8, 16, 24 and >= 64, the
+# split-KV prefill of one long request, and the largest step.
+_FORWARD_SHAPES = ((None, 4), (1024, 1), (64, 8), (32, 2), (96, 4), (257, 3), (3, 3))
+
+
+def warm_up_forward(runner) -> None:
+    for num_tokens, num_reqs in _FORWARD_SHAPES:
+        runner.dummy_run(min(num_tokens or runner.max_num_tokens, runner.max_num_tokens), num_reqs)
+
+
+def warm_up_attention(runner) -> int:
+    """Launch every attention variant once on a tiny input (layer 0's cache, the runner's own
+    metadata buffers, so strides and alignment match real steps); returns how many ran."""
+    attn = runner.model.model.layers[0].self_attn.attn
+    k_cache, v_cache = runner.kv_caches[0]
+    buf = runner.buffers
+    variants = attention_variants(attn.num_heads, attn.num_kv_heads, attn.head_dim, runner.dtype,
+                                  runner.max_num_tokens, runner.config.max_num_seqs)
+    for plan, tokens, num_reqs in variants:
+        q_lens = np.full(num_reqs, 1, dtype=np.int64)
+        q_lens[0] += tokens - num_reqs  # one request takes the longest query
+        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        buf.query_start_loc[: num_reqs + 1].copy_(torch.from_numpy(qsl))
+        buf.seq_lens[:num_reqs].copy_(torch.from_numpy(q_lens))
+        buf.block_tables[:num_reqs].zero_()  # every request reads cache block 0
+        q = torch.zeros((tokens, attn.num_heads, attn.head_dim), dtype=runner.dtype, device=runner.device)
+        paged_attention(q, k_cache, v_cache, buf.query_start_loc[: num_reqs + 1], buf.seq_lens[:num_reqs],
+                        buf.block_tables[:num_reqs], attn.scale, max_query_len=int(q_lens.max()),
+                        num_splits=plan.num_splits, block_m=plan.block_m, block_n=plan.block_n,
+                        num_warps=plan.num_warps, num_stages=plan.num_stages)
+    return len(variants)
