@@ -26,6 +26,10 @@ class EngineConfig:
     async_scheduling: bool = True  # schedule step N+1 while step N runs
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     cuda_graph_max_batch: int = 512  # largest decode batch captured
+    # CUDA: prefill and mixed steps of up to this many tokens replay piecewise CUDA graphs (all but
+    # attention; runner/piecewise_graphs.py); larger ones, where the device time dominates, run
+    # eagerly. 0: always eager.
+    piecewise_cuda_graph_max_tokens: int = 2048
     # CUDA: one-token steps (batch-1 decode) run their linear layers through one Triton GEMV each, with the
     # RMSNorm / SiLU-and-mul before them fused in (kernels/skinny_gemm.py); False: cuBLAS + separate ops
     fused_small_batch_linear: bool = True
@@ -44,6 +48,8 @@ class EngineConfig:
         need(self.max_model_len is None or self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         need(0 < self.gpu_memory_utilization <= 1, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        need(self.piecewise_cuda_graph_max_tokens >= 0,
+             f"piecewise_cuda_graph_max_tokens must be >= 0, got {self.piecewise_cuda_graph_max_tokens}")
         need(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0, "kv_cache_memory_gb must be > 0")
 
     def resolve_max_model_len(self, model_max: int) -> int:

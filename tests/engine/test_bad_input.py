@@ -40,6 +40,7 @@ def test_bad_sampling_params(kwargs, message):
 @pytest.mark.parametrize("kwargs,message", [
     (dict(max_prefill_tokens_with_decodes=0), "max_prefill_tokens_with_decodes must be >= 1, got 0"),
     (dict(max_num_seqs=0), "max_num_seqs must be >= 1"),
+    (dict(piecewise_cuda_graph_max_tokens=-1), "piecewise_cuda_graph_max_tokens must be >= 0, got -1"),
 ])
 def test_bad_engine_config(kwargs, message):
     from tokenmill.config import ConfigError, EngineConfig

@@ -81,13 +81,21 @@ def test_prefill_logits_match_cpu_fp32(models):
 
 
 @pytest.mark.parametrize("overrides", [{}, {"max_num_batched_tokens": 64}, {"enforce_eager": True},
-                                       {"async_scheduling": False}, {"max_num_seqs": 3}],
-                         ids=["graphs+async", "chunked-prefill", "eager", "sync", "max-num-seqs-3"])
+                                       {"async_scheduling": False}, {"max_num_seqs": 3},
+                                       {"piecewise_cuda_graph_max_tokens": 0}],
+                         ids=["graphs+async", "chunked-prefill", "eager", "sync", "max-num-seqs-3", "no-piecewise"])
 def test_greedy_matches_cpu_fp32(models, overrides):
+    """Prefill steps replay piecewise graphs (padded to a captured size) unless turned off; decode
+    steps replay full graphs; each path must give the CPU's tokens and logprobs."""
     _, cpu, cpu_outs = models
     llm, gpu_outs = run(to_cuda(cpu, torch.float32), **overrides)
-    if not overrides:
-        assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
+    runner = llm.engine.runner
+    if not overrides or "max_num_batched_tokens" in overrides:
+        assert runner.graphs is not None and runner.graphs.graphs
+        assert runner.piecewise is not None and runner.piecewise.pieces
+        assert len(next(iter(runner.piecewise.pieces.values())).graphs) == cpu.arch.num_layers + 1
+    if overrides.get("piecewise_cuda_graph_max_tokens") == 0 or overrides.get("enforce_eager"):
+        assert runner.piecewise is None
     for ours, ref in zip(gpu_outs, cpu_outs):
         assert ours.token_ids == ref.token_ids
         for a, b in zip(ours.logprobs, ref.logprobs):  # decode-step logits agree too

@@ -92,15 +92,17 @@ class LLMEngine:
         """A few tiny requests through the whole step (input preparation, greedy and sampled rows,
         top-k/top-p, penalties, logprobs), so those kernels compile now rather than on the first
         user's request; then the counters and the prefix cache forget them."""
-        prompt = [1, 2, 3]
-        for params in (SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
-                       SamplingParams(temperature=0.8, seed=0, max_tokens=3, ignore_eos=True),
-                       SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=1, max_tokens=3, ignore_eos=True),
-                       SamplingParams(temperature=0.0, repetition_penalty=1.1, logprobs=2, max_tokens=3,
-                                      ignore_eos=True)):
-            self.add_request(list(prompt), params)
-        while self.has_unfinished_requests():
-            self.step(emit_unfinished=False)
+        greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        mixed = (greedy, SamplingParams(temperature=0.8, seed=0, max_tokens=3, ignore_eos=True),
+                 SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=1, max_tokens=3, ignore_eos=True),
+                 SamplingParams(temperature=0.0, repetition_penalty=1.1, logprobs=2, max_tokens=3, ignore_eos=True))
+        # First an all-greedy batch (its own sampler variant), then a mixed one; prompt lengths vary
+        # so the staged writes start at differently aligned offsets.
+        for batch in ((greedy,), mixed):
+            for i, params in enumerate(batch):
+                self.add_request(list(range(1, 4 + 6 * i)), params)
+            while self.has_unfinished_requests():
+                self.step(emit_unfinished=False)
         self.scheduler.num_prefill_tokens = 0
         self.kv.prefix_queries = self.kv.prefix_hits = 0
         self.kv.reset_prefix_cache()

@@ -24,6 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-async-scheduling", action="store_true")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
+    g.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=2048,
+                   help="CUDA: prefill / mixed steps of up to this many tokens replay piecewise CUDA graphs "
+                        "(attention eager between them); 0: eager")
     g.add_argument("--no-fused-small-batch-linear", action="store_true",
                    help="CUDA: batch-1 decode steps use cuBLAS and separate norm/activation kernels")
     g.add_argument("--engine-seed", type=int, default=0, help="seeds dummy weights and unseeded requests")
@@ -41,6 +44,7 @@ def engine_from_args(args):
         enforce_eager=args.enforce_eager, seed=args.engine_seed,
         max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
         fused_small_batch_linear=not args.no_fused_small_batch_linear,
+        piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
     )
     return LLMEngine(args.model, config, dtype=args.dtype, device=args.device, load_format=args.load_format)
 

@@ -111,9 +111,9 @@ def _qkv_prep_kernel(
 
 def qkv_prep_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
                     q_norm_weight: Optional[torch.Tensor] = None, k_norm_weight: Optional[torch.Tensor] = None,
-                    eps: float = 0.0) -> torch.Tensor:
+                    eps: float = 0.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Triton version of qkv_prep_ref, one launch; the rotated q is a new contiguous [T, Hq, D]
-    (not in place: see _norm_rotate).
+    (not in place: see _norm_rotate), or goes into `out` (contiguous, that shape).
 
     q/k/v may be strided views of one qkv buffer (unit last stride), which is left unchanged. No
     host/device sync, and the grid depends only on shapes (CUDA-graph safe).
@@ -128,7 +128,11 @@ def qkv_prep_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_ma
     has_norm = q_norm_weight is not None
     if has_norm:  # the normed value is rounded to q's dtype, as the separate RMSNorm stores it
         assert q_norm_weight.dtype == k_norm_weight.dtype == q.dtype == k.dtype
-    q_out = torch.empty((tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if out is None:
+        q_out = torch.empty((tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    else:
+        assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+        q_out = out
     if tokens == 0:
         return q_out
 
@@ -151,10 +155,12 @@ def qkv_prep_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_ma
 
 
 def qkv_prep(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-             q_norm_weight=None, k_norm_weight=None, eps=0.0):
-    """Dispatch: the fused Triton kernel on CUDA, the torch composition elsewhere; returns rotated q."""
+             q_norm_weight=None, k_norm_weight=None, eps=0.0, out=None):
+    """Dispatch: the fused Triton kernel on CUDA, the torch composition elsewhere; returns rotated q
+    (written into `out` when given)."""
     if use_triton(q):
         return qkv_prep_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                               q_norm_weight, k_norm_weight, eps)
-    return qkv_prep_ref(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                        q_norm_weight, k_norm_weight, eps)
+                               q_norm_weight, k_norm_weight, eps, out)
+    q_rot = qkv_prep_ref(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                         q_norm_weight, k_norm_weight, eps)
+    return q_rot if out is None else out.copy_(q_rot)

@@ -7,7 +7,7 @@ from torch import nn
 
 from tokenmill.kernels.attention import paged_attention
 from tokenmill.kernels.qkv_prep import qkv_prep
-from tokenmill.layers.forward_context import get_forward_context
+from tokenmill.layers.forward_context import AttentionMetadata, get_forward_context
 
 
 class Attention(nn.Module):
@@ -31,10 +31,20 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         meta = ctx.metadata
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        splitter = ctx.splitter
         q = qkv_prep(positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
-                     q_norm_weight, k_norm_weight, norm_eps)
-        out = paged_attention(
-            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
+                     q_norm_weight, k_norm_weight, norm_eps,
+                     out=splitter.q_buffer(q.shape[0]) if splitter is not None else None)
+        if splitter is not None:  # capturing piecewise graphs: attention runs between the pieces
+            out = splitter.split(self)
+        else:
+            out = self.attend(q, meta, ctx.kv_caches)
+        return out.view(q.shape[0], self.num_heads * self.head_dim)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata, kv_caches, out: Optional[torch.Tensor] = None):
+        """q [T, Hq, D] (rotated, this step's K/V already cached) attends over this layer's cache."""
+        k_cache, v_cache = kv_caches[self.layer_idx]
+        return paged_attention(
+            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale, out,
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, num_splits=meta.num_splits,
         )
-        return out.view(q.shape[0], self.num_heads * self.head_dim)

@@ -7,7 +7,7 @@ same for eager runs, CUDA graph capture and dummy runs, and a model holds no ref
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -23,20 +23,31 @@ class AttentionMetadata:
     num_splits: Optional[int] = None  # split-KV factor for decode, fixed per captured graph
 
 
+class AttentionSplitter(Protocol):
+    """Set while capturing piecewise CUDA graphs (runner/piecewise_graphs.py): attention layers
+    write q into its buffer and, instead of attending, end the current graph there."""
+
+    def q_buffer(self, tokens: int) -> torch.Tensor: ...
+
+    def split(self, attention: torch.nn.Module) -> torch.Tensor: ...
+
+
 @dataclass
 class ForwardContext:
     metadata: AttentionMetadata
     # Per layer: (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    splitter: Optional[AttentionSplitter] = None
 
 
 _current: Optional[ForwardContext] = None
 
 
 @contextmanager
-def forward_context(metadata: AttentionMetadata, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+def forward_context(metadata: AttentionMetadata, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                    splitter: Optional[AttentionSplitter] = None):
     global _current
-    previous, _current = _current, ForwardContext(metadata, kv_caches)
+    previous, _current = _current, ForwardContext(metadata, kv_caches, splitter)
     try:
         yield
     finally:

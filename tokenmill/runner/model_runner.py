@@ -47,6 +47,7 @@ class ModelRunner:
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.kv_caches: list = []  # per layer (k_cache, v_cache)
         self.graphs = None  # a CudaGraphManager once captured
+        self.piecewise = None  # a PiecewiseGraphManager once captured
         self._step: Optional[StepDescriptor] = None
         self._logits: Optional[torch.Tensor] = None
         self._req_ids: list[str] = []
@@ -71,11 +72,18 @@ class ModelRunner:
         return num_blocks
 
     def capture_cuda_graphs(self) -> None:
-        """Capture decode graphs (CUDA only, after the KV cache exists; skipped with enforce_eager)."""
+        """Capture decode graphs and piecewise graphs for prefill / mixed steps (CUDA only, after
+        the KV cache exists; skipped with enforce_eager)."""
         from tokenmill.runner.cuda_graphs import CudaGraphManager, default_capture_sizes
+        from tokenmill.runner.piecewise_graphs import PiecewiseGraphManager, piecewise_sizes
 
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
+        max_piecewise = min(self.config.piecewise_cuda_graph_max_tokens, self.max_num_tokens)
+        if max_piecewise >= 16:
+            piecewise = PiecewiseGraphManager(self.model, self.buffers, self.kv_caches, piecewise_sizes(max_piecewise))
+            piecewise.capture(lambda tokens: self.dummy_run(tokens, 1))
+            self.piecewise = piecewise
         largest = min(self.config.max_num_seqs, self.config.cuda_graph_max_batch, self.max_num_tokens)
         manager = CudaGraphManager(self.model, self.buffers, self.kv_caches, default_capture_sizes(largest))
         manager.capture()
@@ -128,15 +136,20 @@ class ModelRunner:
         num_tokens = int(q_lens.sum())
         decode_only = bool((q_lens == 1).all())
         graph = self.graphs.dispatch(len(batch)) if (self.graphs is not None and decode_only) else None
+        pieces = self.piecewise.dispatch(num_tokens) if (self.piecewise is not None and graph is None) else None
         padded = graph.batch_size if graph is not None else len(batch)
-        step = StepDescriptor(len(batch), num_tokens, padded, num_tokens + padded - len(batch),
+        padded_tokens = pieces if pieces is not None else num_tokens + padded - len(batch)
+        step = StepDescriptor(len(batch), num_tokens, padded, padded_tokens,
                               int(q_lens.max()), int((start + q_lens).max()), rows, samples)
         self.buffers.upload(rows, q_lens, start, samples, padded)
         self.buffers.prepare(step, states)
         if graph is not None:
             self._logits = graph.replay()[: len(batch)]  # decode: one logits row per request
         else:
-            hidden = self._forward(step)
+            if pieces is not None:
+                hidden = self.piecewise.run(pieces, self.buffers.attention_metadata(step))
+            else:
+                hidden = self._forward(step)
             self._logits = self.model.compute_logits(hidden[self.buffers.logits_indices[: len(batch)]])
         self._step = step
         self._req_ids = [e.req_id for e in batch]
@@ -165,9 +178,11 @@ class ModelRunner:
 
     # ---- dummy runs (profiling, warm-up): never touch request state ------------------------
     @torch.inference_mode()
-    def dummy_run(self, num_tokens: int, num_reqs: int = 1, sample: bool = False) -> torch.Tensor:
+    def dummy_run(self, num_tokens: int, num_reqs: int = 1, sample: bool = False,
+                  piecewise: bool = False) -> torch.Tensor:
         """A forward pass over `num_tokens` tokens split across `num_reqs` fake requests, which
-        attend only to cache block 0 and write no K/V."""
+        attend only to cache block 0 and write no K/V; eager, or with piecewise=True through the
+        piecewise graphs where they cover the step (as a real step would run)."""
         # Within the buffers: at most max_num_seqs requests, none longer than max_model_len.
         num_reqs = max(1, min(num_reqs, num_tokens, self.config.max_num_seqs),
                        -(-num_tokens // self.max_model_len))
@@ -178,7 +193,8 @@ class ModelRunner:
         np.cumsum(q_lens, out=qsl[1:])
         buf.input_ids[:num_tokens].zero_()
         buf.positions[:num_tokens].copy_(torch.from_numpy(np.concatenate([np.arange(n) for n in q_lens])))
-        buf.slot_mapping[:num_tokens].fill_(-1)
+        size = self.piecewise.dispatch(num_tokens) if (piecewise and self.piecewise is not None) else None
+        buf.slot_mapping[: size or num_tokens].fill_(-1)  # padding tokens too
         buf.query_start_loc[: num_reqs + 1].copy_(torch.from_numpy(qsl))
         buf.seq_lens[:num_reqs].copy_(torch.from_numpy(q_lens))
         buf.block_tables[:num_reqs].zero_()
@@ -186,8 +202,11 @@ class ModelRunner:
         meta = AttentionMetadata(buf.query_start_loc[: num_reqs + 1], buf.seq_lens[:num_reqs],
                                  buf.block_tables[:num_reqs], buf.slot_mapping[:num_tokens],
                                  int(q_lens.max()), int(q_lens.max()))
-        with forward_context(meta, self.kv_caches):
-            hidden = self.model(buf.input_ids[:num_tokens], buf.positions[:num_tokens])
+        if size is not None:
+            hidden = self.piecewise.run(size, meta)
+        else:
+            with forward_context(meta, self.kv_caches):
+                hidden = self.model(buf.input_ids[:num_tokens], buf.positions[:num_tokens])
         logits = self.model.compute_logits(hidden[buf.logits_indices[:num_reqs]])
         if sample:  # the sampler's worst case: every stage on, over the whole vocabulary
             torch.topk(logits, 20, dim=-1)
