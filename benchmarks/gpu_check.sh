@@ -14,7 +14,6 @@
 #   noasync   offline-small throughput, --no-async-scheduling, 1 run
 #   latency   latency-8b (batch-1 decode), $LAT_REPEAT runs (default 5)
 #   latency-unfused  the same with --no-fused-small-batch-linear (cuBLAS + separate norm/activation)
-#   latency-nopdl    the same with TOKENMILL_PDL=0 (no programmatic dependent launch, kernels/pdl.py)
 #   8b        offline-8b throughput, $REPEAT runs
 #   prefill   prefill-8b throughput, $REPEAT runs
 #   serve     serve-8b through `tokenmill serve` (launched here), Poisson at $SERVE_RATE req/s (default 8)
@@ -139,9 +138,6 @@ for phase in $PHASES; do
         latency-unfused)
             run_phase latency-unfused "${BENCH[@]}" latency --workload latency-8b --repeat "$LAT_REPEAT" \
                 --no-fused-small-batch-linear --tag unfused --out "$RES" "${EXTRA[@]}" ;;
-        latency-nopdl)
-            TOKENMILL_PDL=0 run_phase latency-nopdl "${BENCH[@]}" latency --workload latency-8b --repeat "$LAT_REPEAT" \
-                --tag no-pdl --out "$RES" "${EXTRA[@]}" ;;
         8b)
             run_phase 8b "${BENCH[@]}" throughput --workload offline-8b --repeat "$REPEAT" --out "$RES" "${EXTRA[@]}" ;;
         prefill)
@@ -161,7 +157,7 @@ for phase in $PHASES; do
                 --workload offline-small --skip-steps 300 --steps 20 --trace --out "$WORK/profiles" "${EXTRA[@]}"
             [ -d "$WORK/profiles" ] && tar -C "$WORK" -czf "$OUT/profiles.tar.gz" profiles ;;
         *)
-            log "unknown phase '$phase' (tests kernels gemv overhead small eager noasync latency latency-unfused latency-nopdl 8b prefill serve compare profile)"
+            log "unknown phase '$phase' (tests kernels gemv overhead small eager noasync latency latency-unfused 8b prefill serve compare profile)"
             STATUS+=("$phase: unknown") ;;
     esac
 done

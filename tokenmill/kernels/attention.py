@@ -16,10 +16,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tokenmill.kernels._dispatch import use_triton
-from tokenmill.kernels.pdl import pdl_enabled, pdl_launch
 
 
 def write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping):
@@ -214,13 +212,10 @@ def _paged_attn_kernel(
     GROUP: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, DECODE_ONLY: tl.constexpr,
     SPLIT_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Grid (query tiles, kv heads, num_splits); num_splits is a runtime int so that CUDA graphs of
     different batch sizes share one compiled kernel (SPLIT_KV only says whether it is > 1)."""
-    if PDL:  # kernels/pdl.py: q and the cache come from the previous kernels
-        gdc_wait()
-        gdc_launch_dependents()
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if DECODE_ONLY:
@@ -298,12 +293,9 @@ def _paged_attn_kernel(
 def _reduce_splits_kernel(
     ws_acc_ptr, ws_m_ptr, ws_l_ptr, out_ptr, qsl_ptr,
     num_reqs, num_q_heads, num_splits, stride_ot, stride_oh,
-    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Grid (T, Hq): merge one row's split partials; rows past query_start_loc[-1] are untouched."""
-    if PDL:  # kernels/pdl.py: everything here depends on the previous kernels
-        gdc_wait()
-        gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if token >= tl.load(qsl_ptr + num_reqs):
@@ -477,7 +469,6 @@ def paged_attention_triton(
     block_m, num_splits, decode_only = plan.block_m, plan.num_splits, plan.decode_only
     block_d = triton.next_power_of_2(head_dim)
     grid0 = plan.grid0
-    pdl = pdl_enabled(q)
     if num_splits > 1:
         ws_acc = torch.empty((tokens, num_q_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
         ws_ml = torch.empty((2, tokens, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -497,14 +488,14 @@ def paged_attention_triton(
         BLOCK_M=block_m, BLOCK_N=plan.block_n, PAGE_SIZE=page_size,
         BLOCK_B=1 if decode_only else 128,  # fixed: one compile for every batch size
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PDL=pdl, num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_launch(pdl),
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(tokens, num_q_heads)](
             ws_acc, ws_m, ws_l, out, query_start_loc,
             num_reqs, num_q_heads, num_splits, out.stride(0), out.stride(1),
             BLOCK_S=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, PDL=pdl, num_warps=4 if block_d >= 128 else 2, **pdl_launch(pdl),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4 if block_d >= 128 else 2,
         )
     return out
 

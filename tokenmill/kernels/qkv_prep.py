@@ -12,12 +12,10 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tokenmill.kernels._dispatch import use_triton
 from tokenmill.kernels.attention import write_kv_cache_ref
 from tokenmill.kernels.norm import rms_norm_ref
-from tokenmill.kernels.pdl import pdl_enabled, pdl_launch
 from tokenmill.kernels.rotary import rotary_ref
 
 # From this many tokens on, one program takes all heads of a token; below it, one program per
@@ -71,12 +69,8 @@ def _qkv_prep_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     GROUP: tl.constexpr, KV_PER_PROG: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """Grid (T, Hk // KV_PER_PROG): KV_PER_PROG kv heads of one token and the GROUP q heads of each."""
-    if PDL:  # kernels/pdl.py: q/k/v come from the previous kernel
-        gdc_wait()
-        gdc_launch_dependents()
     HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     kv_first = tl.program_id(1) * KV_PER_PROG
@@ -142,7 +136,6 @@ def qkv_prep_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_ma
     if tokens == 0:
         return q_out
 
-    pdl = pdl_enabled(q)
     kv_per_prog = num_kv_heads if tokens >= TOKEN_GRID_MIN_TOKENS else 1
     block_q = triton.next_power_of_2(kv_per_prog * group)
     block_d = triton.next_power_of_2(head_dim)
@@ -155,8 +148,8 @@ def qkv_prep_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_ma
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         GROUP=group, KV_PER_PROG=kv_per_prog, BLOCK_Q=block_q, BLOCK_KV=triton.next_power_of_2(kv_per_prog),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=k_cache.shape[1], HAS_NORM=has_norm, PDL=pdl,
-        num_warps=max(1, min(8, block_q * block_d // 512)), **pdl_launch(pdl),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=k_cache.shape[1], HAS_NORM=has_norm,
+        num_warps=max(1, min(8, block_q * block_d // 512)),
     )
     return q_out
 

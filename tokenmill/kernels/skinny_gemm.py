@@ -22,11 +22,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
 from tokenmill.kernels.activation import silu_and_mul_ref
 from tokenmill.kernels.norm import rms_norm_ref
-from tokenmill.kernels.pdl import pdl_enabled, pdl_launch
 
 PLAIN, SILU_MUL, ADD_RMSNORM = 0, 1, 2
 MAX_ROWS = 1  # batch-1 decode; more tokens go to cuBLAS
@@ -74,22 +71,16 @@ def _gemv_kernel(
     x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr,
     N, K, eps, stride_wn,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N),): program p computes out[p*BLOCK_N : (p+1)*BLOCK_N] for one row x.
 
     Products accumulate in a [BLOCK_N, BLOCK_K] fp32 tile, reduced once at the end, so the loop
-    body is loads and FMAs only. The first weight tile is loaded before anything else: with PDL
-    (kernels/pdl.py) that load overlaps the previous kernel's tail, and only then do we wait for
-    its output (x, residual)."""
+    body is loads and FMAs only."""
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     ks = tl.arange(0, BLOCK_K)
-    w_first = tl.load(w_ptr + n[:, None] * stride_wn + ks[None, :], mask=n_ok[:, None] & (ks < K)[None, :], other=0.0)
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
 
     inv_rms = 0.0
     if PROLOGUE == 2:  # a first pass over the row for its RMS (from L2: every program reads it)
@@ -104,17 +95,13 @@ def _gemv_kernel(
             sq += h * h
         inv_rms = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
 
-    a, summed = _load_prologue(x_ptr, r_ptr, nw_ptr, ks, ks < K, K, inv_rms, PROLOGUE, HAS_RESIDUAL)
-    if PROLOGUE == 2 and HAS_RESIDUAL:
-        if pid == 0:  # one program writes the new residual stream
-            tl.store(sum_ptr + ks, summed, mask=ks < K)
-    acc = w_first.to(tl.float32) * a.to(tl.float32)[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
         k_ok = kk < K
         a, summed = _load_prologue(x_ptr, r_ptr, nw_ptr, kk, k_ok, K, inv_rms, PROLOGUE, HAS_RESIDUAL)
         if PROLOGUE == 2 and HAS_RESIDUAL:
-            if pid == 0:
+            if pid == 0:  # one program writes the new residual stream
                 tl.store(sum_ptr + kk, summed, mask=k_ok)
         w = tl.load(w_ptr + n[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
@@ -148,12 +135,11 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, prologue: int = 
     if has_residual:
         assert residual.shape == (M, K) and residual.stride(-1) == 1
     cfg = {**skinny_gemm_config(N, K, x.dtype, prologue), **(config or {})}
-    pdl = pdl_enabled(x)
     if M > 0:
         _gemv_kernel[(triton.cdiv(N, cfg["block_n"]),)](
             x, residual if has_residual else x, norm_weight if prologue == ADD_RMSNORM else x, weight, out, summed,
             N, K, eps, weight.stride(0),
             PROLOGUE=prologue, HAS_RESIDUAL=has_residual, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-            PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     return (out, summed) if has_residual else out
