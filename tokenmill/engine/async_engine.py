@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.errors import InvalidRequestError, TokenmillError
-from tokenmill.kernels import compile_watch
+from tokenmill.runner import compile_watch
 from tokenmill.logger import init_logger
 from tokenmill.sampling_params import SamplingParams
 

@@ -21,7 +21,7 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerLimits
 from tokenmill.errors import InvalidRequestError
-from tokenmill.kernels import compile_watch
+from tokenmill.runner import compile_watch
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.logger import init_logger
 from tokenmill.runner.async_output import AsyncOutput

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from tokenmill.kernels import compile_watch
+from tokenmill.runner import compile_watch
 
 
 class _Fn:
