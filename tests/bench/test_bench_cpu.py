@@ -307,3 +307,23 @@ def test_server_side_counters_and_histograms():
     assert seen["gc_pauses"]["2"] == {"count": 3, "mean_ms": pytest.approx(20.0), "p50_le_ms": 50.0, "p99_le_ms": 50.0}
     assert seen["steps"] == {} and seen["itl"] == {}
 
+
+
+def test_launched_server_gets_the_engine_flags_changed():
+    """`bench serve --launch` passes on the engine flags that differ from the defaults, and only those."""
+    import argparse
+
+    from tokenmill.bench.serve import server_command
+    from tokenmill.bench.workloads import get_workload
+    from tokenmill.entrypoints.cli import add_engine_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(["--piecewise-cuda-graph-max-tokens", "0", "--max-prefill-tokens-with-decodes", "512",
+                         "--no-fused-small-batch-linear"])
+    args.server_args = "--api-key k"
+    cmd = server_command(args, get_workload("serve-8b"), 8123)
+    joined = " ".join(cmd)
+    assert "--piecewise-cuda-graph-max-tokens 0" in joined and "--max-prefill-tokens-with-decodes 512" in joined
+    assert "--no-fused-small-batch-linear" in cmd and cmd[-2:] == ["--api-key", "k"]
+    assert "--max-num-seqs" not in cmd and "--enforce-eager" not in cmd
