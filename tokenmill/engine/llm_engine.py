@@ -70,6 +70,7 @@ class LLMEngine:
         on_gpu = self.loaded.device.type == "cuda"
         if on_gpu:
             compile_watch.install()  # count Triton compiles; warn about those after warm-up
+            compile_watch.mark_warm(False)  # another engine in this process may have warmed up before
         self.runner.warm_up()
         self.runner.capture_cuda_graphs()
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
