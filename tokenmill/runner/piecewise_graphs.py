@@ -19,7 +19,7 @@ rows carry garbage through row-wise layers and are never read out.
 """
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -43,7 +43,7 @@ class _Pieces:
     tokens: int
     graphs: list = field(default_factory=list)  # num_layers + 1 CUDA graphs
     attentions: list = field(default_factory=list)  # the attention layer between graph i and i + 1
-    hidden: torch.Tensor = None  # the last piece's output (final norm), rewritten by every replay
+    hidden: Optional[torch.Tensor] = None  # the last piece's output (final norm), rewritten by every replay
 
 
 class _Splitter:
