@@ -269,7 +269,10 @@ def test_profile_tiny(tmp_path):
 
 
 def test_step_histogram_parsing():
-    from tokenmill.bench.serve import step_histograms, step_summary
+    from tokenmill.bench.serve import histogram_summary, histograms
+
+    def step_histograms(text):
+        return histograms(text, "tokenmill:step_interval_seconds", "kind")
 
     def scrape(decode_buckets, mixed_buckets):
         lines = ["# HELP tokenmill:step_interval_seconds ...", "# TYPE tokenmill:step_interval_seconds histogram"]
@@ -284,7 +287,7 @@ def test_step_histogram_parsing():
                                     [("0.005", 0.0), ("0.03", 0.0), ("+Inf", 0.0)]))
     after = step_histograms(scrape([("0.005", 108.0), ("0.03", 110.0), ("+Inf", 110.0)],
                                    [("0.005", 0.0), ("0.03", 3.0), ("+Inf", 4.0)]))
-    s = step_summary(before, after)
+    s = histogram_summary(before, after)
     assert s["decode"] == {"count": 100, "mean_ms": pytest.approx(5.0), "p50_le_ms": 5.0, "p99_le_ms": 30.0}
     assert s["mixed"]["count"] == 4 and s["mixed"]["p50_le_ms"] == 30.0 and s["mixed"]["p99_le_ms"] == float("inf")
 

@@ -191,3 +191,17 @@ def test_dispatch_cpu_uses_reference():
     torch.testing.assert_close(q, run_fused(qkv_prep_ref, s, *ref_caches), rtol=0, atol=0)
     for c, r in zip(caches, ref_caches):
         torch.testing.assert_close(c, r, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_out_argument(device):
+    """With `out` (piecewise CUDA graphs' shared q buffer) the rotated q lands there, equal to the
+    reference's, through the dispatcher and the Triton function alike."""
+    torch.manual_seed(3)
+    s = make_step(QWEN3_SMALL, 5, 1, torch.float32, device)
+    q_ref = run_fused(qkv_prep_ref, s, *s.caches(1))
+    for fn in (qkv_prep, qkv_prep_triton):
+        out = torch.full_like(q_ref, float("nan"))
+        got = fn(s.positions, s.q, s.k, s.v, s.cos_sin, *s.caches(1), s.slots, s.q_w, s.k_w, EPS, out=out)
+        assert got.data_ptr() == out.data_ptr()
+        assert rel_err(out, q_ref) < TOL[torch.float32]

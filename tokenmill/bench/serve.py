@@ -214,11 +214,6 @@ def histograms(metrics_text: str, name: str, by: str) -> dict:
     return out
 
 
-def step_histograms(metrics_text: str) -> dict:
-    """The server's tokenmill:step_interval_seconds histogram, by kind of step."""
-    return histograms(metrics_text, "tokenmill:step_interval_seconds", "kind")
-
-
 def counter_total(metrics_text: str, name: str) -> Optional[float]:
     """The sum over label sets of the counter `name` (exported as `name_total`), None if absent."""
     pattern = re.compile(r'^' + re.escape(name) + r'(?:_total)?(?:\{[^}]*\})?\s+(\S+)$')
@@ -226,7 +221,7 @@ def counter_total(metrics_text: str, name: str) -> Optional[float]:
     return sum(values) if values else None
 
 
-def step_summary(before: dict, after: dict) -> dict:
+def histogram_summary(before: dict, after: dict) -> dict:
     """The observations between two scrapes of a histogram, per label value: count, mean, and the
     bucket bounds that hold the median and the 99th percentile (a histogram gives no finer answer)."""
     summary = {}
@@ -251,7 +246,7 @@ def server_side(before: str, after: str) -> dict:
     (before the HTTP stream), garbage-collection pauses by generation, and Triton kernels compiled
     on the step path. Set beside the client's ITL, this tells engine time from delivery time."""
     def hist(name: str, by: str) -> dict:
-        return step_summary(histograms(before, name, by), histograms(after, name, by))
+        return histogram_summary(histograms(before, name, by), histograms(after, name, by))
 
     def delta(name: str) -> Optional[float]:
         a, b = counter_total(after, name), counter_total(before, name)

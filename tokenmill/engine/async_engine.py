@@ -24,8 +24,8 @@ from typing import Any, Callable, Optional
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.errors import InvalidRequestError, TokenmillError
-from tokenmill.runner import compile_watch
 from tokenmill.logger import init_logger
+from tokenmill.runner import compile_watch
 from tokenmill.sampling_params import SamplingParams
 
 logger = init_logger(__name__)

@@ -21,9 +21,9 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerLimits
 from tokenmill.errors import InvalidRequestError
-from tokenmill.runner import compile_watch
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.logger import init_logger
+from tokenmill.runner import compile_watch
 from tokenmill.runner.async_output import AsyncOutput
 from tokenmill.runner.batch import ModelRunnerOutput, SchedulerOutput
 from tokenmill.runner.model_runner import ModelRunner
@@ -98,10 +98,16 @@ class LLMEngine:
                  SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=1, max_tokens=3, ignore_eos=True),
                  SamplingParams(temperature=0.0, repetition_penalty=1.1, logprobs=2, max_tokens=3, ignore_eos=True))
         # First an all-greedy batch (its own sampler variant), then a mixed one; prompt lengths vary
-        # so the staged writes start at differently aligned offsets.
+        # so the staged writes start at differently aligned offsets. A request that does not fit a
+        # small configuration (context length, KV blocks) is left out.
+        vocab, longest = self.loaded.arch.vocab_size, self.max_model_len - 3
         for batch in ((greedy,), mixed):
             for i, params in enumerate(batch):
-                self.add_request(list(range(1, 4 + 6 * i)), params)
+                prompt = [t % vocab for t in range(1, 1 + max(1, min(3 + 6 * i, longest)))]
+                try:
+                    self.add_request(prompt, params)
+                except InvalidRequestError as e:
+                    logger.debug("warm-up request left out: %s", e)
             while self.has_unfinished_requests():
                 self.step(emit_unfinished=False)
         self.scheduler.num_prefill_tokens = 0

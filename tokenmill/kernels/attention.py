@@ -377,6 +377,7 @@ class AttnLaunch:
         return (self.block_m, self.block_n, self.num_warps, self.num_stages, self.decode_only, split)
 
 
+@functools.lru_cache(maxsize=4096)  # every layer of a step asks the same question
 def launch_plan(tokens: int, num_reqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                 max_query_len: Optional[int] = None, max_seq_len: Optional[int] = None,
                 num_splits: Optional[int] = None, sm_count: int = DEFAULT_SM_COUNT, *,

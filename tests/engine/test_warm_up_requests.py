@@ -1,0 +1,27 @@
+"""The step-path warm-up (run on CUDA at start-up) leaves the engine as if nothing had run; here on
+the CPU, where the engine itself does not call it."""
+
+from tests.engine.conftest import assert_no_leaks, make_llm
+from tokenmill.sampling_params import SamplingParams
+
+
+def test_warm_up_leaves_no_trace(smollm):
+    llm = make_llm(smollm)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first = llm.generate([[1, 2, 3, 4]], params, use_tqdm=False)[0]
+    llm = make_llm(smollm)
+    engine = llm.engine
+    engine._warm_up_step_path()
+    assert_no_leaks(llm)
+    assert engine.generation_tokens == 0 and engine.steps_completed == 0 and engine.last_step_kind is None
+    assert engine.stats().prompt_tokens == 0 and engine.kv.prefix_queries == 0
+    out = llm.generate([[1, 2, 3, 4]], params, use_tqdm=False)[0]
+    assert out.request_id == first.request_id and out.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_warm_up_fits_a_tiny_context(smollm):
+    """Prompts are cut to the context length; whatever still does not fit is left out."""
+    llm = make_llm(smollm, max_model_len=6)
+    llm.engine._warm_up_step_path()
+    assert_no_leaks(llm)
+    assert llm.generate([[1, 2]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
