@@ -82,11 +82,14 @@ def test_prefill_logits_match_cpu_fp32(models):
 
 @pytest.mark.parametrize("overrides", [{}, {"max_num_batched_tokens": 64}, {"enforce_eager": True},
                                        {"async_scheduling": False}, {"max_num_seqs": 3},
-                                       {"piecewise_cuda_graph_max_tokens": 0}],
-                         ids=["graphs+async", "chunked-prefill", "eager", "sync", "max-num-seqs-3", "no-piecewise"])
+                                       {"piecewise_cuda_graph_max_tokens": 0}, {"max_num_seqs": 1},
+                                       {"max_num_seqs": 1, "enforce_eager": True}],
+                         ids=["graphs+async", "chunked-prefill", "eager", "sync", "max-num-seqs-3", "no-piecewise",
+                              "batch-1", "batch-1-eager"])
 def test_greedy_matches_cpu_fp32(models, overrides):
     """Prefill steps replay piecewise graphs (padded to a captured size) unless turned off; decode
-    steps replay full graphs; each path must give the CPU's tokens and logprobs."""
+    steps replay full graphs; each path must give the CPU's tokens and logprobs. At batch 1 the
+    linear layers run as fused GEMVs."""
     _, cpu, cpu_outs = models
     llm, gpu_outs = run(to_cuda(cpu, torch.float32), **overrides)
     runner = llm.engine.runner

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels._dispatch import use_triton
+from tokenmill.kernels._dispatch import H200_SM_COUNT, sm_count, use_triton
 
 
 def write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping):
@@ -128,7 +128,7 @@ MAX_SPLITS = 32  # with max_seq_len known
 MAX_SPLITS_UNKNOWN_LEN = 16  # without it (e.g. inside CUDA graphs)
 MIN_KEYS_PER_SPLIT = 256
 MAX_WORKSPACE_BYTES = 256 << 20
-DEFAULT_SM_COUNT = 132  # H200
+DEFAULT_SM_COUNT = H200_SM_COUNT
 
 
 @triton.jit
@@ -338,11 +338,6 @@ def attention_config(max_query_len: int, group: int, head_dim: int, dtype: torch
     return dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_num_splits(num_programs: int, max_seq_len: Optional[int], sm_count: int = DEFAULT_SM_COUNT) -> int:
     """Split the keys only when (q tiles x kv heads) programs leave SMs idle.
 
@@ -463,8 +458,7 @@ def paged_attention_triton(
     if tokens == 0 or num_reqs == 0:
         return out
 
-    sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
-        if q.is_cuda else DEFAULT_SM_COUNT
+    sms = sm_count(q.device) if q.is_cuda else DEFAULT_SM_COUNT
     plan = launch_plan(tokens, num_reqs, num_q_heads, num_kv_heads, head_dim, q.dtype, max_query_len, max_seq_len,
                        num_splits, sms, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     block_m, num_splits, decode_only = plan.block_m, plan.num_splits, plan.decode_only

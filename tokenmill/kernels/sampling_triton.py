@@ -19,12 +19,13 @@ for bit the reference's (the sampler and penalties are launched without FMA fusi
 and sums round separately, as in torch).
 """
 
-import functools
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from tokenmill.kernels._dispatch import sm_count
 
 VOCAB_BLOCK = 2048  # vocabulary elements per loop step of the Gumbel sampler
 VOCAB_WARPS = 8
@@ -147,8 +148,7 @@ def _vocab_chunk(batch: int, vocab: int, device: torch.device, num_chunks: Optio
     few hundred, and a batch of 1 would scan 150k logits on one SM), in whole blocks, at least
     one. Rounding down to whole blocks can only add chunks; num_chunks overrides the target."""
     if num_chunks is None:
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-            if device.type == "cuda" else 132
+        sms = sm_count(device)
         num_chunks = triton.cdiv(PROGRAMS_PER_SM * sms, batch)
     return max(1, triton.cdiv(vocab, VOCAB_BLOCK) // max(num_chunks, 1)) * VOCAB_BLOCK
 
@@ -183,11 +183,6 @@ def gumbel_sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds:
         _merge_chunks_kernel[(B,)](vals, idx, out, chunks, BLOCK_C=triton.next_power_of_2(triton.cdiv(V, VOCAB_BLOCK)),
                                    num_warps=1)
     return out
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 # ----------------------------------------------------------------------------------------------

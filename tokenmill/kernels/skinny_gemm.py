@@ -9,10 +9,14 @@ down) cost more in launches and gaps than in bytes. This kernel computes y = a(x
     SILU_MUL     a(x) = silu(x[:, :K]) * x[:, K:]            (x is the gate|up projection output)
     ADD_RMSNORM  a(x) = rms_norm(x + residual) * norm_weight  (x + residual also written out)
 
-with the same rounding as the separate kernels (kernels/norm.py, kernels/activation.py), so the
-results equal the unfused path's. Each program owns BLOCK_N output features and runs over all of K
-(no split-K, so no reduction pass); the prologue is recomputed per program from L2, which costs far
-less than the launches it removes.
+Each program owns BLOCK_N output features and runs over all of K (no split-K, so no reduction
+pass); the prologue is recomputed per program from L2, which costs far less than the launches it
+removes. PLAIN and SILU_MUL round as the separate kernels do (kernels/activation.py). ADD_RMSNORM
+takes one pass: since rms_norm(h) W^T = ((h * norm_weight) W^T) / rms(h), the sum of squares
+accumulates beside the products and the division comes last, so the weight loads start at once
+instead of after a pass over the row (in a one-wave grid such as q/k/v's, every program would wait
+for that pass with the memory idle). It skips the separate kernel's rounding of the normalised row
+to the input dtype, so it agrees with the unfused path to that rounding, not bit for bit.
 """
 
 from typing import Optional
@@ -45,8 +49,9 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, prologue: int = PLA
 
 
 @triton.jit
-def _load_prologue(x_ptr, r_ptr, nw_ptr, kk, k_ok, K, inv_rms, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """a(x)[kk] in the input dtype, and (ADD_RMSNORM with a residual) the rounded sum x + r."""
+def _load_prologue(x_ptr, r_ptr, nw_ptr, kk, k_ok, K, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """a(x)[kk] (fp32 for ADD_RMSNORM, where it is (x + r) * norm_weight, not yet divided by the
+    RMS; the input dtype otherwise) and the rounded sum x + r (x without a residual)."""
     x = tl.load(x_ptr + kk, mask=k_ok, other=0.0)
     summed = x
     if PROLOGUE == 1:  # SILU_MUL: x holds [gate | up]
@@ -58,9 +63,8 @@ def _load_prologue(x_ptr, r_ptr, nw_ptr, kk, k_ok, K, inv_rms, PROLOGUE: tl.cons
         if HAS_RESIDUAL:
             r = tl.load(r_ptr + kk, mask=k_ok, other=0.0)
             summed = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        h = (summed.to(tl.float32) * inv_rms).to(x.dtype).to(tl.float32)
         w = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-        a = (h * w).to(x.dtype)
+        a = summed.to(tl.float32) * w
     else:
         a = x
     return a, summed
@@ -82,30 +86,24 @@ def _gemv_kernel(
     n_ok = n < N
     ks = tl.arange(0, BLOCK_K)
 
-    inv_rms = 0.0
-    if PROLOGUE == 2:  # a first pass over the row for its RMS (from L2: every program reads it)
-        sq = tl.zeros([BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ks
-            h = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(r_ptr + kk, mask=kk < K, other=0.0)
-                h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
-            h = h.to(tl.float32)
-            sq += h * h
-        inv_rms = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
-
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    sq = tl.zeros([BLOCK_K], tl.float32)  # ADD_RMSNORM: squares of the (rounded) x + r
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
         k_ok = kk < K
-        a, summed = _load_prologue(x_ptr, r_ptr, nw_ptr, kk, k_ok, K, inv_rms, PROLOGUE, HAS_RESIDUAL)
-        if PROLOGUE == 2 and HAS_RESIDUAL:
-            if pid == 0:  # one program writes the new residual stream
-                tl.store(sum_ptr + kk, summed, mask=k_ok)
+        a, summed = _load_prologue(x_ptr, r_ptr, nw_ptr, kk, k_ok, K, PROLOGUE, HAS_RESIDUAL)
+        if PROLOGUE == 2:
+            h = summed.to(tl.float32)
+            sq += h * h
+            if HAS_RESIDUAL:
+                if pid == 0:  # one program writes the new residual stream
+                    tl.store(sum_ptr + kk, summed, mask=k_ok)
         w = tl.load(w_ptr + n[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
-    tl.store(out_ptr + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
+    y = tl.sum(acc, axis=1)
+    if PROLOGUE == 2:
+        y = y * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+    tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def skinny_gemm_config(n: int, k: int, dtype: torch.dtype, prologue: int = PLAIN) -> dict:
