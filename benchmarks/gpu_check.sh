@@ -14,6 +14,9 @@
 #   noasync   offline-small throughput, --no-async-scheduling, 1 run
 #   latency   latency-8b (batch-1 decode), $LAT_REPEAT runs (default 5)
 #   latency-unfused  the same with --no-fused-small-batch-linear (cuBLAS + separate norm/activation)
+#   latency-base  latency-8b from the tokenmill package in $BASE_TREE (an earlier commit, for a side-by-side
+#             A/B on the same GPU; make it with `mkdir -p build/base && git archive REV tokenmill | tar -x -C
+#             build/base` and carry build/base), tagged base
 #   8b        offline-8b throughput, $REPEAT runs
 #   prefill   prefill-8b throughput, $REPEAT runs
 #   serve     serve-8b through `tokenmill serve` (launched here), Poisson at $SERVE_RATE req/s (default 8)
@@ -28,7 +31,7 @@
 # combined figure), summary.txt (the summary table) and gpu_check.log (everything, tee'd).
 # Scratch results go to a fresh temporary directory outside $OUT.
 #
-# Environment: OUT, PHASES, REPEAT, LAT_REPEAT, SERVE_RATE, PROFILES (workloads the profile phase
+# Environment: OUT, PHASES, REPEAT, LAT_REPEAT, SERVE_RATE, BASE_TREE (default build/base), PROFILES (workloads the profile phase
 # traces, default "latency-8b offline-small"), PYTHON (default python3), BUDGET_S (seconds
 # this script may take in all, default 585: each phase gets what is left, minus a margin for the final
 # merge, and is interrupted with SIGINT when it runs out), BENCH_ARGS (extra flags for every bench).
@@ -47,6 +50,7 @@ PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-585}
 BENCH_ARGS=${BENCH_ARGS:-}
 PROFILES=${PROFILES:-"latency-8b offline-small"}
+BASE_TREE=${BASE_TREE:-build/base}
 MARGIN_S=25
 
 mkdir -p "$OUT"
@@ -138,6 +142,15 @@ for phase in $PHASES; do
         latency-unfused)
             run_phase latency-unfused "${BENCH[@]}" latency --workload latency-8b --repeat "$LAT_REPEAT" \
                 --no-fused-small-batch-linear --tag unfused --out "$RES" "${EXTRA[@]}" ;;
+        latency-base)
+            if [ -d "$BASE_TREE/tokenmill" ]; then
+                # -P: the current directory (this tree) does not go before the base tree on the path
+                PYTHONPATH="$PWD/$BASE_TREE:$PYTHONPATH" run_phase latency-base "$PY" -P -m tokenmill.entrypoints.cli bench \
+                    latency --workload latency-8b \
+                    --repeat "$LAT_REPEAT" --tag base --out "$RES" "${EXTRA[@]}"
+            else
+                log "=== phase latency-base: SKIPPED (no $BASE_TREE/tokenmill)"; STATUS+=("latency-base: SKIPPED (no base tree)")
+            fi ;;
         8b)
             run_phase 8b "${BENCH[@]}" throughput --workload offline-8b --repeat "$REPEAT" --out "$RES" "${EXTRA[@]}" ;;
         prefill)
@@ -157,7 +170,7 @@ for phase in $PHASES; do
                 --workload offline-small --skip-steps 300 --steps 20 --trace --out "$WORK/profiles" "${EXTRA[@]}"
             [ -d "$WORK/profiles" ] && tar -C "$WORK" -czf "$OUT/profiles.tar.gz" profiles ;;
         *)
-            log "unknown phase '$phase' (tests kernels gemv overhead small eager noasync latency latency-unfused 8b prefill serve compare profile)"
+            log "unknown phase '$phase' (tests kernels gemv overhead small eager noasync latency latency-unfused latency-base 8b prefill serve compare profile)"
             STATUS+=("$phase: unknown") ;;
     esac
 done

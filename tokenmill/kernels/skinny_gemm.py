@@ -71,22 +71,15 @@ def _load_prologue(x_ptr, r_ptr, nw_ptr, kk, k_ok, K, PROLOGUE: tl.constexpr, HA
 
 
 @triton.jit
-def _gemv_kernel(
-    x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr,
-    N, K, eps, stride_wn,
-    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """Grid (cdiv(N, BLOCK_N),): program p computes out[p*BLOCK_N : (p+1)*BLOCK_N] for one row x.
+def _gemv_rows(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, n, n_ok, K, eps, stride_wn, write_sum,
+               PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[i] = a(x) . W[n[i]] in fp32 for the rows n (any BLOCK_N of them); with write_sum, this
+    program also writes the new residual stream x + r (ADD_RMSNORM with a residual).
 
     Products accumulate in a [BLOCK_N, BLOCK_K] fp32 tile, reduced once at the end, so the loop
     body is loads and FMAs only."""
-    pid = tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
     ks = tl.arange(0, BLOCK_K)
-
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc = tl.zeros([n.shape[0], BLOCK_K], tl.float32)
     sq = tl.zeros([BLOCK_K], tl.float32)  # ADD_RMSNORM: squares of the (rounded) x + r
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
@@ -96,13 +89,30 @@ def _gemv_kernel(
             h = summed.to(tl.float32)
             sq += h * h
             if HAS_RESIDUAL:
-                if pid == 0:  # one program writes the new residual stream
+                if write_sum:
                     tl.store(sum_ptr + kk, summed, mask=k_ok)
         w = tl.load(w_ptr + n[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if PROLOGUE == 2:
         y = y * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+    return y
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr,
+    N, K, eps, stride_wn,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_N),): program p computes out[p*BLOCK_N : (p+1)*BLOCK_N] for one row x;
+    program 0 writes the residual stream."""
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    y = _gemv_rows(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, n, n_ok, K, eps, stride_wn, pid == 0,
+                   PROLOGUE, HAS_RESIDUAL, BLOCK_K)
     tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 

@@ -41,6 +41,19 @@ class Attention(nn.Module):
             out = self.attend(q, meta, ctx.kv_caches)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
+    def step_cache(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This layer's (k_cache, v_cache) and the step's slot mapping, for a projection that writes
+        the cache itself (QKVParallelLinear.forward_rope_into_cache)."""
+        ctx = get_forward_context()
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        return k_cache, v_cache, ctx.metadata.slot_mapping
+
+    def attend_prepared(self, q: torch.Tensor) -> torch.Tensor:
+        """forward() for a q that is already rotated, with this step's K/V already cached -> [T, Hq * D]."""
+        ctx = get_forward_context()
+        assert ctx.splitter is None, "piecewise graphs split at forward(), not here"
+        return self.attend(q, ctx.metadata, ctx.kv_caches).view(q.shape[0], self.num_heads * self.head_dim)
+
     def attend(self, q: torch.Tensor, meta: AttentionMetadata, kv_caches, out: Optional[torch.Tensor] = None):
         """q [T, Hq, D] (rotated, this step's K/V already cached) attends over this layer's cache."""
         k_cache, v_cache = kv_caches[self.layer_idx]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
-from tokenmill.kernels import skinny_gemm
+from tokenmill.kernels import qkv_rope_gemv, skinny_gemm
 from tokenmill.kernels.activation import silu_and_mul
 from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, PLAIN, SILU_MUL
 
@@ -146,6 +146,21 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_heads = self.num_heads * self.tp_size if shard_id == "q" else self.num_kv_heads * self.tp_size // self.kv_replicas
         _check_full_shape(loaded, (total_heads * self.head_dim, *param.shape[1:]), f"{shard_id}_proj")
         _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size), f"{shard_id}_proj")
+
+    def fuses_rope(self, x: torch.Tensor) -> bool:
+        """Whether x takes the batch-1 GEMV that also does rotary and the KV-cache write
+        (forward_rope_into_cache)."""
+        return self._use_skinny(x) and qkv_rope_gemv.fusable(self.out_features, self.in_features, self.head_dim,
+                                                             x.dtype)
+
+    def forward_rope_into_cache(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: nn.Module,
+                                positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
+                                v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch 1: q/k/v of norm(x + residual), with q and k rotated and k/v stored at the slot, in one
+        kernel (kernels/qkv_rope_gemv.py). Returns (rotated q [1, Hq, D], the residual stream)."""
+        return qkv_rope_gemv.skinny_qkv_rope_triton(x, self.weight, residual, norm.weight, norm.eps, positions,
+                                                    cos_sin_cache, slot_mapping, k_cache, v_cache,
+                                                    self.num_heads, self.num_kv_heads)
 
 
 class RowParallelLinear(LinearBase):

@@ -54,6 +54,12 @@ class LlamaAttention(nn.Module):
                 norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(hidden + residual) -> q/k/v -> attention over the cache -> o_proj; returns the
         output and the new residual stream."""
+        if self.q_norm is None and self.qkv_proj.fuses_rope(hidden):
+            # Batch 1 on CUDA: rotary and the KV-cache write ride in the q/k/v GEMV (one kernel fewer).
+            k_cache, v_cache, slots = self.attn.step_cache()
+            q, residual = self.qkv_proj.forward_rope_into_cache(hidden, residual, norm, positions,
+                                                                self.rotary.cos_sin_cache, k_cache, v_cache, slots)
+            return self.o_proj(self.attn.attend_prepared(q)), residual
         qkv, residual = _norm_then_project(self.qkv_proj, hidden, residual, norm)
         tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

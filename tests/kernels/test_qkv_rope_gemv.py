@@ -1,0 +1,85 @@
+"""The batch-1 q/k/v GEMV with rotary and the KV-cache write fused in, against its torch reference
+(the projection, then qkv_prep's reference): interpreter at small shapes on CPU, real model shapes
+on CUDA."""
+
+import pytest
+import torch
+
+from tokenmill.kernels.qkv_rope_gemv import fusable, skinny_qkv_rope_ref, skinny_qkv_rope_triton
+from tokenmill.layers.rotary import RotaryEmbedding, rope_inv_freq
+
+from tests.kernels.common import DEVICES, TOL, nan_empty, rel_err  # noqa: F401
+
+PAGE = 16
+
+
+def _cases(device):
+    """(hidden, q heads, kv heads, head_dim, dtype): toy shapes on the CPU; Llama-3.1-8B, a model
+    with head_dim 64 and the toy shape on CUDA."""
+    toy = [(64, 4, 2, 16, torch.float32), (96, 2, 1, 32, torch.float32)]
+    if device == "cpu":
+        return toy
+    return toy + [(4096, 32, 8, 128, torch.bfloat16), (4096, 32, 8, 128, torch.float32),
+                  (2048, 32, 8, 64, torch.bfloat16)]
+
+
+def _step(hidden, hq, hk, d, dtype, device, position, slot, with_residual):
+    torch.manual_seed(hidden + hq + d + position)
+    n = (hq + 2 * hk) * d
+    inputs = dict(
+        x=torch.randn(1, hidden, device=device, dtype=dtype),
+        weight=torch.randn(n, hidden, device=device, dtype=dtype) / hidden ** 0.5,
+        residual=torch.randn(1, hidden, device=device, dtype=dtype) if with_residual else None,
+        norm_weight=1 + 0.1 * torch.randn(hidden, device=device, dtype=dtype),
+        eps=1e-5,
+        positions=torch.tensor([position], device=device, dtype=torch.int64),
+        cos_sin_cache=RotaryEmbedding(d, 4096, rope_inv_freq(d, 500000.0, "llama3", 8.0, 1.0, 4.0, 8192),
+                                      device=device).cos_sin_cache,
+        slot_mapping=torch.tensor([slot], device=device, dtype=torch.int64),
+    )
+    caches = [torch.randn(4, PAGE, hk, d, device=device, dtype=dtype) for _ in range(2)]
+    return inputs, caches
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_matches_reference(device, with_residual, nan_empty):
+    """q, the residual stream and both caches (the new slot, and every other slot unchanged)."""
+    for hidden, hq, hk, d, dtype in _cases(device):
+        for position, slot in ((0, 0), (1000, 2 * PAGE + 5), (4095, 4 * PAGE - 1)):
+            inputs, (kc, vc) = _step(hidden, hq, hk, d, dtype, device, position, slot, with_residual)
+            kc_ref, vc_ref = kc.clone(), vc.clone()
+            q, summed = skinny_qkv_rope_triton(**inputs, k_cache=kc, v_cache=vc, num_q_heads=hq, num_kv_heads=hk)
+            q_ref, summed_ref = skinny_qkv_rope_ref(**inputs, k_cache=kc_ref, v_cache=vc_ref,
+                                                    num_q_heads=hq, num_kv_heads=hk)
+            what = (hidden, hq, hk, d, dtype, position)
+            assert q.shape == (1, hq, d)
+            assert rel_err(q, q_ref) < TOL[dtype], what
+            torch.testing.assert_close(summed, summed_ref, rtol=0, atol=0)
+            page, offset = divmod(slot, PAGE)
+            for got, want in ((kc, kc_ref), (vc, vc_ref)):
+                assert rel_err(got[page, offset], want[page, offset]) < TOL[dtype], what
+                got[page, offset] = want[page, offset]
+                assert torch.equal(got, want), ("other slots changed", what)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_padding_slot_writes_nothing(device, nan_empty):
+    hidden, hq, hk, d, dtype = _cases(device)[0]
+    inputs, (kc, vc) = _step(hidden, hq, hk, d, dtype, device, 7, -1, True)
+    kc_before, vc_before = kc.clone(), vc.clone()
+    q_out = torch.empty(1, hq, d, device=device, dtype=dtype)
+    q, _ = skinny_qkv_rope_triton(**inputs, k_cache=kc, v_cache=vc, num_q_heads=hq, num_kv_heads=hk, q_out=q_out)
+    assert q.data_ptr() == q_out.data_ptr() and not q.isnan().any()
+    assert torch.equal(kc, kc_before) and torch.equal(vc, vc_before)
+
+
+def test_fusable_and_errors():
+    """A tile must hold whole rotary pairs of one head; wrong shapes are refused with a message."""
+    assert fusable(6144, 4096, 128, torch.bfloat16) and fusable(6144, 4096, 64, torch.bfloat16)
+    assert not fusable(6144, 4096, 12, torch.bfloat16)  # 6 pairs per head, 8 per tile
+    assert not fusable(6144, 4096, 128, torch.bfloat16, {"block_n": 6})
+    inputs, (kc, vc) = _step(64, 4, 2, 16, torch.float32, "cpu", 0, 0, True)
+    with pytest.raises(AssertionError, match="at most 1 row"):
+        skinny_qkv_rope_triton(**{**inputs, "x": torch.randn(2, 64), "residual": None}, k_cache=kc, v_cache=vc,
+                               num_q_heads=4, num_kv_heads=2)
