@@ -56,9 +56,12 @@ MARGIN_S=25
 mkdir -p "$OUT"
 # The server's dependencies are not on the GPU machine: install the wheels carried in .whl/
 # (benchmarks/fetch_server_wheels.sh downloads them).
+# Each run installs into a folder of its own: two runs side by side (one per GPU) must not
+# install into the same folder at the same time (a half-written package makes `serve` unavailable).
 if compgen -G ".whl/*.whl" > /dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tm-site .whl/*.whl \
-        && export PYTHONPATH="$PYTHONPATH:/tmp/tm-site"
+    SITE=$(mktemp -d "${TMPDIR:-/tmp}/tm-site.XXXXXX")
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:$SITE"
 fi
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/tokenmill-gpu-check.XXXXXX")
 RES="$WORK/results"
