@@ -2,6 +2,7 @@
 the CPU, where the engine itself does not call it."""
 
 from tests.engine.conftest import assert_no_leaks, make_llm
+from tokenmill.runner import sampler as sampler_module
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -25,3 +26,27 @@ def test_warm_up_fits_a_tiny_context(smollm):
     llm.engine._warm_up_step_path()
     assert_no_leaks(llm)
     assert llm.generate([[1, 2]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_warm_up_meets_every_sampler_variant(smollm, monkeypatch):
+    """The Gumbel kernel compiles one variant per (logits dtype, all rows greedy): the model's raw
+    logits, or the float32 copy that penalties and filters write into. The warm-up must run all
+    four, or the first request of a missing kind compiles on the step path. (On the CPU the model
+    is float32 too, so a copy is told from the raw logits by its storage.)"""
+    seen, raw = set(), {}
+    real_call, real_sample = sampler_module.Sampler.__call__, sampler_module.gumbel_sample
+
+    def call(self, logits, *args, **kwargs):
+        raw["ptr"] = logits.data_ptr()
+        return real_call(self, logits, *args, **kwargs)
+
+    def sample(logits, temperature, seeds, positions, greedy_only=False):
+        seen.add(("raw" if logits.data_ptr() == raw["ptr"] else "copy", bool(greedy_only)))
+        return real_sample(logits, temperature, seeds, positions, greedy_only)
+
+    monkeypatch.setattr(sampler_module.Sampler, "__call__", call)
+    monkeypatch.setattr(sampler_module, "gumbel_sample", sample)
+    llm = make_llm(smollm)
+    llm.engine._warm_up_step_path()
+    assert seen == {("raw", True), ("raw", False), ("copy", True), ("copy", False)}
+    assert_no_leaks(llm)

@@ -94,14 +94,17 @@ class LLMEngine:
         top-k/top-p, penalties, logprobs), so those kernels compile now rather than on the first
         user's request; then the counters and the prefix cache forget them."""
         greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-        mixed = (greedy, SamplingParams(temperature=0.8, seed=0, max_tokens=3, ignore_eos=True),
-                 SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=1, max_tokens=3, ignore_eos=True),
-                 SamplingParams(temperature=0.0, repetition_penalty=1.1, logprobs=2, max_tokens=3, ignore_eos=True))
-        # First an all-greedy batch (its own sampler variant), then a mixed one; prompt lengths vary
-        # so the staged writes start at differently aligned offsets. A request that does not fit a
+        sampled = SamplingParams(temperature=0.8, seed=0, max_tokens=3, ignore_eos=True)
+        penalised = SamplingParams(temperature=0.0, repetition_penalty=1.1, logprobs=2, max_tokens=3, ignore_eos=True)
+        mixed = (greedy, sampled,
+                 SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=1, max_tokens=3, ignore_eos=True), penalised)
+        # The sampler compiles a variant per (logits dtype, all rows greedy): the model's dtype when
+        # nothing writes into the logits, float32 after penalties or top-k/top-p. So: all greedy,
+        # all plain sampling, all greedy with a penalty, then a mixed batch; prompt lengths vary so
+        # the staged writes start at differently aligned offsets. A request that does not fit a
         # small configuration (context length, KV blocks) is left out.
         vocab, longest = self.loaded.arch.vocab_size, self.max_model_len - 3
-        for batch in ((greedy,), mixed):
+        for batch in ((greedy,), (sampled,), (penalised,), mixed):
             for i, params in enumerate(batch):
                 prompt = [t % vocab for t in range(1, 1 + max(1, min(3 + 6 * i, longest)))]
                 try:
