@@ -4,8 +4,8 @@ rms_norm(x + residual) W_qkv^T, rotates q and k, writes q out and k/v into the p
 At batch 1 the separate qkv_prep kernel (kernels/qkv_prep.py) costs a launch and a dependent step
 between the GEMV and attention for a few kilobytes of work. Here each GEMV program owns pairs of
 rotary partners instead of consecutive rows: rows d and d + D/2 of one head (D = head_dim), for
-BLOCK_N / 2 consecutive d, so rotary needs nothing from another program. Rounding follows the
-unfused path: the projection is rounded to the model dtype, rotated in fp32, rounded again. Only
+BLOCK_N / 2 consecutive d, so rotary needs nothing from another program. Rotary rounds as
+qkv_prep does: the projection is rounded to the model dtype, rotated in fp32, rounded again. Only
 for models without q/k norm (that norm needs the whole head).
 """
 
@@ -102,7 +102,8 @@ def skinny_qkv_rope_triton(x, weight, residual, norm_weight, eps, positions, cos
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and cos_sin_cache.shape[1] == head_dim
     cfg = {**skinny_gemm_config(N, K, x.dtype, ADD_RMSNORM), **(config or {})}
-    assert fusable(N, K, head_dim, x.dtype, cfg), f"BLOCK_N {cfg['block_n']} does not split head_dim {head_dim} into rotary pairs"
+    assert fusable(N, K, head_dim, x.dtype, cfg), \
+        f"BLOCK_N {cfg['block_n']} does not split head_dim {head_dim} into rotary pairs"
     if q_out is None:
         q_out = torch.empty((tokens, num_q_heads, head_dim), dtype=x.dtype, device=x.device)
     assert q_out.shape == (tokens, num_q_heads, head_dim) and q_out.is_contiguous() and q_out.dtype == x.dtype
