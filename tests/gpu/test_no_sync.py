@@ -16,7 +16,8 @@ pytestmark = pytest.mark.gpu
     SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, max_tokens=64, ignore_eos=True,
                    presence_penalty=0.5, repetition_penalty=1.1, logit_bias={5: 1.0}, logprobs=3, seed=1),
 ], ids=["greedy", "all-sampling-stages"])
-def test_step_path_never_syncs(enforce_eager, params):
+@pytest.mark.parametrize("num_requests", [8, 1], ids=["batch-8", "batch-1"])  # batch 1: the fused GEMV path
+def test_step_path_never_syncs(enforce_eager, params, num_requests):
     engine = LLMEngine("smollm2-135m", EngineConfig(num_kv_blocks=256, max_num_seqs=16, enforce_eager=enforce_eager),
                        load_format="dummy", dtype="bfloat16", device="cuda")
     runner = engine.runner
@@ -32,7 +33,7 @@ def test_step_path_never_syncs(enforce_eager, params):
                 checked["steps"] += 1
         return wrapper
 
-    for i in range(8):
+    for i in range(num_requests):
         engine.add_request([1 + i] * (10 + 5 * i), params)
     while engine.scheduler.waiting or any(r.is_prefilling for r in engine.scheduler.running):
         engine.step()  # prefill (may compile kernels) outside the check
@@ -41,7 +42,7 @@ def test_step_path_never_syncs(enforce_eager, params):
     finished = 0
     while engine.has_unfinished_requests():
         finished += sum(o.finished for o in engine.step())
-    assert finished == 8 and checked["steps"] > 80
+    assert finished == num_requests and checked["steps"] > 80
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
