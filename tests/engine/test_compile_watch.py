@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from tokenmill.runner import compile_watch
+from tokenmill.engine import compile_watch
 
 
 class _Fn:

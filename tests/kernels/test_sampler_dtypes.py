@@ -8,7 +8,7 @@ import torch
 
 import tokenmill.kernels.sampling as sampling
 import tokenmill.runner.sampler as sampler_module
-from tokenmill.runner.batch import NewRequestData
+from tokenmill.messages import NewRequestData
 from tokenmill.runner.request_states import RequestStates
 from tokenmill.runner.sampler import BatchSamplingPlan, Sampler
 from tokenmill.sampling_params import SamplingParams

@@ -25,7 +25,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.logger import init_logger
-from tokenmill.runner import compile_watch
+from tokenmill.engine import compile_watch
 from tokenmill.sampling_params import SamplingParams
 
 logger = init_logger(__name__)

@@ -23,9 +23,9 @@ from tokenmill.engine.scheduler import Scheduler, SchedulerLimits
 from tokenmill.errors import InvalidRequestError
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.logger import init_logger
-from tokenmill.runner import compile_watch
+from tokenmill.engine import compile_watch
 from tokenmill.runner.async_output import AsyncOutput
-from tokenmill.runner.batch import ModelRunnerOutput, SchedulerOutput
+from tokenmill.messages import ModelRunnerOutput, SchedulerOutput
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 

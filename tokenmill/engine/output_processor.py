@@ -9,7 +9,7 @@ from typing import Optional
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.runner.batch import LogprobsArrays
+from tokenmill.messages import LogprobsArrays
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Optional
 from tokenmill.engine.kv_cache_manager import KVCacheManager, cdiv
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.errors import InvalidRequestError
-from tokenmill.runner.batch import NewRequestData, ScheduledRequest, SchedulerOutput
+from tokenmill.messages import NewRequestData, ScheduledRequest, SchedulerOutput
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from tokenmill.runner.batch import LogprobsArrays, ModelRunnerOutput
+from tokenmill.messages import LogprobsArrays, ModelRunnerOutput
 
 
 class AsyncOutput:

@@ -16,7 +16,7 @@ from tokenmill.layers.forward_context import AttentionMetadata, forward_context
 from tokenmill.layers.linear import set_small_batch_fusion
 from tokenmill.logger import init_logger
 from tokenmill.runner.async_output import AsyncOutput
-from tokenmill.runner.batch import SchedulerOutput
+from tokenmill.messages import SchedulerOutput
 from tokenmill.runner.input_buffers import InputBuffers, StepDescriptor
 from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_cache, cuda_kv_budget_bytes
 from tokenmill.runner.request_states import RequestStates

@@ -9,7 +9,7 @@ tables (token ids, block tables, logit bias, stop ids) take diff-only staged wri
 import numpy as np
 import torch
 
-from tokenmill.runner.batch import NewRequestData
+from tokenmill.messages import NewRequestData
 from tokenmill.runner.staged_write import StagedWriteTensor, to_device
 from tokenmill.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 

@@ -1,5 +1,5 @@
-"""Messages between the engine and the runner. The engine builds SchedulerOutput; the runner answers
-with ModelRunnerOutput (through an AsyncOutput)."""
+"""Messages between the engine and the runner, below both (the engine builds SchedulerOutput; the runner answers
+with ModelRunnerOutput through an AsyncOutput). Plain typed dataclasses: no layer above is imported."""
 
 from dataclasses import dataclass, field
 from typing import Optional
