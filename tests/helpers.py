@@ -6,14 +6,11 @@ from tokenmill.layers.forward_context import AttentionMetadata, forward_context
 
 
 def scratch_kv_caches(model, num_blocks: int, block_size: int = 16):
-    dtype = next(model.parameters()).dtype
+    spec = model.attention_spec()
     device = next(model.parameters()).device
-    caches = []
-    for layer in model.model.layers:
-        attn = layer.self_attn.attn
-        shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-        caches.append((torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)))
-    return caches
+    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    return [(torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
+            for _ in range(spec.num_layers)]
 
 
 @torch.no_grad()

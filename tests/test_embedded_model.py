@@ -68,6 +68,28 @@ def test_second_load_reads_the_cache(smollm):
 
     again = load_model(None, dtype="float32", device="cpu")
     converted = os.listdir(os.path.join(cache_root(), "gguf"))
-    assert any(name.endswith("-v1") for name in converted)
+    from tokenmill.loader.gguf_loader import CACHE_FORMAT
+
+    assert any(name.endswith(f"-{CACHE_FORMAT}") for name in converted)
     for (name, a), (_, b) in zip(smollm.model.named_parameters(), again.model.named_parameters()):
         assert torch.equal(a, b), name
+
+
+def test_converted_directory_loads_in_transformers(smollm, hf_smollm):
+    """The HF directory a GGUF file is converted into is a valid HF model directory: transformers
+    loads config, weights and tokenizer from it and computes what it computes from the GGUF file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tokenmill.loader.gguf_loader import convert_gguf_to_hf_dir
+    from tokenmill.loader.resolve import embedded_model_path
+
+    directory = convert_gguf_to_hf_dir(embedded_model_path())
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    assert model.config.model_type == "llama"
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    assert ids == smollm.tokenizer(PROMPTS[0])["input_ids"]
+    with torch.no_grad():
+        ours = model(torch.tensor([ids])).logits[0]
+        ref = hf_smollm(torch.tensor([ids])).logits[0]
+    assert rel_err(ours, ref) < 1e-5

@@ -10,7 +10,7 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     # Hash of this full block's tokens chained with its prefix's; None while the block is not cached.
-    block_hash: Optional[int] = None
+    block_hash: Optional[bytes] = None
 
 
 class BlockPool:
@@ -25,7 +25,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free: "OrderedDict[int, None]" = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[bytes, int] = {}  # block key (engine/block_hash.py) -> block id
 
     @property
     def num_free(self) -> int:
@@ -63,10 +63,10 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free[block_id] = None
 
-    def lookup(self, block_hash: int) -> Optional[int]:
+    def lookup(self, block_hash: bytes) -> Optional[int]:
         return self.cached.get(block_hash)
 
-    def cache(self, block_id: int, block_hash: int) -> None:
+    def cache(self, block_id: int, block_hash: bytes) -> None:
         if not self.enable_caching:
             return
         block = self.blocks[block_id]

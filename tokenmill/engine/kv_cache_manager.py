@@ -2,6 +2,7 @@
 
 from typing import Optional
 
+from tokenmill.engine.block_hash import hash_blocks
 from tokenmill.engine.block_pool import BlockPool
 from tokenmill.engine.request import Request
 
@@ -38,15 +39,14 @@ class KVCacheManager:
 
     # ---- prefix cache ---------------------------------------------------------------------
     def _update_hashes(self, request: Request, num_tokens: int) -> None:
-        """Chain hashes over the full blocks of the first num_tokens known tokens."""
+        """Extend the request's key chain (engine/block_hash.py) over the full blocks of its first
+        num_tokens known tokens."""
         bs = self.block_size
-        tokens = None
-        while (len(request.block_hashes) + 1) * bs <= num_tokens:
-            if tokens is None:
-                tokens = request.all_token_ids
-            i = len(request.block_hashes)
-            parent = request.block_hashes[-1] if i else None
-            request.block_hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
+        done, full = len(request.block_hashes), num_tokens // bs
+        if full <= done:
+            return
+        parent = request.block_hashes[-1] if done else None
+        request.block_hashes.extend(hash_blocks(parent, request.all_token_ids[done * bs : full * bs], bs))
 
     def find_cached_prefix(self, request: Request) -> tuple[list[int], int]:
         """Cached blocks for the longest prefix of the request's tokens (leaving at least one token

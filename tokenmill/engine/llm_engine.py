@@ -23,7 +23,7 @@ from tokenmill.engine.scheduler import Scheduler, SchedulerLimits
 from tokenmill.errors import InvalidRequestError
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.logger import init_logger
-from tokenmill.engine import compile_watch
+from tokenmill.engine.compile_watch import CompileWatch, install_hooks
 from tokenmill.runner.async_output import AsyncOutput
 from tokenmill.messages import ModelRunnerOutput, SchedulerOutput
 from tokenmill.runner.model_runner import ModelRunner
@@ -66,13 +66,15 @@ class LLMEngine:
         self.max_model_len = self.config.resolve_max_model_len(arch.max_position_embeddings)
         self.runner = ModelRunner(self.loaded.model, self.config, self.max_model_len, self.loaded.device,
                                   self.loaded.dtype)
-        num_blocks = self.runner.initialize_kv_cache()
+        # This engine's Triton compiles (counted on CUDA; those after warm-up are warned about).
+        self.compile_watch = CompileWatch()
         on_gpu = self.loaded.device.type == "cuda"
         if on_gpu:
-            compile_watch.install()  # count Triton compiles; warn about those after warm-up
-            compile_watch.mark_warm(False)  # another engine in this process may have warmed up before
-        self.runner.warm_up()
-        self.runner.capture_cuda_graphs()
+            install_hooks()
+        with self.compile_watch.watching():
+            num_blocks = self.runner.initialize_kv_cache()
+            self.runner.warm_up()
+            self.runner.capture_cuda_graphs()
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerLimits(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                                    self.max_model_len, self.config.max_prefill_tokens_with_decodes),
@@ -87,7 +89,7 @@ class LLMEngine:
         self.last_step_kind: Optional[str] = None  # "decode", "mixed" or "prefill": the last of those
         if on_gpu:
             self._warm_up_step_path()
-            compile_watch.mark_warm()
+            self.compile_watch.mark_warm()
 
     def _warm_up_step_path(self) -> None:
         """A few tiny requests through the whole step (input preparation, greedy and sampled rows,
@@ -209,6 +211,10 @@ class LLMEngine:
         """Schedule and launch one step; process the results that are due. Returns outputs of the
         requests that changed (finished ones with finished=True, and then forgotten); with
         emit_unfinished=False only the finished ones (offline use: no per-step output building)."""
+        with self.compile_watch.watching():
+            return self._step(emit_unfinished)
+
+    def _step(self, emit_unfinished: bool) -> list[RequestOutput]:
         launched = False
         if self.scheduler.has_unfinished:
             sched = self.scheduler.schedule()

@@ -34,7 +34,7 @@ class Request:
     num_computed_tokens: int = 0  # KV computed, or scheduled in an in-flight step
     num_pending: int = 0  # tokens sampled by in-flight steps, not yet seen here
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # of the full blocks of known tokens
+    block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks of known tokens
     num_registered_blocks: int = 0  # leading blocks already entered in the prefix cache
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
     num_prefill_tokens: int = 0  # tokens known at the last admission (prompt, plus outputs if resumed)

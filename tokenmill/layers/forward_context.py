@@ -2,10 +2,13 @@
 
 The model's Attention layers read them instead of taking them as arguments, so model code stays the
 same for eager runs, CUDA graph capture and dummy runs, and a model holds no reference to any cache
-(several runners, e.g. in tests, can share one loaded model).
+(several runners, e.g. in tests, can share one loaded model). The context also carries the
+engine's own layer choices (`small_batch_fusion`), so two engines in one process never change each
+other's step path; it is a context variable, so engines on different threads do not see each other's.
 """
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
@@ -38,23 +41,31 @@ class ForwardContext:
     # Per layer: (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
     splitter: Optional[AttentionSplitter] = None
+    # One-token steps on CUDA run each linear layer as one Triton GEMV with the op before it fused
+    # in (kernels/skinny_gemm.py); False: cuBLAS and separate kernels (EngineConfig.fused_small_batch_linear).
+    small_batch_fusion: bool = True
 
 
-_current: Optional[ForwardContext] = None
+_current: ContextVar[Optional[ForwardContext]] = ContextVar("tokenmill_forward_context", default=None)
 
 
 @contextmanager
 def forward_context(metadata: AttentionMetadata, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                    splitter: Optional[AttentionSplitter] = None):
-    global _current
-    previous, _current = _current, ForwardContext(metadata, kv_caches, splitter)
+                    splitter: Optional[AttentionSplitter] = None, small_batch_fusion: bool = True):
+    token = _current.set(ForwardContext(metadata, kv_caches, splitter, small_batch_fusion))
     try:
         yield
     finally:
-        _current = previous
+        _current.reset(token)
+
+
+def current_forward_context() -> Optional[ForwardContext]:
+    """The step's context, or None outside a forward pass (e.g. a layer called on its own)."""
+    return _current.get()
 
 
 def get_forward_context() -> ForwardContext:
-    if _current is None:
+    ctx = _current.get()
+    if ctx is None:
         raise RuntimeError("attention needs a KV cache and step metadata (run the model through the runner)")
-    return _current
+    return ctx

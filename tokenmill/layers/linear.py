@@ -15,17 +15,7 @@ from tokenmill.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduc
 from tokenmill.kernels import qkv_rope_gemv, skinny_gemm
 from tokenmill.kernels.activation import silu_and_mul
 from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, PLAIN, SILU_MUL
-
-# One-token steps (batch-1 decode) on CUDA go through the skinny GEMV with the op before the layer
-# fused in. The switch is process-wide: the last ModelRunner built sets it from
-# EngineConfig.fused_small_batch_linear.
-_skinny_enabled = True
-
-
-def set_small_batch_fusion(enabled: bool) -> None:
-    global _skinny_enabled
-    _skinny_enabled = enabled
-
+from tokenmill.layers.forward_context import current_forward_context
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if dst.shape != src.shape:
@@ -82,8 +72,13 @@ class LinearBase(nn.Module):
         return y if summed is None else (y, summed)
 
     def _use_skinny(self, x: torch.Tensor) -> bool:
-        return (_skinny_enabled and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= skinny_gemm.MAX_ROWS
-                and self.bias is None and x.stride(-1) == 1)
+        """One-token steps (batch-1 decode) on CUDA take the skinny GEMV with the op before the layer
+        fused in, unless the step's engine turned that off (its forward context says)."""
+        if not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= skinny_gemm.MAX_ROWS and self.bias is None
+                and x.stride(-1) == 1):
+            return False
+        ctx = current_forward_context()
+        return ctx is None or ctx.small_batch_fusion
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

@@ -21,7 +21,7 @@ from tokenmill.logger import init_logger
 
 logger = init_logger(__name__)
 
-CACHE_FORMAT = "v1"  # bump when the converted layout changes
+CACHE_FORMAT = "v2"  # bump when the converted layout changes (v2: config.json loads in HF transformers)
 
 _ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "qwen3": "Qwen3ForCausalLM"}
@@ -72,6 +72,8 @@ def hf_config_from_gguf(gguf: GGUFFile) -> dict[str, Any]:
     eos = md.get("tokenizer.ggml.eos_token_id")
     cfg = {
         "architectures": [_ARCH[arch]],
+        "model_type": arch,  # GGUF's architecture names are HF's model types for these four
+        "hidden_act": "silu",
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),

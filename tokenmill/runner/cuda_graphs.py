@@ -11,13 +11,16 @@ harmless decode batch, runs it once eagerly (so Triton compiles and the allocato
 records it.
 """
 
+import bisect
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
+import numpy as np
 import torch
 
-from tokenmill.layers.forward_context import AttentionMetadata, forward_context
 from tokenmill.logger import init_logger
+from tokenmill.runner.dummy_batch import fill_dummy_batch
 
 logger = init_logger(__name__)
 
@@ -41,51 +44,53 @@ class CapturedGraph:
         return self.logits
 
 
-class CudaGraphManager:
-    def __init__(self, model: torch.nn.Module, buffers, kv_caches, sizes: list[int]):
+class PaddedSizes:
+    """Graphs captured for a table of padded sizes (requests or tokens); a step takes the smallest
+    captured size that fits it, or runs eagerly. Shared by the decode and the piecewise graphs."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = sorted(sizes)
+        self.captured: set[int] = set()
+
+    def dispatch(self, n: int) -> Optional[int]:
+        """The smallest captured size >= n, or None (run eagerly)."""
+        i = bisect.bisect_left(self.sizes, n)
+        if i == len(self.sizes) or self.sizes[i] not in self.captured:
+            return None
+        return self.sizes[i]
+
+
+class CudaGraphManager(PaddedSizes):
+    """Decode graphs: `forward(meta, input_ids, positions)` runs the model in the runner's forward
+    context (KV caches and the engine's layer choices); the graph adds the LM head."""
+
+    def __init__(self, model: torch.nn.Module, buffers, forward: Callable, sizes: list[int]):
+        super().__init__(sizes)
         self.model = model
         self.buffers = buffers
-        self.kv_caches = kv_caches
-        self.sizes = sorted(sizes)
+        self.forward = forward
         self.graphs: dict[int, CapturedGraph] = {}
 
-    def dispatch(self, num_reqs: int) -> Optional[CapturedGraph]:
-        """The smallest captured graph that fits a decode batch of num_reqs, or None (run eagerly)."""
-        for size in self.sizes:
-            if size >= num_reqs:
-                return self.graphs.get(size)
-        return None
+    def replay(self, size: int) -> torch.Tensor:
+        """Replay the graph of this padded batch size; returns its logits [size, vocab]."""
+        return self.graphs[size].replay()
 
     @torch.inference_mode()
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
-            self._fill_dummy_decode(size)
-            self._decode_forward(size)  # eager warm-up: compiles kernels outside the capture
+            meta = dataclasses.replace(fill_dummy_batch(self.buffers, np.ones(size, dtype=np.int64)), max_seq_len=None)
+            self._decode_forward(size, meta)  # eager warm-up: compiles kernels outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._decode_forward(size)
+                logits = self._decode_forward(size, meta)
             self.graphs[size] = CapturedGraph(size, graph, logits)
+            self.captured.add(size)
         torch.cuda.synchronize()
         logger.info("captured %d CUDA graphs for decode batches up to %d", len(self.graphs), max(self.sizes))
 
-    def _fill_dummy_decode(self, size: int) -> None:
+    def _decode_forward(self, size: int, meta) -> torch.Tensor:
         b = self.buffers
-        b.input_ids[:size].zero_()
-        b.positions[:size].zero_()
-        b.slot_mapping[:size].fill_(-1)  # write no K/V
-        b.query_start_loc[: size + 1].copy_(torch.arange(size + 1, dtype=torch.int32))
-        b.seq_lens[:size].fill_(1)
-        b.block_tables[:size].zero_()
-
-    def _decode_forward(self, size: int) -> torch.Tensor:
-        b = self.buffers
-        meta = AttentionMetadata(
-            query_start_loc=b.query_start_loc[: size + 1], seq_lens=b.seq_lens[:size],
-            block_tables=b.block_tables[:size], slot_mapping=b.slot_mapping[:size],
-            max_query_len=1, max_seq_len=None,
-        )
-        with forward_context(meta, self.kv_caches):
-            hidden = self.model(b.input_ids[:size], b.positions[:size])
+        hidden = self.forward(meta, b.input_ids[:size], b.positions[:size])
         return self.model.compute_logits(hidden)

@@ -23,8 +23,10 @@ from typing import Callable, Optional
 
 import torch
 
-from tokenmill.layers.forward_context import AttentionMetadata, forward_context
+from tokenmill.layers.forward_context import AttentionMetadata
 from tokenmill.logger import init_logger
+from tokenmill.models.interface import AttentionSpec
+from tokenmill.runner.cuda_graphs import PaddedSizes
 
 logger = init_logger(__name__)
 
@@ -72,26 +74,21 @@ class _Splitter:
         return self.manager.out_buf[: self.pieces.tokens]
 
 
-class PiecewiseGraphManager:
-    def __init__(self, model: torch.nn.Module, buffers, kv_caches, sizes: list[int]):
-        self.model = model
+class PiecewiseGraphManager(PaddedSizes):
+    """`forward(meta, input_ids, positions, splitter=...)` runs the model in the runner's forward
+    context; `spec` gives the shapes of the shared q / attention-output buffers."""
+
+    def __init__(self, spec: AttentionSpec, buffers, kv_caches, forward: Callable, sizes: list[int]):
+        super().__init__(sizes)
         self.buffers = buffers
         self.kv_caches = kv_caches
-        self.sizes = sorted(sizes)
+        self.forward = forward
         self.pieces: dict[int, _Pieces] = {}
-        attn = model.model.layers[0].self_attn.attn
-        weight = next(model.parameters())
-        shape = (max(self.sizes), attn.num_heads, attn.head_dim)
-        self.q_buf = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
-        self.out_buf = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+        shape = (max(self.sizes), spec.num_heads, spec.head_dim)
+        device = buffers.input_ids.device
+        self.q_buf = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.out_buf = torch.zeros(shape, dtype=spec.dtype, device=device)
         self.pool = None
-
-    def dispatch(self, num_tokens: int):
-        """The smallest captured size >= num_tokens, or None (run eagerly)."""
-        for size in self.sizes:
-            if size >= num_tokens:
-                return size if size in self.pieces else None
-        return None
 
     @torch.inference_mode()
     def capture(self, eager_run: Callable[[int], object]) -> None:
@@ -111,11 +108,11 @@ class PiecewiseGraphManager:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 splitter.begin()
-                with forward_context(meta, self.kv_caches, splitter):
-                    pieces.hidden = self.model(self.buffers.input_ids[:size], self.buffers.positions[:size])
+                pieces.hidden = self.forward(meta, b.input_ids[:size], b.positions[:size], splitter=splitter)
                 splitter.end()
             torch.cuda.current_stream().wait_stream(stream)
             self.pieces[size] = pieces
+            self.captured.add(size)
         torch.cuda.synchronize()
         logger.info("captured piecewise CUDA graphs for steps of up to %d tokens (%d sizes, %d graphs each)",
                     max(self.sizes), len(self.sizes), len(self.pieces[self.sizes[0]].graphs))

@@ -11,6 +11,7 @@ import torch
 
 from tokenmill.kernels.attention import attention_variants, paged_attention
 from tokenmill.logger import init_logger
+from tokenmill.runner.dummy_batch import fill_dummy_batch
 
 logger = init_logger(__name__)
 
@@ -27,22 +28,16 @@ def warm_up_forward(runner) -> None:
 def warm_up_attention(runner) -> int:
     """Launch every attention variant once on a tiny input (layer 0's cache, the runner's own
     metadata buffers, so strides and alignment match real steps); returns how many ran."""
-    attn = runner.model.model.layers[0].self_attn.attn
+    spec = runner.attn_spec
     k_cache, v_cache = runner.kv_caches[0]
-    buf = runner.buffers
-    variants = attention_variants(attn.num_heads, attn.num_kv_heads, attn.head_dim, runner.dtype,
+    variants = attention_variants(spec.num_heads, spec.num_kv_heads, spec.head_dim, runner.dtype,
                                   runner.max_num_tokens, runner.config.max_num_seqs)
     for plan, tokens, num_reqs in variants:
         q_lens = np.full(num_reqs, 1, dtype=np.int64)
         q_lens[0] += tokens - num_reqs  # one request takes the longest query
-        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=qsl[1:])
-        buf.query_start_loc[: num_reqs + 1].copy_(torch.from_numpy(qsl))
-        buf.seq_lens[:num_reqs].copy_(torch.from_numpy(q_lens))
-        buf.block_tables[:num_reqs].zero_()  # every request reads cache block 0
-        q = torch.zeros((tokens, attn.num_heads, attn.head_dim), dtype=runner.dtype, device=runner.device)
-        paged_attention(q, k_cache, v_cache, buf.query_start_loc[: num_reqs + 1], buf.seq_lens[:num_reqs],
-                        buf.block_tables[:num_reqs], attn.scale, max_query_len=int(q_lens.max()),
-                        num_splits=plan.num_splits, block_m=plan.block_m, block_n=plan.block_n,
-                        num_warps=plan.num_warps, num_stages=plan.num_stages)
+        meta = fill_dummy_batch(runner.buffers, q_lens)
+        q = torch.zeros((tokens, spec.num_heads, spec.head_dim), dtype=runner.dtype, device=runner.device)
+        paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, spec.scale,
+                        max_query_len=meta.max_query_len, num_splits=plan.num_splits, block_m=plan.block_m,
+                        block_n=plan.block_n, num_warps=plan.num_warps, num_stages=plan.num_stages)
     return len(variants)

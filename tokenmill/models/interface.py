@@ -1,0 +1,29 @@
+"""What the runner may ask of a model: the shapes of its attention (to size the KV cache, compile
+attention variants and allocate graph buffers), a forward pass and the LM head. The runner reads
+nothing else of a model, so a new architecture only has to offer this."""
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The attention layers' shapes on this rank (heads after tensor-parallel splitting)."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    dtype: torch.dtype
+    sliding_window: Optional[int] = None  # keys older than this many positions are not attended
+
+
+class CausalLM(Protocol):
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def attention_spec(self) -> AttentionSpec: ...
