@@ -17,6 +17,7 @@
 #   latency-base  latency-8b from the tokenmill package in $BASE_TREE (an earlier commit, for a side-by-side
 #             A/B on the same GPU; make it with `mkdir -p build/base && git archive REV tokenmill | tar -x -C
 #             build/base` and carry build/base), tagged base
+#   small-base  offline-small from the tokenmill package in $BASE_TREE, $REPEAT runs, tagged base (see latency-base)
 #   8b        offline-8b throughput, $REPEAT runs
 #   prefill   prefill-8b throughput, $REPEAT runs
 #   serve     serve-8b through `tokenmill serve` (launched here), Poisson at $SERVE_RATE req/s (default 8)
@@ -154,6 +155,13 @@ for phase in $PHASES; do
             else
                 log "=== phase latency-base: SKIPPED (no $BASE_TREE/tokenmill)"; STATUS+=("latency-base: SKIPPED (no base tree)")
             fi ;;
+        small-base)
+            if [ -d "$BASE_TREE/tokenmill" ]; then
+                PYTHONPATH="$PWD/$BASE_TREE:$PYTHONPATH" run_phase small-base "$PY" -P -m tokenmill.entrypoints.cli bench \
+                    throughput --workload offline-small --repeat "$REPEAT" --tag base --out "$RES" "${EXTRA[@]}"
+            else
+                log "=== phase small-base: SKIPPED (no $BASE_TREE/tokenmill)"; STATUS+=("small-base: SKIPPED (no base tree)")
+            fi ;;
         8b)
             run_phase 8b "${BENCH[@]}" throughput --workload offline-8b --repeat "$REPEAT" --out "$RES" "${EXTRA[@]}" ;;
         prefill)
@@ -173,7 +181,7 @@ for phase in $PHASES; do
                 --workload offline-small --skip-steps 300 --steps 20 --trace --out "$WORK/profiles" "${EXTRA[@]}"
             [ -d "$WORK/profiles" ] && tar -C "$WORK" -czf "$OUT/profiles.tar.gz" profiles ;;
         *)
-            log "unknown phase '$phase' (tests kernels gemv overhead small eager noasync latency latency-unfused latency-base 8b prefill serve compare profile)"
+            log "unknown phase '$phase' (tests kernels gemv overhead small eager noasync latency latency-unfused latency-base small-base 8b prefill serve compare profile)"
             STATUS+=("$phase: unknown") ;;
     esac
 done
