@@ -1,56 +1,126 @@
-"""Engine configuration: one typed dataclass, validated on construction, read by every layer."""
+"""Engine and loader configuration: typed dataclasses, validated on construction, read by every layer.
 
+Each option is written once, here: its type, its default and its help text (`option(...)`). The
+command-line flags (`tokenmill.entrypoints.cli.add_engine_args`) and the keywords of `LLM(...)` are
+generated from these fields, so adding a field is the only edit a new option needs.
+"""
+
+import dataclasses
+import numbers
+import os
+import typing
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Union
 
 from tokenmill.errors import TokenmillError
 
+_SCALARS = (bool, int, float, str)
+_TYPE_NAMES = {bool: "True or False", int: "an integer", float: "a number", str: "a string"}
+
 
 class ConfigError(TokenmillError, ValueError):
-    """An engine option is out of range or inconsistent."""
+    """An option (engine, loader or server) is out of range or inconsistent."""
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", *, default_help: Optional[str] = None,
+           aliases: tuple[str, ...] = (), choices: Optional[tuple] = None, minimum: Optional[float] = None,
+           cli_type: Optional[typing.Callable] = None, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A config field with the metadata the flag and keyword generators read.
+
+    help: the flag's help text; the generated help adds "(default: ...)": the value, or
+    `default_help` where the value alone does not say it (None: "the model's context length").
+    aliases: more flag spellings (for a boolean, one starting with --no- sets it to False).
+    choices: the values allowed; minimum: the smallest value allowed. cli_type: the flag's parser
+    where the annotation is not a plain int/float/str/bool (optionally None).
+    """
+    metadata = {"help": help, "default_help": default_help, "aliases": tuple(aliases), "choices": choices,
+                "minimum": minimum, "cli_type": cli_type}
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+def scalar_type(annotation: Any) -> tuple[Optional[type], bool]:
+    """(bool/int/float/str, or None for any other type; whether None is allowed) of an annotation."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) is Union else (annotation,)
+    rest = [a for a in args if a is not type(None)]
+    scalar = rest[0] if len(rest) == 1 and rest[0] in _SCALARS else None
+    return scalar, len(rest) < len(args)
+
+
+def field_default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _type_ok(value: Any, scalar: type) -> bool:
+    if scalar is bool or isinstance(value, bool):
+        return isinstance(value, bool) and scalar is bool
+    if scalar is int:
+        return isinstance(value, numbers.Integral)
+    if scalar is float:
+        return isinstance(value, numbers.Real)
+    return isinstance(value, scalar)
+
+
+def check_field_types(config: Any) -> None:
+    """Every scalar field holds a value of its annotated type, within its choices and minimum if it has them."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        scalar, optional = scalar_type(hints[f.name])
+        if value is None and (optional or scalar is None):
+            continue
+        if scalar is not None and not _type_ok(value, scalar):
+            raise ConfigError(f"{f.name} must be {_TYPE_NAMES[scalar]}{' or None' if optional else ''}, "
+                              f"got {value!r}")
+        choices, minimum = f.metadata.get("choices"), f.metadata.get("minimum")
+        if choices and value not in choices:
+            raise ConfigError(f"{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+        if minimum is not None and value is not None and value < minimum:
+            raise ConfigError(f"{f.name} must be >= {minimum}, got {value!r}")
 
 
 @dataclass
 class EngineConfig:
-    max_model_len: Optional[int] = None  # default: the model's context length, capped at 32768
-    max_num_seqs: int = 256  # requests running at once (= runner rows)
-    max_num_batched_tokens: int = 8192  # tokens per step (prefill chunks + decodes)
-    # Prompt tokens a step may take while it also runs decodes (None: up to the step budget). A
-    # cap shortens the longest steps but makes more of them mixed (see docs/PERFORMANCE.md, serve-8b).
-    max_prefill_tokens_with_decodes: Optional[int] = None
-    block_size: int = 16
-    num_kv_blocks: Optional[int] = None  # explicit KV cache size; else derived from memory
-    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory tokenmill may use
-    kv_cache_memory_gb: Optional[float] = None  # CPU: KV cache size (default: what max_num_seqs needs, <= 1 GiB)
-    enable_prefix_caching: bool = True
-    async_scheduling: bool = True  # schedule step N+1 while step N runs
-    enforce_eager: bool = False  # CUDA: no CUDA graphs
-    cuda_graph_max_batch: int = 512  # largest decode batch captured
-    # CUDA: prefill and mixed steps of up to this many tokens replay piecewise CUDA graphs (all but
-    # attention; runner/piecewise_graphs.py); larger ones, where the device time dominates, run
-    # eagerly. 0: always eager.
-    piecewise_cuda_graph_max_tokens: int = 2048
-    # CUDA: one-token steps (batch-1 decode) run their linear layers through one Triton GEMV each, with the
-    # RMSNorm / SiLU-and-mul before them fused in (kernels/skinny_gemm.py); False: cuBLAS + separate ops
-    fused_small_batch_linear: bool = True
-    seed: int = 0
+    """The engine's options. Every field is also a flag (--max-num-seqs) and an `LLM(...)` keyword."""
+
+    max_model_len: Optional[int] = option(
+        None, "context length in tokens", default_help="the model's, capped at 32768", minimum=2)
+    max_num_seqs: int = option(256, "requests running at once (= runner rows)", minimum=1)
+    max_num_batched_tokens: int = option(8192, "tokens per engine step (prefill chunks + decodes)", minimum=1)
+    # A cap shortens the longest steps but makes more of them mixed (see docs/PERFORMANCE.md, serve-8b).
+    max_prefill_tokens_with_decodes: Optional[int] = option(
+        None, "prompt tokens a step may take while it also runs decodes; bounds inter-token latency",
+        default_help="up to the step budget", minimum=1)
+    block_size: int = option(16, "tokens per KV-cache block", choices=(8, 16, 32, 64, 128))
+    num_kv_blocks: Optional[int] = option(
+        None, "explicit KV-cache size in blocks", default_help="derived from memory", minimum=1)
+    gpu_memory_utilization: float = option(0.9, "CUDA: fraction of device memory tokenmill may use")
+    kv_cache_memory_gb: Optional[float] = option(
+        None, "CPU: KV-cache size in GiB", default_help="what max_num_seqs full-length requests need, <= 1 GiB")
+    enable_prefix_caching: bool = option(
+        True, "reuse the KV cache of shared prompt prefixes", aliases=("--no-prefix-caching",))
+    async_scheduling: bool = option(True, "schedule step N+1 while step N runs")
+    enforce_eager: bool = option(False, "CUDA: no CUDA graphs")
+    cuda_graph_max_batch: int = option(512, "CUDA: largest decode batch captured as a CUDA graph", minimum=1)
+    # runner/piecewise_graphs.py; larger steps, where the device time dominates, run eagerly.
+    piecewise_cuda_graph_max_tokens: int = option(
+        2048, "CUDA: prefill and mixed steps of up to this many tokens replay piecewise CUDA graphs "
+              "(attention eager between them); 0: always eager", minimum=0)
+    # kernels/skinny_gemm.py
+    fused_small_batch_linear: bool = option(
+        True, "CUDA: one-token steps (batch-1 decode) run each linear layer as one Triton GEMV with the "
+              "RMSNorm / SiLU-and-mul before it fused in; off: cuBLAS and separate kernels")
+    seed: int = option(0, "seeds dummy weights and requests that bring no seed of their own",
+                       aliases=("--engine-seed",))
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> None:
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ConfigError(msg)
-
-        need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        need(self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        need(self.max_prefill_tokens_with_decodes is None or self.max_prefill_tokens_with_decodes >= 1,
-             f"max_prefill_tokens_with_decodes must be >= 1, got {self.max_prefill_tokens_with_decodes}")
-        need(self.block_size in (8, 16, 32, 64, 128), f"block_size must be 8, 16, 32, 64 or 128, got {self.block_size}")
-        need(self.max_model_len is None or self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}")
-        need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        need(0 < self.gpu_memory_utilization <= 1, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        need(self.piecewise_cuda_graph_max_tokens >= 0,
-             f"piecewise_cuda_graph_max_tokens must be >= 0, got {self.piecewise_cuda_graph_max_tokens}")
-        need(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0, "kv_cache_memory_gb must be > 0")
+        check_field_types(self)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 
     def resolve_max_model_len(self, model_max: int) -> int:
         if self.max_model_len is None:
@@ -58,3 +128,24 @@ class EngineConfig:
         if self.max_model_len > model_max:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's context length {model_max}")
         return self.max_model_len
+
+
+@dataclass
+class LoadConfig:
+    """What to load and where: the loader's options, also flags and `LLM(...)` keywords."""
+
+    model: Optional[str] = option(
+        None, "HF directory, GGUF file, or preset name with --load-format dummy",
+        default_help="the embedded smollm2-135m-instruct")
+    load_format: str = option("auto", "how to read the model (auto: from the path; dummy: random weights)",
+                              choices=("auto", "hf", "gguf", "dummy"))
+    # A name, or a torch.dtype from Python; the loader checks it.
+    dtype: Any = option("auto", "weights and activations: auto, float32, bfloat16 or float16 (auto: float32 on "
+                                "CPU; on CUDA the checkpoint's half type, else bfloat16)", cli_type=str)
+    # A name, or a torch.device from Python; the loader checks it.
+    device: Any = option(None, "cpu or cuda", default_help="cuda if available", cli_type=str)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        check_field_types(self)

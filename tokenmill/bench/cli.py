@@ -16,59 +16,66 @@ def _add_common(p: argparse.ArgumentParser, default_workload: str, default_repea
     g = p.add_argument_group("workload and output")
     g.add_argument("--workload", default=None, choices=sorted(WORKLOADS),
                    help=f"a standard workload (default: {default_workload}); the flags below override its fields")
-    g.add_argument("--num-prompts", type=int, default=None, help="number of requests")
-    g.add_argument("--input-len", default=None, help="prompt length: N or LO:HI (uniform, inclusive)")
-    g.add_argument("--output-len", default=None, help="output length: N or LO:HI (uniform, inclusive)")
-    g.add_argument("--workload-seed", type=int, default=None, help="seed of the request generator (default 0)")
+    g.add_argument("--num-prompts", type=int, default=None, help="number of requests (default: the workload's)")
+    g.add_argument("--input-len", default=None,
+                   help="prompt length: N or LO:HI (uniform, inclusive) (default: the workload's)")
+    g.add_argument("--output-len", default=None,
+                   help="output length: N or LO:HI (uniform, inclusive) (default: the workload's)")
+    g.add_argument("--workload-seed", type=int, default=None, help="seed of the request generator (default: 0)")
     g.add_argument("--repeat", type=int, default=default_repeat, help="timed runs (the median is reported)")
     g.add_argument("--warmup-requests", type=int, default=8, help="untimed requests before the timed runs")
     g.add_argument("--out", default="bench-results", help="directory for the JSON (and PNG) results")
-    g.add_argument("--tag", default=None, help="a label added to the result file name and the summary")
+    g.add_argument("--tag", default=None,
+                   help="a label added to the result file name and the summary (default: none)")
     g.add_argument("--no-plot", action="store_true", help="write no PNG")
-    add_engine_args(p)
     # Left unset, these come from the workload (preset, dummy weights, its dtype).
-    p.set_defaults(model=None, load_format=None, dtype=None)
+    add_engine_args(p, defaults={name: (None, "the workload's") for name in ("model", "load_format", "dtype")})
 
 
 def register(subparsers) -> None:
-    bench = subparsers.add_parser("bench", help="throughput, latency and serving benchmarks with a roofline report",
-                                  description="Benchmarks; results go to --out as JSON (+ PNG).")
+    from tokenmill.entrypoints.cli import add_command
+
+    bench = add_command(subparsers, "bench", help="throughput, latency and serving benchmarks with a roofline report",
+                        description="Benchmarks; results go to --out as JSON (+ PNG).")
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
-    tp = sub.add_parser("throughput", help="offline throughput through the LLM API")
+    tp = add_command(sub, "throughput", help="offline throughput through the LLM API")
     _add_common(tp, "offline-small", 1)
     tp.add_argument("--compare", choices=["transformers"], default=None,
-                    help="also run HF transformers continuous batching on the same requests, then print the ratio")
+                    help="also run HF transformers continuous batching on the same requests, then print the ratio "
+                         "(default: none)")
     tp.add_argument("--compare-repeat", type=int, default=1, help="timed runs of the peer")
     tp.add_argument("--hf-attn", default=None, help="transformers attn_implementation (default: paged|sdpa, or "
                                                     "sdpa from transformers 5.23)")
     tp.add_argument("--hf-num-blocks", type=int, default=None, help="transformers CB cache blocks (default: its own)")
-    tp.add_argument("--hf-max-batch-tokens", type=int, default=None, help="transformers CB tokens per batch")
+    tp.add_argument("--hf-max-batch-tokens", type=int, default=None,
+                    help="transformers CB tokens per batch (default: its own)")
     tp.add_argument("--no-keep-steps", dest="keep_steps", action="store_false",
-                    help="leave the per-step points out of the JSON")
+                    help="leave the per-step points out of the JSON (default: kept)")
     tp.set_defaults(func=functools.partial(_run, "throughput"))
 
-    lat = sub.add_parser("latency", help="batch-1 decode latency (time per output token, TTFT)")
+    lat = add_command(sub, "latency", help="batch-1 decode latency (time per output token, TTFT)")
     _add_common(lat, "latency-8b", 5)
     lat.set_defaults(func=functools.partial(_run, "latency"))
 
-    sv = sub.add_parser("serve", help="load the HTTP server with Poisson arrivals; TTFT, ITL, throughput")
+    sv = add_command(sub, "serve", help="load the HTTP server with Poisson arrivals; TTFT, ITL, throughput")
     _add_common(sv, "serve-8b", 1)
     sv.set_defaults(warmup_requests=4)
     sv.add_argument("--launch", action="store_true", help="start `tokenmill serve` as a subprocess")
-    sv.add_argument("--base-url", default=None, help="a running server, e.g. http://127.0.0.1:8000")
+    sv.add_argument("--base-url", default=None,
+                    help="a running server, e.g. http://127.0.0.1:8000 (default: none: the one --launch starts)")
     sv.add_argument("--port", type=int, default=None, help="port for --launch (default: a free one)")
     sv.add_argument("--server-args", default="", help="extra flags for `tokenmill serve` (one string)")
     sv.add_argument("--server-timeout", type=float, default=900.0, help="seconds to wait for /health")
     sv.add_argument("--request-rate", type=float, default=None,
                     help="requests/s, Poisson (default: the workload's; inf = all at once)")
-    sv.add_argument("--rates", default=None, help="a sweep, e.g. 2,4,8 (overrides --request-rate)")
-    sv.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    sv.add_argument("--rates", default=None, help="a sweep, e.g. 2,4,8, overriding --request-rate (default: none)")
+    sv.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (default: none)")
     sv.add_argument("--request-timeout", type=float, default=3600.0, help="seconds, for the whole run")
     sv.add_argument("--keep-requests", action="store_true", help="keep every request's TTFT in the JSON")
     sv.set_defaults(func=functools.partial(_run, "serve"))
 
-    pf = sub.add_parser("profile", help="torch-profiler breakdown of a window of engine steps, per kernel")
+    pf = add_command(sub, "profile", help="torch-profiler breakdown of a window of engine steps, per kernel")
     _add_common(pf, "offline-small", 1)
     pf.add_argument("--skip-steps", type=int, default=200, help="steps run before the profiled window")
     pf.add_argument("--steps", type=int, default=20, help="steps in the profiled window")

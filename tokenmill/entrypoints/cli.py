@@ -1,61 +1,151 @@
-"""The `tokenmill` command line: generate, chat (and serve, bench when installed)."""
+"""The `tokenmill` command line: generate, chat (and serve, bench when installed).
+
+The engine and loader flags are generated from the fields of `EngineConfig` and `LoadConfig`
+(tokenmill/config.py): each field is one flag named after it, with its type, default and help.
+"""
 
 import argparse
+import dataclasses
+import json
 import sys
-from typing import Optional
+import typing
+from types import MappingProxyType
+from typing import Any, Mapping, Optional, Sequence
+
+from tokenmill.config import EngineConfig, LoadConfig, field_default, scalar_type
+from tokenmill.errors import InvalidRequestError
+from tokenmill.logger import DEFAULT_LEVEL
+
+# Namespace attributes of the negative flags' first spellings (--no-prefix-caching ...), kept in step
+# with their fields for code that still reads them (tokenmill/bench/serve.py forwards them to a
+# launched server); new code reads the fields themselves.
+_LEGACY_ATTRS = {"enable_prefix_caching": "no_prefix_caching", "async_scheduling": "no_async_scheduling",
+                 "fused_small_batch_linear": "no_fused_small_batch_linear"}
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model and engine")
-    g.add_argument("--model", default=None,
-                   help="HF directory, GGUF file, or preset with --load-format dummy (default: the embedded "
-                        "smollm2-135m-instruct)")
-    g.add_argument("--load-format", default="auto", choices=["auto", "hf", "gguf", "dummy"])
-    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    g.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None,
-                   help="prompt tokens a step may take while it runs decodes (bounds inter-token latency)")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--no-async-scheduling", action="store_true")
-    g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
-    g.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=2048,
-                   help="CUDA: prefill / mixed steps of up to this many tokens replay piecewise CUDA graphs "
-                        "(attention eager between them); 0: eager")
-    g.add_argument("--no-fused-small-batch-linear", action="store_true",
-                   help="CUDA: batch-1 decode steps use cuBLAS and separate norm/activation kernels")
-    g.add_argument("--engine-seed", type=int, default=0, help="seeds dummy weights and unseeded requests")
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, unless the help already says what it is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
 
 
-def engine_from_args(args):
-    from tokenmill.config import EngineConfig
+class _Switch(argparse.BooleanOptionalAction):
+    """--x / --no-x, plus negative aliases (--no-prefix-caching) and an optional legacy attribute."""
+
+    def __init__(self, option_strings, dest, negative_aliases: Sequence[str] = (), mirror: Optional[str] = None,
+                 **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.option_strings = self.option_strings + list(negative_aliases)
+        self.mirror = mirror
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        if self.mirror:
+            setattr(namespace, self.mirror, not getattr(namespace, self.dest))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _json_type(annotation: Any):
+    """The flag parser of a field that is neither a number, a string nor a boolean: JSON (an object
+    becomes the field's dataclass where the field is one)."""
+    target = next((a for a in typing.get_args(annotation) if a is not type(None)), annotation)
+
+    def parse(text: str):
+        value = json.loads(text)
+        return target(**value) if dataclasses.is_dataclass(target) and isinstance(value, dict) else value
+
+    parse.__name__ = "JSON"  # argparse's message: "invalid JSON value: ..."
+    return parse
+
+
+def _help(f: dataclasses.Field, default_help: Optional[str]) -> str:
+    text = f.metadata.get("help", "")
+    return f"{text} (default: {default_help})" if default_help else text
+
+
+def add_config_args(group, cls: type, skip_flags: Sequence[str] = (),
+                    defaults: Mapping[str, tuple[Any, str]] = MappingProxyType({})) -> None:
+    """One flag per field of the config dataclass `cls`, named after it (max_num_seqs: --max-num-seqs),
+    with the field's type, default, help, choices and aliases. Flags in `skip_flags` are left out;
+    `defaults` maps a field to another default for this parser: (value, what the help says of it)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flags = [s for s in (_flag(f.name), *f.metadata.get("aliases", ())) if s not in skip_flags]
+        scalar, _ = scalar_type(hints[f.name])
+        default, default_help = defaults.get(f.name, (field_default(f), f.metadata.get("default_help")))
+        common = dict(dest=f.name, default=default, help=_help(f, default_help))
+        if scalar is bool:
+            mirror = _LEGACY_ATTRS.get(f.name)
+            group.add_argument(*[s for s in flags if not s.startswith("--no-")], action=_Switch, mirror=mirror,
+                               negative_aliases=[s for s in flags if s.startswith("--no-")], **common)
+            if mirror:
+                group.set_defaults(**{mirror: not common["default"]})
+        else:
+            parse = f.metadata.get("cli_type") or scalar or _json_type(hints[f.name])
+            group.add_argument(*flags, type=parse, choices=f.metadata.get("choices"), **common)
+
+
+def add_engine_args(p: argparse.ArgumentParser, skip_flags: Sequence[str] = (),
+                    defaults: Mapping[str, tuple[Any, str]] = MappingProxyType({})) -> None:
+    """The loader's and the engine's flags (LoadConfig, EngineConfig); see add_config_args."""
+    add_config_args(p.add_argument_group("model"), LoadConfig, skip_flags, defaults)
+    add_config_args(p.add_argument_group("engine"), EngineConfig, skip_flags, defaults)
+
+
+def _config_from_args(cls: type, args: argparse.Namespace):
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def load_config_from_args(args: argparse.Namespace) -> LoadConfig:
+    return _config_from_args(LoadConfig, args)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return _config_from_args(EngineConfig, args)
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The flags that give a launched `tokenmill serve` the engine options of `args` that differ
+    from the defaults."""
+    flags: list[str] = []
+    for f in dataclasses.fields(EngineConfig):
+        value = getattr(args, f.name, field_default(f))
+        if value == field_default(f):
+            continue
+        if isinstance(value, bool):
+            flags.append(_flag(f.name) if value else "--no-" + _flag(f.name)[2:])
+        elif isinstance(value, (int, float, str)):
+            flags += [_flag(f.name), str(value)]
+        else:
+            plain = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+            flags += [_flag(f.name), json.dumps(plain)]
+    return flags
+
+
+def engine_from_args(args: argparse.Namespace):
+    """Validate the options (a ConfigError before anything loads), then load the model."""
     from tokenmill.engine.llm_engine import LLMEngine
 
-    config = EngineConfig(
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=not args.no_prefix_caching, async_scheduling=not args.no_async_scheduling,
-        enforce_eager=args.enforce_eager, seed=args.engine_seed,
-        max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
-        fused_small_batch_linear=not args.no_fused_small_batch_linear,
-        piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
-    )
-    return LLMEngine(args.model, config, dtype=args.dtype, device=args.device, load_format=args.load_format)
+    load, config = load_config_from_args(args), engine_config_from_args(args)
+    return LLMEngine(load.model, config, dtype=load.dtype, device=load.device, load_format=load.load_format)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=temperature)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", dest="sample_seed", type=int, default=None, help="sampling seed")
+    g.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply")
+    g.add_argument("--temperature", type=float, default=temperature, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample from the most likely tokens whose "
+                                                              "probabilities add up to this (1: all)")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    g.add_argument("--seed", dest="sample_seed", type=int, default=None,
+                   help="sampling seed (default: one drawn from the engine's --engine-seed)")
 
 
 def _sampling_params(args):
@@ -106,15 +196,62 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _context_tokens(engine) -> int:
+    """The most tokens one request may hold: the context length, or the KV cache if smaller."""
+    return min(engine.max_model_len, engine.kv.num_blocks * engine.config.block_size)
+
+
+def fit_conversation(engine, history: list[dict], reply_tokens: int) -> Optional[list[int]]:
+    """The prompt ids of `history` (ending with the new user message), leaving `reply_tokens` of
+    room for the reply. Drops the oldest turns (a user message and its reply; never a leading system
+    prompt) from `history` as needed, saying so on stderr. If the new message does not fit even
+    alone, it is removed from `history` and None comes back."""
+    limit = _context_tokens(engine)
+    keep = 1 if history and history[0]["role"] == "system" else 0
+    alone = len(_render(engine, history[:keep] + history[-1:]))
+    if alone + reply_tokens > limit:
+        history.pop()
+        print(f"[this message needs {alone} tokens plus up to {reply_tokens} for the reply, more than the "
+              f"context of {limit} tokens: dropped; send a shorter one or lower --max-tokens]", file=sys.stderr)
+        return None
+    dropped = 0
+    while len(ids := _render(engine, history)) + reply_tokens > limit:
+        del history[keep:keep + 2]
+        dropped += 1
+    if dropped:
+        print(f"[context of {limit} tokens full: dropped the {dropped} oldest turn{'s' if dropped > 1 else ''}]",
+              file=sys.stderr)
+    return ids
+
+
+def _chat_turn(engine, history: list[dict], line: str, params) -> None:
+    """One user message and its streamed reply; a message that cannot run leaves `history` as it was."""
+    history.append({"role": "user", "content": line})
+    ids = fit_conversation(engine, history, params.max_tokens or 1)
+    if ids is None:
+        return
+    try:
+        reply = stream_completion(engine, ids, params)
+    except KeyboardInterrupt:
+        print("\n[interrupted]", file=sys.stderr)
+        history.pop()
+        return
+    except InvalidRequestError as e:
+        print(f"[{e}: message dropped]", file=sys.stderr)
+        history.pop()
+        return
+    print()
+    history.append({"role": "assistant", "content": reply})
+
+
 def cmd_chat(args) -> int:
     engine = engine_from_args(args)
     if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
         print("this model has no chat template", file=sys.stderr)
         return 2
     params = _sampling_params(args)
-    history: list[dict] = []
-    if args.system:
-        history.append({"role": "system", "content": args.system})
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = list(system)
     print(f"chatting with {engine.model_name}; /reset clears the conversation, /exit or Ctrl-D quits", file=sys.stderr)
     while True:
         try:
@@ -125,36 +262,37 @@ def cmd_chat(args) -> int:
         if line.strip() in ("/exit", "/quit"):
             return 0
         if line.strip() == "/reset":
-            history = history[:1] if args.system else []
-            continue
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line})
-        try:
-            reply = stream_completion(engine, _render(engine, history), params)
-        except KeyboardInterrupt:
-            print("\n[interrupted]", file=sys.stderr)
-            history.pop()
-            continue
-        print()
-        history.append({"role": "assistant", "content": reply})
+            history = list(system)
+        elif line.strip():
+            _chat_turn(engine, history, line, params)
+
+
+def add_command(subparsers, name: str, **kwargs) -> argparse.ArgumentParser:
+    """A subcommand whose help shows every flag's default."""
+    return subparsers.add_parser(name, formatter_class=HelpFormatter, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenmill", description="A compact, fast LLM inference engine.")
-    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default) or ERROR")
+    parser = argparse.ArgumentParser(prog="tokenmill", description="A compact, fast LLM inference engine.",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--log-level", default=None, type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="tokenmill's log level (default: $TOKENMILL_LOG_LEVEL if set, else INFO for serve "
+                             "and WARNING otherwise)")
+    parser.set_defaults(log_level_default=DEFAULT_LEVEL)  # a command may set its own (serve: INFO)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="answer one prompt, printing tokens as they come")
-    gen.add_argument("prompt")
+    gen = add_command(sub, "generate", help="answer one prompt, printing tokens as they come")
+    gen.add_argument("prompt", help="the prompt")
     gen.add_argument("--raw", action="store_true", help="complete the text as is, without the chat template")
-    add_engine_args(gen)
+    # --seed is the sampling seed here; the engine's is --engine-seed.
+    add_engine_args(gen, skip_flags=("--seed",))
     _add_sampling_args(gen, temperature=0.0)
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="interactive multi-turn chat")
-    chat.add_argument("--system", default=None, help="a system prompt")
-    add_engine_args(chat)
+    chat = add_command(sub, "chat", help="interactive multi-turn chat")
+    chat.add_argument("--system", default=None, help="a system prompt (default: none; the chat template "
+                                                     "may add its own)")
+    add_engine_args(chat, skip_flags=("--seed",))
     _add_sampling_args(chat, temperature=0.7)
     chat.set_defaults(func=cmd_chat)
 
@@ -170,10 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     import os
 
+    from tokenmill.logger import set_log_level
+
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.log_level:
-        os.environ["TOKENMILL_LOG_LEVEL"] = args.log_level
+    set_log_level(args.log_level or os.environ.get("TOKENMILL_LOG_LEVEL") or args.log_level_default)
     from tokenmill.errors import TokenmillError
 
     try:

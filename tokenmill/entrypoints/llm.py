@@ -1,11 +1,15 @@
 """The offline API: LLM(model).generate(prompts, params) and LLM.chat(messages)."""
 
+import dataclasses
+import difflib
+import inspect
 import time
-from typing import Optional, Sequence, Union
+import typing
+from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, LoadConfig, field_default
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.errors import InvalidRequestError
@@ -14,25 +18,50 @@ from tokenmill.sampling_params import SamplingParams
 Message = dict  # {"role": ..., "content": ...}
 
 
+def _option_fields() -> list[tuple[type, dataclasses.Field]]:
+    return [(cls, f) for cls in (LoadConfig, EngineConfig) for f in dataclasses.fields(cls)]
+
+
+def configs_from_kwargs(model: Optional[str], kwargs: dict) -> tuple[LoadConfig, EngineConfig]:
+    """LoadConfig and EngineConfig from keywords named after their fields; an unknown keyword is a
+    TypeError naming it (and the closest option), a bad value a ConfigError."""
+    names = {f.name: cls for cls, f in _option_fields()}
+    for key in kwargs:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"LLM() got an unexpected keyword argument {key!r}{hint}")
+    load = LoadConfig(model=model, **{k: v for k, v in kwargs.items() if names[k] is LoadConfig})
+    return load, EngineConfig(**{k: v for k, v in kwargs.items() if names[k] is EngineConfig})
+
+
+def _signature() -> inspect.Signature:
+    """LLM(model=None, *, <every LoadConfig and EngineConfig field with its default>), for help() and IDEs."""
+    hints = {**typing.get_type_hints(LoadConfig), **typing.get_type_hints(EngineConfig)}
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    for _, f in _option_fields():
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if f.name == "model" else inspect.Parameter.KEYWORD_ONLY
+        params.append(inspect.Parameter(f.name, kind, default=field_default(f), annotation=hints[f.name]))
+    return inspect.Signature(params)
+
+
 class LLM:
     """Batched offline generation.
+
+    `LLM(model, **options)` takes every field of LoadConfig (load_format, dtype, device) and of
+    EngineConfig (max_model_len, max_num_seqs, ...) as a keyword, with the same defaults as the
+    command line's flags (tokenmill/config.py has them all, with their help).
 
     >>> llm = LLM()  # the embedded SmolLM2-135M-Instruct
     >>> llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))[0].outputs[0].text
     """
 
-    def __init__(self, model: Optional[str] = None, *, dtype="auto", device=None, load_format: str = "auto",
-                 max_model_len: Optional[int] = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 block_size: int = 16, num_kv_blocks: Optional[int] = None, gpu_memory_utilization: float = 0.9,
-                 kv_cache_memory_gb: Optional[float] = None, enable_prefix_caching: bool = True,
-                 async_scheduling: bool = True, enforce_eager: bool = False, seed: int = 0):
-        config = EngineConfig(
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size, num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_memory_gb=kv_cache_memory_gb, enable_prefix_caching=enable_prefix_caching,
-            async_scheduling=async_scheduling, enforce_eager=enforce_eager, seed=seed,
-        )
-        self.engine = LLMEngine(model, config, dtype=dtype, device=device, load_format=load_format)
+    def __init__(self, model: Optional[str] = None, **kwargs: Any):
+        load, config = configs_from_kwargs(model, kwargs)
+        self.engine = LLMEngine(load.model, config, dtype=load.dtype, device=load.device,
+                                load_format=load.load_format)
+
+    __init__.__signature__ = _signature()
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "LLM":

@@ -7,23 +7,34 @@ uvicorn, pydantic, prometheus-client) are imported only when the command runs.
 import argparse
 import os
 import sys
+from typing import Mapping, Optional
+
+from tokenmill.config import ConfigError
+from tokenmill.logger import init_logger
+
+logger = init_logger(__name__)
+
+API_KEY_ENV = "TOKENMILL_API_KEY"
 
 
 def register(subparsers) -> None:
-    from tokenmill.entrypoints.cli import add_engine_args
+    from tokenmill.entrypoints.cli import add_command, add_engine_args
 
-    p = subparsers.add_parser(
-        "serve", help="run an OpenAI-compatible HTTP server",
+    p = add_command(
+        subparsers, "serve", help="run an OpenAI-compatible HTTP server",
         description="Serve completions, chat completions, models, health and Prometheus metrics over HTTP, "
                     "compatible with OpenAI clients.")
     p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
                    help="HF directory, GGUF file, or preset with --load-format dummy (same as --model)")
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health (default: "
-                        "$TOKENMILL_API_KEY if set)")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    g.add_argument("--port", type=int, default=8000, help="port to bind")
+    keys = g.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", default=None,
+                      help="require 'Authorization: Bearer KEY' on every route but /health; the process list "
+                           f"shows it, --api-key-file does not (default: ${API_KEY_ENV} if set, else no key)")
+    keys.add_argument("--api-key-file", default=None, metavar="PATH",
+                      help="read the key from this file (surrounding whitespace stripped) (default: none)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in the `model` field (default: the model's name)")
     g.add_argument("--max-waiting", type=int, default=4096,
@@ -31,21 +42,69 @@ def register(subparsers) -> None:
     g.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (413 beyond)")
     g.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish on SIGINT/SIGTERM before being aborted")
-    g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="the HTTP server's own log level")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_engine_args(p)
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=cmd_serve, log_level_default="INFO")
+
+
+def resolve_api_key(api_key: Optional[str], api_key_file: Optional[str],
+                    environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The key from --api-key, --api-key-file or $TOKENMILL_API_KEY (in that order), stripped; None
+    when none is given. An empty or blank key from any of them is a ConfigError, never "no key"."""
+    if api_key is not None and api_key_file is not None:
+        raise ConfigError("give --api-key or --api-key-file, not both")
+    if api_key_file is not None:
+        try:
+            with open(api_key_file, encoding="utf-8") as f:
+                key, source = f.read().strip(), f"--api-key-file {api_key_file}"
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read --api-key-file {api_key_file}: {e}") from None
+    elif api_key is not None:
+        key, source = api_key.strip(), "--api-key"
+    elif API_KEY_ENV in environ:
+        key, source = environ[API_KEY_ENV].strip(), f"${API_KEY_ENV}"
+    else:
+        return None
+    if not key:
+        raise ConfigError(f"{source} is empty: give a key, or leave it out to serve without one")
+    return key
+
+
+def startup_summary(engine, host: str, port: int) -> str:
+    """One line on what is served and how: model, architecture, dtype, device, context length, KV
+    cache, CUDA graphs, address."""
+    loaded, config = engine.loaded, engine.config
+    blocks = engine.kv.num_blocks
+    if loaded.device.type != "cuda":
+        graphs = "off (not on CUDA)"
+    else:
+        graphs = "off (enforce_eager)" if config.enforce_eager else "on"
+    dtype = str(loaded.dtype).replace("torch.", "")
+    address = f"[{host}]" if ":" in host else host
+    return (f"serving {engine.model_name} ({loaded.arch.architecture}, {dtype} on {loaded.device}): "
+            f"context length {engine.max_model_len}, KV cache {blocks} blocks x {config.block_size} = "
+            f"{blocks * config.block_size} tokens, CUDA graphs {graphs}; binding http://{address}:{port}")
+
+
+def _check_server_args(args: argparse.Namespace) -> Optional[str]:
+    """Resolves MODEL against --model; returns what is wrong with the server flags, if anything."""
+    if args.model_arg is not None:
+        if args.model is not None and args.model != args.model_arg:
+            return f"MODEL {args.model_arg!r} and --model {args.model!r} disagree"
+        args.model = args.model_arg
+    if args.max_body_bytes < 1024:
+        return "--max-body-bytes must be at least 1024"
+    return None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    if args.model_arg is not None:
-        if args.model is not None and args.model != args.model_arg:
-            print(f"error: MODEL {args.model_arg!r} and --model {args.model!r} disagree", file=sys.stderr)
-            return 2
-        args.model = args.model_arg
-    if args.max_body_bytes < 1024:
-        print("error: --max-body-bytes must be at least 1024", file=sys.stderr)
+    problem = _check_server_args(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
+    api_key = resolve_api_key(args.api_key, args.api_key_file)  # before anything slow
     try:
         from tokenmill.entrypoints.openai.api_server import ServerSettings, run_server
     except ImportError as e:
@@ -53,12 +112,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     from tokenmill.entrypoints.cli import engine_from_args
 
-    api_key = args.api_key if args.api_key is not None else os.environ.get("TOKENMILL_API_KEY") or None
     engine = engine_from_args(args)
     names = args.served_model_name
     if not names:  # the model's name, and the reference it was started with (e.g. a path) as an alias
         names = [engine.model_name] + ([args.model] if args.model and args.model != engine.model_name else [])
     settings = ServerSettings(served_model_names=names, api_key=api_key, max_waiting=args.max_waiting,
                               max_body_bytes=args.max_body_bytes)
+    logger.info("%s", startup_summary(engine, args.host, args.port))
     return run_server(engine, host=args.host, port=args.port, settings=settings, shutdown_grace=args.shutdown_grace,
                       log_level=args.uvicorn_log_level, access_log=args.access_log)

@@ -1,0 +1,141 @@
+"""One definition of every option: EngineConfig / LoadConfig fields give the flags and LLM()'s keywords."""
+
+import argparse
+import dataclasses
+import inspect
+import pathlib
+from typing import Optional
+
+import pytest
+
+from tokenmill.config import ConfigError, EngineConfig, LoadConfig, field_default, option
+from tokenmill.entrypoints import cli
+from tokenmill.entrypoints.llm import LLM
+
+FIELDS = [f for cls in (LoadConfig, EngineConfig) for f in dataclasses.fields(cls)]
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Every leaf command of the CLI by its path ("generate", "bench serve", ...)."""
+    found = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                inner = subcommands(sub)
+                found.update({f"{name} {k}": v for k, v in inner.items()} if inner else {name: sub})
+    return found
+
+
+COMMANDS = subcommands(cli.build_parser())
+BENCH_DEFAULTS = {"model": None, "load_format": None, "dtype": None}  # from the workload
+
+
+def test_the_cli_has_every_command():
+    assert {"generate", "chat", "serve", "bench throughput", "bench latency", "bench serve",
+            "bench profile"} <= set(COMMANDS)
+
+
+@pytest.mark.parametrize("field", FIELDS, ids=lambda f: f.name)
+def test_every_field_has_help_and_a_flag_with_its_default(field):
+    assert field.metadata.get("help"), f"{field.name} has no help text"
+    for name, parser in COMMANDS.items():
+        actions = [a for a in parser._actions if a.dest == field.name]
+        assert len(actions) == 1, (name, field.name)
+        assert "--" + field.name.replace("_", "-") in actions[0].option_strings or field.name == "seed"
+        expected = BENCH_DEFAULTS.get(field.name, field_default(field)) if name.startswith("bench") else \
+            field_default(field)
+        assert parser.parse_args(["x"] if name == "generate" else []).__dict__[field.name] == expected
+
+
+@pytest.mark.parametrize("field", FIELDS, ids=lambda f: f.name)
+def test_every_field_is_an_llm_keyword_with_its_default(field):
+    param = inspect.signature(LLM).parameters[field.name]
+    assert param.default == field_default(field)
+    assert param.kind is (inspect.Parameter.POSITIONAL_OR_KEYWORD if field.name == "model"
+                          else inspect.Parameter.KEYWORD_ONLY)
+
+
+class FakeEngine:
+    def __init__(self, model, config, *, dtype, device, load_format):
+        self.model, self.config, self.dtype, self.device, self.load_format = model, config, dtype, device, load_format
+
+
+def test_llm_keywords_reach_the_configs(monkeypatch):
+    import tokenmill.entrypoints.llm as llm_module
+
+    monkeypatch.setattr(llm_module, "LLMEngine", FakeEngine)
+    changed = dict(max_model_len=128, max_num_seqs=3, max_num_batched_tokens=64, max_prefill_tokens_with_decodes=16,
+                   block_size=32, num_kv_blocks=9, gpu_memory_utilization=0.5, kv_cache_memory_gb=0.25,
+                   enable_prefix_caching=False, async_scheduling=False, enforce_eager=True, cuda_graph_max_batch=8,
+                   piecewise_cuda_graph_max_tokens=0, fused_small_batch_linear=False, seed=7)
+    assert set(changed) == {f.name for f in dataclasses.fields(EngineConfig)}, "a new field: add it here"
+    engine = LLM("tiny-llama", load_format="dummy", dtype="float32", device="cpu", **changed).engine
+    assert dataclasses.asdict(engine.config) == changed
+    assert (engine.model, engine.load_format, engine.dtype, engine.device) == ("tiny-llama", "dummy", "float32", "cpu")
+    assert LLM().engine.config == EngineConfig()
+
+
+def test_unknown_llm_keyword_names_it(monkeypatch):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'max_num_seq' \(did you mean 'max_num_seqs'"):
+        LLM(max_num_seq=4)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'frobnicate'$"):
+        LLM(frobnicate=True)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_num_seqs="8"), "max_num_seqs must be an integer, got '8'"),
+    (dict(max_num_seqs=True), "max_num_seqs must be an integer"),
+    (dict(max_model_len=1.5), "max_model_len must be an integer or None"),
+    (dict(enable_prefix_caching="no"), "enable_prefix_caching must be True or False"),
+    (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\]"),
+    (dict(block_size=7), "block_size must be one of 8, 16, 32, 64, 128; got 7"),
+    (dict(max_model_len=1), "max_model_len must be >= 2, got 1"),
+    (dict(num_kv_blocks=0), "num_kv_blocks must be >= 1, got 0"),
+    (dict(kv_cache_memory_gb=0.0), "kv_cache_memory_gb must be > 0"),
+])
+def test_bad_values_are_config_errors(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_load_config_checks_its_choices():
+    with pytest.raises(ConfigError, match="load_format must be one of auto, hf, gguf, dummy; got 'pt'"):
+        LoadConfig(load_format="pt")
+    assert LoadConfig(pathlib.Path("/models/m")).model == "/models/m"
+
+
+@dataclasses.dataclass
+class Draft:
+    method: str = "ngram"
+    num_tokens: int = 3
+
+
+@dataclasses.dataclass
+class GrownConfig(EngineConfig):
+    """EngineConfig with fields added later: the field is all it takes to get a flag."""
+
+    draft_temperature: Optional[float] = option(None, "a new optional float", default_help="none")
+    speculative: Optional[Draft] = option(None, "a new nested option, as JSON", default_help="off")
+    use_draft: bool = option(False, "a new switch")
+
+
+def test_a_new_field_gets_its_flag():
+    p = argparse.ArgumentParser()
+    cli.add_config_args(p, GrownConfig)
+    args = p.parse_args(["--draft-temperature", "0.5", "--speculative", '{"num_tokens": 5}', "--use-draft"])
+    assert args.draft_temperature == 0.5 and args.speculative == Draft(num_tokens=5) and args.use_draft is True
+    assert p.parse_args([]).speculative is None and p.parse_args(["--no-use-draft"]).use_draft is False
+    help_text = p.format_help()
+    assert "--speculative SPECULATIVE" in help_text and "--use-draft, --no-use-draft" in help_text
+
+
+def test_engine_flags_round_trip():
+    p = argparse.ArgumentParser()
+    cli.add_engine_args(p)
+    args = p.parse_args(["--max-num-seqs", "8", "--no-prefix-caching", "--kv-cache-memory-gb", "0.5",
+                         "--enforce-eager", "--engine-seed", "3"])
+    flags = cli.engine_flags(args)
+    assert flags == ["--max-num-seqs", "8", "--kv-cache-memory-gb", "0.5", "--no-enable-prefix-caching",
+                     "--enforce-eager", "--seed", "3"]
+    assert cli.engine_config_from_args(p.parse_args(flags)) == cli.engine_config_from_args(args)
+    assert cli.engine_flags(p.parse_args([])) == []
