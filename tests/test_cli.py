@@ -43,11 +43,9 @@ def test_flags_and_their_earlier_spellings_parse():
     config = cli.engine_config_from_args(args)
     assert (config.enable_prefix_caching, config.async_scheduling, config.fused_small_batch_linear) == (False,) * 3
     assert (config.seed, config.max_model_len, config.kv_cache_memory_gb) == (5, 128, 0.5)
-    # The earlier attribute names stay in step for code that reads them (bench serve --launch).
-    assert args.no_prefix_caching and args.no_async_scheduling and args.no_fused_small_batch_linear
     fresh = parse("serve", "--no-enable-prefix-caching", "--enable-prefix-caching", "--seed", "9")
-    assert fresh.enable_prefix_caching and not fresh.no_prefix_caching and fresh.seed == 9
-    assert not parse("serve").no_prefix_caching and parse("serve").max_model_len is None
+    assert fresh.enable_prefix_caching and fresh.seed == 9
+    assert parse("serve").enable_prefix_caching and parse("serve").max_model_len is None
 
 
 def test_seed_in_generate_and_chat_is_the_sampling_seed():

@@ -329,4 +329,9 @@ def test_launched_server_gets_the_engine_flags_changed():
     joined = " ".join(cmd)
     assert "--piecewise-cuda-graph-max-tokens 0" in joined and "--max-prefill-tokens-with-decodes 512" in joined
     assert "--no-fused-small-batch-linear" in cmd and cmd[-2:] == ["--api-key", "k"]
+    # what is passed on parses back into the same engine options
+    from tokenmill.entrypoints.cli import build_parser, engine_config_from_args
+
+    served = build_parser().parse_args(cmd[3:])
+    assert engine_config_from_args(served) == engine_config_from_args(args)
     assert "--max-num-seqs" not in cmd and "--enforce-eager" not in cmd

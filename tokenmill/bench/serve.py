@@ -303,21 +303,14 @@ def served_model_name(base_url: str, fallback: str) -> str:
 
 def server_command(args, w: Workload, port: int) -> list[str]:
     from tokenmill.bench.common import engine_namespace
+    from tokenmill.entrypoints.cli import engine_flags
 
     ns = engine_namespace(args, w)
     cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", ns.model, "--host", "127.0.0.1",
            "--port", str(port), "--load-format", ns.load_format, "--dtype", ns.dtype]
-    defaults = {"device": None, "max_model_len": None, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
-                "block_size": 16, "num_kv_blocks": None, "gpu_memory_utilization": 0.9,
-                "max_prefill_tokens_with_decodes": None, "piecewise_cuda_graph_max_tokens": 2048}
-    for name, default in defaults.items():  # only the engine flags the user changed
-        value = getattr(ns, name, default)
-        if value != default:
-            cmd += ["--" + name.replace("_", "-"), str(value)]
-    for flag in ("no_prefix_caching", "no_async_scheduling", "enforce_eager", "no_fused_small_batch_linear"):
-        if getattr(ns, flag, False):
-            cmd.append("--" + flag.replace("_", "-"))
-    return cmd + shlex.split(args.server_args or "")
+    if ns.device is not None:
+        cmd += ["--device", ns.device]
+    return cmd + engine_flags(ns) + shlex.split(args.server_args or "")
 
 
 class LaunchedServer:

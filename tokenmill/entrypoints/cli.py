@@ -19,10 +19,6 @@ from tokenmill.logger import DEFAULT_LEVEL
 # Namespace attributes of the negative flags' first spellings (--no-prefix-caching ...), kept in step
 # with their fields for code that still reads them (tokenmill/bench/serve.py forwards them to a
 # launched server); new code reads the fields themselves.
-_LEGACY_ATTRS = {"enable_prefix_caching": "no_prefix_caching", "async_scheduling": "no_async_scheduling",
-                 "fused_small_batch_linear": "no_fused_small_batch_linear"}
-
-
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every flag's help ends with its default, unless the help already says what it is."""
 
@@ -34,18 +30,11 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class _Switch(argparse.BooleanOptionalAction):
-    """--x / --no-x, plus negative aliases (--no-prefix-caching) and an optional legacy attribute."""
+    """--x / --no-x, plus negative aliases (--no-prefix-caching)."""
 
-    def __init__(self, option_strings, dest, negative_aliases: Sequence[str] = (), mirror: Optional[str] = None,
-                 **kwargs):
+    def __init__(self, option_strings, dest, negative_aliases: Sequence[str] = (), **kwargs):
         super().__init__(option_strings, dest, **kwargs)
         self.option_strings = self.option_strings + list(negative_aliases)
-        self.mirror = mirror
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        super().__call__(parser, namespace, values, option_string)
-        if self.mirror:
-            setattr(namespace, self.mirror, not getattr(namespace, self.dest))
 
 
 def _flag(name: str) -> str:
@@ -82,11 +71,8 @@ def add_config_args(group, cls: type, skip_flags: Sequence[str] = (),
         default, default_help = defaults.get(f.name, (field_default(f), f.metadata.get("default_help")))
         common = dict(dest=f.name, default=default, help=_help(f, default_help))
         if scalar is bool:
-            mirror = _LEGACY_ATTRS.get(f.name)
-            group.add_argument(*[s for s in flags if not s.startswith("--no-")], action=_Switch, mirror=mirror,
+            group.add_argument(*[s for s in flags if not s.startswith("--no-")], action=_Switch,
                                negative_aliases=[s for s in flags if s.startswith("--no-")], **common)
-            if mirror:
-                group.set_defaults(**{mirror: not common["default"]})
         else:
             parse = f.metadata.get("cli_type") or scalar or _json_type(hints[f.name])
             group.add_argument(*flags, type=parse, choices=f.metadata.get("choices"), **common)
