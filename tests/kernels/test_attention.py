@@ -17,6 +17,7 @@ from tokenmill.kernels.attention import (
     launch_plan,
     paged_attention,
     paged_attention_ref,
+    paged_attention_sdpa,
     paged_attention_triton,
     write_kv_cache,
     write_kv_cache_ref,
@@ -78,10 +79,10 @@ def make_batch(reqs, num_q_heads, num_kv_heads, head_dim, page_size, dtype, devi
     )
 
 
-def run_and_check(batch: Batch, tol: float, **hints) -> None:
-    ref = paged_attention_ref(*batch.args())
+def run_and_check(batch: Batch, tol: float, sliding_window=None, **hints) -> None:
+    ref = paged_attention_ref(*batch.args(), sliding_window=sliding_window)
     out = torch.full_like(batch.q, float("nan"))  # poison: every real row must be written
-    result = paged_attention_triton(*batch.args(), out=out, **hints)
+    result = paged_attention_triton(*batch.args(), out=out, sliding_window=sliding_window, **hints)
     assert result is out
     n = batch.num_tokens
     assert not out[:n].isnan().any(), "unwritten output rows"
@@ -136,6 +137,62 @@ def test_fp16_cpu():
     run_and_check(batch, 1e-2, max_query_len=4, num_splits=2)
 
 
+# Windows: a single key (only the query itself), shorter than a key tile, a page, and several tiles.
+WINDOWS = [1, 5, 16, 21]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_sliding_window_mixed_cpu(window, num_splits):
+    """Prefill, chunked prefill (context beyond the window) and decode in one batch, with a window."""
+    if not INTERPRETER:
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    batch = make_batch(MIXED + [(30, 30), (20, 75)], num_q_heads=6, num_kv_heads=2, head_dim=64, page_size=16,
+                       dtype=torch.float32, device="cpu", extra_tokens=2, fused_qkv=True)
+    run_and_check(batch, 1e-5, sliding_window=window, max_query_len=batch.max_query_len, num_splits=num_splits,
+                  block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_sliding_window_decode_cpu(window, num_splits):
+    if not INTERPRETER:
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    batch = make_batch(DECODE, num_q_heads=6, num_kv_heads=2, head_dim=64, page_size=16,
+                       dtype=torch.float32, device="cpu", extra_tokens=1)
+    run_and_check(batch, 1e-5, sliding_window=window, max_query_len=1, max_seq_len=batch.max_seq_len,
+                  num_splits=num_splits, block_n=16)
+
+
+def test_sliding_window_ref_semantics():
+    """HF's window: a query at p sees keys in (p - W, p]. W = 1 sees only itself; W = 2 also p - 1;
+    a window of at least the sequence changes nothing."""
+    batch = make_batch([(6, 6), (2, 40)], 2, 1, 8, 16, torch.float32, "cpu")
+    own = paged_attention_ref(*batch.args(), sliding_window=1)
+    v = batch.v_cache[batch.block_tables[0, 0].long(), :6]  # request 0's values, [6, Hk, D]
+    torch.testing.assert_close(own[:6], v.expand(6, 2, 8), rtol=1e-6, atol=1e-6)
+    two = paged_attention_ref(*batch.args(), sliding_window=2)
+    assert not torch.allclose(two[1:6], own[1:6])
+    torch.testing.assert_close(two[0], own[0])  # position 0 has no earlier key
+    torch.testing.assert_close(paged_attention_ref(*batch.args(), sliding_window=40), paged_attention_ref(*batch.args()))
+
+
+SDPA_CASES = [MIXED, DECODE, [(40, 40), (17, 17), (64, 100)]]
+
+
+@pytest.mark.parametrize("reqs", SDPA_CASES, ids=["mixed", "decode", "prefill"])
+@pytest.mark.parametrize("window", [None, 1, 5, 21, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sdpa_matches_reference(reqs, window, dtype):
+    """The CPU path (torch's fused attention over gathered blocks) against the oracle."""
+    batch = make_batch(reqs, num_q_heads=6, num_kv_heads=2, head_dim=32, page_size=16, dtype=dtype,
+                       device="cpu", extra_tokens=2, fused_qkv=True)
+    ref = paged_attention_ref(*batch.args(), sliding_window=window)
+    out = paged_attention_sdpa(*batch.args(), sliding_window=window)
+    n = batch.num_tokens
+    assert rel_err(out[:n], ref[:n]) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 def test_choose_num_splits():
     assert choose_num_splits(512, None) == 1  # the grid fills the GPU already
     assert choose_num_splits(8, 100) == 1  # too few keys to split
@@ -159,7 +216,8 @@ GPU_CASES = [("qwen3-0.6b", torch.bfloat16), ("qwen3-0.6b", torch.float32), ("ll
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("model,dtype", GPU_CASES, ids=[f"{m}-{str(d)[6:]}" for m, d in GPU_CASES])
 @pytest.mark.parametrize("kind", ["prefill", "mixed", "decode", "decode-long"])
-def test_real_shapes_gpu(model, dtype, kind):
+@pytest.mark.parametrize("window", [None, 1, 100], ids=["full", "window-1", "window-100"])
+def test_real_shapes_gpu(model, dtype, kind, window):
     hq, hk, d = GPU_MODELS[model]
     gen = torch.Generator().manual_seed(0)
     if kind == "prefill":
@@ -174,9 +232,9 @@ def test_real_shapes_gpu(model, dtype, kind):
     for page_size in (16, 32):
         batch = make_batch(reqs, hq, hk, d, page_size, dtype, "cuda", extra_tokens=3)
         mql = batch.max_query_len
-        run_and_check(batch, GPU_TOL[dtype], max_query_len=mql, max_seq_len=batch.max_seq_len)
-        run_and_check(batch, GPU_TOL[dtype], max_query_len=mql)  # as inside a CUDA graph
-        run_and_check(batch, GPU_TOL[dtype], max_query_len=mql, num_splits=7)
+        run_and_check(batch, GPU_TOL[dtype], window, max_query_len=mql, max_seq_len=batch.max_seq_len)
+        run_and_check(batch, GPU_TOL[dtype], window, max_query_len=mql)  # as inside a CUDA graph
+        run_and_check(batch, GPU_TOL[dtype], window, max_query_len=mql, num_splits=7)
 
 
 @pytest.mark.gpu
@@ -223,10 +281,10 @@ def test_write_kv_cache(device, slot_dtype):
         torch.testing.assert_close(caches[3], caches[1], rtol=0, atol=0, equal_nan=True)
 
 
-def test_dispatch_cpu_uses_reference():
+def test_dispatch_cpu_uses_sdpa():
     batch = make_batch([(3, 5), (1, 9)], 4, 2, 16, 16, torch.float32, "cpu")
-    torch.testing.assert_close(paged_attention(*batch.args(), max_query_len=3),
-                               paged_attention_ref(*batch.args()), rtol=0, atol=0)
+    torch.testing.assert_close(paged_attention(*batch.args(), max_query_len=3, sliding_window=4),
+                               paged_attention_sdpa(*batch.args(), sliding_window=4), rtol=0, atol=0)
     k = torch.randn(2, 2, 16)
     c1, c2 = torch.zeros(2, 16, 2, 16), torch.zeros(2, 16, 2, 16)
     write_kv_cache(k, k, c1, c2, torch.tensor([3, 20]))

@@ -6,7 +6,9 @@ Token slot s lives in block s // block_size at offset s % block_size.
 One op covers prefill, chunked prefill and decode: request b has q_len = query_start_loc[b+1] -
 query_start_loc[b] new tokens, which are the last q_len of its seq_lens[b] tokens, so query i of
 request b sits at position seq_lens[b] - q_len + i and attends causally to positions <= its own.
-Requests with q_len == 0 (padding) are skipped.
+With a sliding window W, a query at position p attends only to the keys at positions in
+(p - W, p] (HF transformers' sliding-window mask); the kernel never visits key tiles below a
+tile's window. Requests with q_len == 0 (padding) are skipped.
 """
 
 import functools
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -32,33 +35,78 @@ def write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping):
     v_cache[blocks, offsets] = v.to(v_cache.dtype)
 
 
-def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out=None):
-    """q [T, Hq, D] -> out [T, Hq, D]; softmax(q k^T * scale) v over each request's cached tokens."""
+def _gather_kv(k_cache, v_cache, block_row, lo: int, hi: int):
+    """A request's keys and values at positions [lo, hi), gathered from its blocks: [hi - lo, Hk, D] each."""
+    block_size = k_cache.shape[1]
+    first = lo // block_size
+    blocks = block_row[first:(hi + block_size - 1) // block_size].long()
+    skip, n = lo - first * block_size, hi - lo
+    k = k_cache[blocks].flatten(0, 1)[skip:skip + n]
+    v = v_cache[blocks].flatten(0, 1)[skip:skip + n]
+    return k, v
+
+
+def _live_requests(query_start_loc: torch.Tensor, seq_lens: torch.Tensor):
+    """(request, first token, end token, seq_len) of every request with queries (host ints)."""
+    qsl = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        if qsl[b + 1] > qsl[b]:
+            yield b, qsl[b], qsl[b + 1], seq_len
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: Optional[int]) -> torch.Tensor:
+    """[Q, K] bool: key k_pos is visible to query q_pos (causal; within the window when there is one)."""
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    return visible
+
+
+def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out=None,
+                        sliding_window: Optional[int] = None):
+    """q [T, Hq, D] -> out [T, Hq, D]; softmax(q k^T * scale) v over each request's cached tokens,
+    in fp32 with an explicit mask: the test oracle."""
     if out is None:
         out = torch.empty_like(q)
-    num_kv_heads = k_cache.shape[2]
-    group = q.shape[1] // num_kv_heads
-    block_size = k_cache.shape[1]
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    for b, seq_len in enumerate(lens):
-        start, end = qsl[b], qsl[b + 1]
+    group = q.shape[1] // k_cache.shape[2]
+    for b, start, end, seq_len in _live_requests(query_start_loc, seq_lens):
         q_len = end - start
-        if q_len == 0:
-            continue
-        num_blocks = (seq_len + block_size - 1) // block_size
-        blocks = block_tables[b, :num_blocks].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, k_cache.shape[3])[:seq_len]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, v_cache.shape[3])[:seq_len]
+        k, v = _gather_kv(k_cache, v_cache, block_tables[b], 0, seq_len)
         qb = q[start:end].float().transpose(0, 1)  # [Hq, q_len, D]
         kb = k.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, S, D]
         vb = v.float().transpose(0, 1).repeat_interleave(group, dim=0)
         scores = torch.matmul(qb, kb.transpose(1, 2)) * scale  # [Hq, q_len, S]
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-        k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        visible = _visible(q_pos, torch.arange(seq_len, device=q.device), sliding_window)
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         out[start:end] = torch.matmul(probs, vb).transpose(0, 1).to(out.dtype)
+    return out
+
+
+def paged_attention_sdpa(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out=None,
+                         sliding_window: Optional[int] = None):
+    """paged_attention_ref's semantics through torch's fused scaled_dot_product_attention (the CPU
+    path): per request, over the keys gathered from its blocks, only those inside the window of its
+    first query. A whole prompt takes the causal kernel, a decode no mask, a chunk an explicit mask."""
+    if out is None:
+        out = torch.empty_like(q)
+    for b, start, end, seq_len in _live_requests(query_start_loc, seq_lens):
+        q_len = end - start
+        ctx = seq_len - q_len
+        lo = 0 if sliding_window is None else max(0, ctx - sliding_window + 1)
+        k, v = _gather_kv(k_cache, v_cache, block_tables[b], lo, seq_len)
+        mask, causal = None, False
+        if q_len > 1 and ctx == 0 and (sliding_window is None or sliding_window >= q_len):
+            causal = True
+        elif q_len > 1:
+            q_pos = torch.arange(ctx, seq_len, device=q.device)
+            mask = _visible(q_pos, torch.arange(lo, seq_len, device=q.device), sliding_window)
+        o = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            v.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=True,
+        )
+        out[start:end] = o[0].transpose(0, 1).to(out.dtype)
     return out
 
 
@@ -159,9 +207,9 @@ def _find_tile(qsl_ptr, num_reqs, pid, TOKENS_PER_TILE: tl.constexpr, BLOCK_B: t
 
 @triton.jit
 def _attn_kv_tile(
-    acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale,
+    acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale, window,
     stride_kb, stride_ks, stride_vb, stride_vs,
-    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, SLIDING: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step over keys [start, start + BLOCK_N) (exp2 domain)."""
@@ -184,6 +232,8 @@ def _attn_kv_tile(
     s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         visible = n_live[None, :] & (n[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = m_new
@@ -202,20 +252,80 @@ def _attn_kv_tile(
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
+@triton.jit
+def _key_range(ctx, tok0, q_len, split, num_splits, window, TOKENS_PER_TILE: tl.constexpr,
+               SPLIT_KV: tl.constexpr, SLIDING: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The keys [lo, hi) one program visits, and the run [edge, mid) of key tiles that every row of
+    its query tile sees whole (no mask). Keys past the tile's last row are never visited; with a
+    sliding window, neither are the keys below its first row's window (from a BLOCK_N boundary)."""
+    kv_hi = ctx + tl.minimum(tok0 + TOKENS_PER_TILE, q_len)  # causal end for the tile's last row
+    kv_lo = 0
+    if SLIDING:
+        kv_lo = tl.maximum(ctx + tok0 - window + 1, 0) // BLOCK_N * BLOCK_N
+    if SPLIT_KV:
+        per_split = tl.cdiv(tl.cdiv(kv_hi - kv_lo, num_splits), BLOCK_N) * BLOCK_N
+        lo = kv_lo + split * per_split
+        hi = tl.minimum(lo + per_split, kv_hi)
+    else:
+        lo = kv_lo
+        hi = kv_hi
+    edge = lo
+    if SLIDING:  # below kv_hi - window the window's lower edge cuts the rows differently: masked
+        edge = tl.minimum(lo + tl.cdiv(tl.maximum(kv_hi - window - lo, 0), BLOCK_N) * BLOCK_N, hi)
+    # Keys below the tile's first query position are visible to all its rows.
+    full_end = tl.minimum(hi, ctx + tok0 + 1)
+    mid = edge + tl.maximum(full_end - edge, 0) // BLOCK_N * BLOCK_N
+    return lo, edge, mid, hi
+
+
+@triton.jit
+def _attend_keys(
+    q, q_pos, lo, edge, mid, hi, bt_row, k_base, v_base, qk_scale, window,
+    stride_kb, stride_ks, stride_vb, stride_vs,
+    SLIDING: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax of a query tile over keys [lo, hi): (acc, l, m), unnormalised."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(lo, edge, BLOCK_N):  # the window's lower edge (empty without a window)
+        acc, l_i, m_i = _attn_kv_tile(
+            acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale, window,
+            stride_kb, stride_ks, stride_vb, stride_vs,
+            True, SLIDING, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION,
+        )
+    for start in range(edge, mid, BLOCK_N):
+        acc, l_i, m_i = _attn_kv_tile(
+            acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale, window,
+            stride_kb, stride_ks, stride_vb, stride_vs,
+            False, SLIDING, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION,
+        )
+    # The diagonal and the ragged end: masked. Fully-masked tiles past hi are never visited.
+    for start in range(mid, hi, BLOCK_N):
+        acc, l_i, m_i = _attn_kv_tile(
+            acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale, window,
+            stride_kb, stride_ks, stride_vb, stride_vs,
+            True, SLIDING, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION,
+        )
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "window"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr,
     qsl_ptr, seq_lens_ptr, block_tables_ptr,
-    num_reqs, num_q_heads, num_splits, qk_scale,
+    num_reqs, num_q_heads, num_splits, qk_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, DECODE_ONLY: tl.constexpr,
-    SPLIT_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT_KV: tl.constexpr, SLIDING: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Grid (query tiles, kv heads, num_splits); num_splits is a runtime int so that CUDA graphs of
-    different batch sizes share one compiled kernel (SPLIT_KV only says whether it is > 1)."""
+    different batch sizes share one compiled kernel (SPLIT_KV only says whether it is > 1).
+    SLIDING: keys older than `window` positions are masked and their tiles skipped."""
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if DECODE_ONLY:
@@ -231,52 +341,26 @@ def _paged_attn_kernel(
     q_len = tl.load(qsl_ptr + req + 1) - q_start
     if q_len <= 0:  # padding request
         return
-    seq_len = tl.load(seq_lens_ptr + req)
-    ctx = seq_len - q_len  # keys before this step's first query
+    ctx = tl.load(seq_lens_ptr + req) - q_len  # keys before this step's first query
     tok0 = tile * TOKENS_PER_TILE
-    kv_hi = ctx + tl.minimum(tok0 + TOKENS_PER_TILE, q_len)  # causal end for the tile's last row
-    if SPLIT_KV:
-        per_split = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * per_split
-        hi = tl.minimum(lo + per_split, kv_hi)
-    else:
-        lo = 0
-        hi = kv_hi
+    lo, edge, mid, hi = _key_range(ctx, tok0, q_len, split, num_splits, window,
+                                   TOKENS_PER_TILE, SPLIT_KV, SLIDING, BLOCK_N)
 
     rows = tl.arange(0, BLOCK_M)
     tok = tok0 + rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     row_ok = (rows < TOKENS_PER_TILE * GROUP) & (tok < q_len)
-    q_pos = ctx + tok
     dims = tl.arange(0, BLOCK_D)
     row_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
     token_idx = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + token_idx[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_mask, other=0.0)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
-    k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
-    v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
-
-    # Keys below the tile's first query position are visible to all its rows: no mask needed.
-    full_end = tl.minimum(hi, ctx + tok0 + 1)
-    mid = lo + tl.maximum(full_end - lo, 0) // BLOCK_N * BLOCK_N
-    for start in range(lo, mid, BLOCK_N):
-        acc, l_i, m_i = _attn_kv_tile(
-            acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale,
-            stride_kb, stride_ks, stride_vb, stride_vs,
-            False, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION,
-        )
-    # The diagonal and the ragged end: masked. Fully-masked tiles past kv_hi are never visited.
-    for start in range(mid, hi, BLOCK_N):
-        acc, l_i, m_i = _attn_kv_tile(
-            acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale,
-            stride_kb, stride_ks, stride_vb, stride_vs,
-            True, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION,
-        )
+    acc, l_i, m_i = _attend_keys(
+        q, ctx + tok, lo, edge, mid, hi, block_tables_ptr + req.to(tl.int64) * stride_bt,
+        k_cache_ptr + kv_head.to(tl.int64) * stride_kh, v_cache_ptr + kv_head.to(tl.int64) * stride_vh,
+        qk_scale, window, stride_kb, stride_ks, stride_vb, stride_vs,
+        SLIDING, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION,
+    )
 
     if not SPLIT_KV:
         out = acc / l_i[:, None]
@@ -436,14 +520,15 @@ def paged_attention_triton(
     q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out=None,
     max_query_len: Optional[int] = None, max_seq_len: Optional[int] = None,
     num_splits: Optional[int] = None, block_m: Optional[int] = None, block_n: Optional[int] = None,
-    num_warps: Optional[int] = None, num_stages: Optional[int] = None, **_unused_hints,
+    num_warps: Optional[int] = None, num_stages: Optional[int] = None, sliding_window: Optional[int] = None,
+    **_unused_hints,
 ):
     """Triton paged attention, same semantics as paged_attention_ref; no host/device sync.
 
     Hints (Python ints): max_query_len (an upper bound of every q_len; defaults to T; 1 selects the
     decode grid), max_seq_len (only sizes the split count; None is fine), num_splits (forces the
     split-KV count), block_m / block_n / num_warps / num_stages (override attention_config).
-    Only output rows of real requests are written.
+    sliding_window (None: off) is semantics, not a hint. Only output rows of real requests are written.
     """
     tokens, num_q_heads, head_dim = q.shape
     num_reqs = seq_lens.shape[0]
@@ -457,42 +542,47 @@ def paged_attention_triton(
     assert out.stride(-1) == 1
     if tokens == 0 or num_reqs == 0:
         return out
+    if sliding_window is not None and max_seq_len is not None:  # a query sees at most the window
+        max_seq_len = min(max_seq_len, sliding_window + (max_query_len or tokens))
 
     sms = sm_count(q.device) if q.is_cuda else DEFAULT_SM_COUNT
     plan = launch_plan(tokens, num_reqs, num_q_heads, num_kv_heads, head_dim, q.dtype, max_query_len, max_seq_len,
                        num_splits, sms, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-    block_m, num_splits, decode_only = plan.block_m, plan.num_splits, plan.decode_only
     block_d = triton.next_power_of_2(head_dim)
-    grid0 = plan.grid0
-    if num_splits > 1:
-        ws_acc = torch.empty((tokens, num_q_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
-        ws_ml = torch.empty((2, tokens, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-        ws_m, ws_l = ws_ml[0], ws_ml[1]
-    else:
-        ws_acc = ws_m = ws_l = out  # unused
-
-    _paged_attn_kernel[(grid0, num_kv_heads, num_splits)](
+    ws_acc, ws_m, ws_l = _split_workspace(out, num_q_heads, plan.num_splits, block_d)
+    _paged_attn_kernel[(plan.grid0, num_kv_heads, plan.num_splits)](
         q, k_cache, v_cache, out, ws_acc, ws_m, ws_l,
         query_start_loc, seq_lens, block_tables,
-        num_reqs, num_q_heads, num_splits, scale * LOG2E,
+        num_reqs, num_q_heads, plan.num_splits, scale * LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        GROUP=group, TOKENS_PER_TILE=block_m // group, DECODE_ONLY=decode_only,
-        SPLIT_KV=num_splits > 1, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=block_m, BLOCK_N=plan.block_n, PAGE_SIZE=page_size,
-        BLOCK_B=1 if decode_only else 128,  # fixed: one compile for every batch size
+        GROUP=group, TOKENS_PER_TILE=plan.block_m // group, DECODE_ONLY=plan.decode_only,
+        SPLIT_KV=plan.num_splits > 1, SLIDING=sliding_window is not None, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, PAGE_SIZE=page_size,
+        BLOCK_B=1 if plan.decode_only else 128,  # fixed: one compile for every batch size
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
-    if num_splits > 1:
+    if plan.num_splits > 1:
         _reduce_splits_kernel[(tokens, num_q_heads)](
             ws_acc, ws_m, ws_l, out, query_start_loc,
-            num_reqs, num_q_heads, num_splits, out.stride(0), out.stride(1),
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            num_reqs, num_q_heads, plan.num_splits, out.stride(0), out.stride(1),
+            BLOCK_S=triton.next_power_of_2(plan.num_splits),
             HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4 if block_d >= 128 else 2,
         )
     return out
+
+
+def _split_workspace(out: torch.Tensor, num_q_heads: int, num_splits: int, block_d: int):
+    """Split-KV partials (acc, max, sum) in fp32, one per (token, q head, split); `out` (unused)
+    stands in for them when the keys are not split."""
+    if num_splits == 1:
+        return out, out, out
+    tokens = out.shape[0]
+    ws_acc = torch.empty((tokens, num_q_heads, num_splits, block_d), dtype=torch.float32, device=out.device)
+    ws_ml = torch.empty((2, tokens, num_q_heads, num_splits), dtype=torch.float32, device=out.device)
+    return ws_acc, ws_ml[0], ws_ml[1]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -507,10 +597,14 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
         write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out=None, **hints):
-    """Dispatch; hints (max_query_len, max_seq_len, num_splits, tile overrides) feed the Triton path."""
+def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out=None,
+                    sliding_window: Optional[int] = None, **hints):
+    """Dispatch: Triton on CUDA, torch's fused attention elsewhere (paged_attention_sdpa); hints
+    (max_query_len, max_seq_len, num_splits, tile overrides) feed the Triton path."""
     if use_triton(q):
         return paged_attention_triton(
-            q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out, **hints
+            q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out,
+            sliding_window=sliding_window, **hints
         )
-    return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out)
+    return paged_attention_sdpa(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out,
+                                sliding_window)

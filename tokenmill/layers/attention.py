@@ -11,13 +11,15 @@ from tokenmill.layers.forward_context import AttentionMetadata, get_forward_cont
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int,
+                 sliding_window: Optional[int] = None):
         super().__init__()
         self.layer_idx = layer_idx  # which of the forward context's KV caches is this layer's
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window  # a query at p sees keys in (p - window, p]; None: all
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos_sin_cache: torch.Tensor, q_norm_weight: Optional[torch.Tensor] = None,
@@ -59,5 +61,6 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_caches[self.layer_idx]
         return paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale, out,
-            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, num_splits=meta.num_splits,
+            sliding_window=self.sliding_window, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+            num_splits=meta.num_splits,
         )

@@ -39,6 +39,8 @@ class ModelArchConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     # The dtype the checkpoint was saved in ("bfloat16", ...), if the config says.
     torch_dtype: Optional[str] = None
+    # Every layer attends only to the last `sliding_window` positions (None: full attention).
+    sliding_window: Optional[int] = None
 
     @property
     def q_size(self) -> int:
@@ -79,6 +81,31 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     )
 
 
+def _sliding_window_from_hf(cfg: dict[str, Any], style: str, num_layers: int) -> Optional[int]:
+    """The window every layer attends within, read as HF reads it for the architecture (`style`, see
+    ArchitectureSpec). A window on only some of the layers is refused: the engine runs one window
+    for all layers (or none)."""
+    window = cfg.get("sliding_window") if style != "none" else None
+    if style == "layers" and not cfg.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return None
+    if int(window) < 1:
+        raise ModelLoadError(f"config.json: sliding_window must be >= 1, got {window!r}")
+    if style == "layers":
+        first = int(cfg.get("max_window_layers", 28))  # HF's default: layers from this one on slide
+        kinds = cfg.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                           for i in range(num_layers)]
+        sliding = sum(kind == "sliding_attention" for kind in kinds)
+        if sliding == 0:
+            return None
+        if sliding != len(kinds):
+            raise ModelLoadError(
+                f"config.json: the sliding window ({window}) applies to {sliding} of {len(kinds)} layers "
+                "(layer_types / max_window_layers); tokenmill supports a window on all layers or on none")
+    return int(window)
+
+
 def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
     """Parse an HF config.json dict; raises ModelLoadError naming what is missing."""
     from tokenmill.models.registry import resolve_architecture
@@ -90,13 +117,14 @@ def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
     try:
         hidden = int(cfg["hidden_size"])
         num_heads = int(cfg["num_attention_heads"])
+        num_layers = int(cfg["num_hidden_layers"])
         eos = cfg.get("eos_token_id")
         return ModelArchConfig(
             architecture=spec.name,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
@@ -109,6 +137,7 @@ def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else (list(eos) if isinstance(eos, list) else [int(eos)]),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            sliding_window=_sliding_window_from_hf(cfg, spec.sliding_window, num_layers),
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks the field {e.args[0]!r}") from None

@@ -17,6 +17,7 @@ from tokenmill.layers.linear import (ADD_RMSNORM, SILU_MUL, MergedColumnParallel
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, rope_inv_freq
 from tokenmill.models.config import ModelArchConfig
+from tokenmill.models.interface import AttentionSpec
 
 
 def _norm_then_project(proj, hidden: torch.Tensor, residual: Optional[torch.Tensor], norm: RMSNorm):
@@ -46,8 +47,12 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary = rotary
+        # A window as long as the rotary table (the longest context) hides no key: off, at no cost.
+        window = cfg.sliding_window
+        if window is not None and window >= rotary.cos_sin_cache.shape[0]:
+            window = None
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, scale=cfg.head_dim ** -0.5,
-                              layer_idx=layer_idx)
+                              layer_idx=layer_idx, sliding_window=window)
         divide(cfg.num_heads, tp)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
@@ -149,6 +154,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> logits [N, vocab] in the model dtype (the sampler computes in float32)."""
         return self.lm_head.compute_logits(hidden)
+
+    def attention_spec(self) -> AttentionSpec:
+        """What the runner needs to know of the attention layers (models/interface.py)."""
+        attn = self.model.layers[0].self_attn.attn
+        return AttentionSpec(len(self.model.layers), attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
+                             self.lm_head.weight.dtype, getattr(self.config, "sliding_window", None))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names) into the parameters; returns the names loaded."""

@@ -12,15 +12,19 @@ class ArchitectureSpec:
     force_qkv_bias: bool = False
     # Qwen3 normalises each head of q and k with an RMSNorm before rotary.
     qk_norm: bool = False
+    # How HF reads the config's `sliding_window` for this architecture: "none" (never used), "all"
+    # (every layer, Mistral), "layers" (only if `use_sliding_window`, on the layers that
+    # `layer_types` or `max_window_layers` name, Qwen2/Qwen3).
+    sliding_window: str = "none"
 
 
 _ARCHITECTURES = {
     spec.name: spec
     for spec in (
         ArchitectureSpec("LlamaForCausalLM"),
-        ArchitectureSpec("MistralForCausalLM"),
-        ArchitectureSpec("Qwen2ForCausalLM", force_qkv_bias=True),
-        ArchitectureSpec("Qwen3ForCausalLM", qk_norm=True),
+        ArchitectureSpec("MistralForCausalLM", sliding_window="all"),
+        ArchitectureSpec("Qwen2ForCausalLM", force_qkv_bias=True, sliding_window="layers"),
+        ArchitectureSpec("Qwen3ForCausalLM", qk_norm=True, sliding_window="layers"),
     )
 }
 
