@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError
+from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineObserver, EngineOverloadedError
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.errors import InvalidRequestError
@@ -157,27 +157,133 @@ def test_call_runs_on_the_engine_thread(tiny):
     assert asyncio.run(main()) == "tokenmill-engine"
 
 
-def test_waiting_bound_and_stop(tiny):
+async def wait_until(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_waiting_bound_counts_sequences_and_stop(tiny):
     engine = make_engine(tiny, max_num_seqs=2)
-    aengine = AsyncLLMEngine(engine, max_waiting=1)
-    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    aengine = AsyncLLMEngine(engine, max_waiting=3)
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
 
     async def main():
         aengine.start()
-        first = aengine.submit(ids_prompt([1, 2, 3]), SamplingParams(max_tokens=200, ignore_eos=True, n=4))
-        await first.accepted()  # 2 run, 2 wait
-        second = aengine.submit(ids_prompt([4, 5]), params)
+        first = aengine.submit(ids_prompt([1, 2, 3]), SamplingParams(max_tokens=200, ignore_eos=True, n=2))
+        await first.accepted()
+        await wait_until(lambda: aengine.stats.num_running == 2)  # both samples run, none waits
+        # 2 prompts x n=2 = 4 sequences: more than may ever wait (3), so never admissible: 400, not 503
+        with pytest.raises(InvalidRequestError, match="4 sequences"):
+            await aengine.submit(lambda e: [(None, [4]), (None, [5])], SamplingParams(n=2)).accepted()
+        second = aengine.submit(ids_prompt([4, 5]), SamplingParams(max_tokens=200, ignore_eos=True, n=2))
+        await second.accepted()  # 2 sequences wait now
+        with pytest.raises(EngineOverloadedError, match="2 sequences waiting"):
+            await aengine.submit(ids_prompt([6]), SamplingParams(n=2)).accepted()  # 2 + 2 > 3
+        third = aengine.submit(ids_prompt([6]), long)  # 2 + 1 <= 3
+        await third.accepted()
         with pytest.raises(EngineOverloadedError):
-            await second.accepted()
-        await aengine.stop()  # aborts what runs
+            await aengine.submit(ids_prompt([7]), long).accepted()
+        await aengine.stop()  # aborts what runs and waits
+        for stream in (first, second, third):
+            with pytest.raises(EngineDeadError):
+                async for _ in stream:
+                    pass
         with pytest.raises(EngineDeadError):
-            async for _ in first:
-                pass
-        with pytest.raises(EngineDeadError):
-            await aengine.submit(ids_prompt([1]), params).accepted()
+            await aengine.submit(ids_prompt([1]), long).accepted()
 
     asyncio.run(main())
     assert_clean(engine)
+
+
+def test_prompts_are_prepared_off_the_engine_thread(tiny):
+    """Tokenizing and validating run on a prepare worker: a slow one does not stall other streams,
+    an error there refuses that submission only (no traceback), and a submission aborted while it is
+    prepared is never queued."""
+    engine = make_engine(tiny)
+    aengine = AsyncLLMEngine(engine)
+    params = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)  # runs longer than the 2 s
+    threads = []
+
+    def slow(tools):
+        threads.append(threading.current_thread().name)
+        time.sleep(2.0)
+        return [(None, tools.tokenize([1, 2, 3]))]
+
+    def broken(tools):
+        raise TypeError("a tokenizer's own complaint")
+
+    async def main():
+        aengine.start()
+        try:
+            running = aengine.submit(ids_prompt([5, 6, 7]), params)
+            await running.accepted()
+            slow_stream = aengine.submit(slow, SamplingParams(max_tokens=2))
+            slow_accepted = asyncio.create_task(slow_stream.accepted())
+            gaps, last = [], time.monotonic()
+            async for _, out in running:
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+                if slow_accepted.done():
+                    break
+            assert slow_accepted.done() and not running.finished  # it streamed all the while
+            running.abort()
+            assert (await final_outputs(slow_stream))[0].outputs[0].token_ids
+            with pytest.raises(InvalidRequestError, match="could not be processed: TypeError"):
+                await aengine.submit(broken, params).accepted()
+            gone = aengine.submit(slow, params)
+            gone.abort()
+            await asyncio.sleep(2.5)
+            assert aengine.stats.num_active_groups == 0 and not engine.has_unfinished_requests()
+            return max(gaps[1:])
+        finally:
+            await aengine.stop()
+
+    longest_gap = asyncio.run(main())
+    assert threads and all(name.startswith("tokenmill-prepare") for name in threads)
+    assert longest_gap < 1.0  # the 2 s of preparing never blocked the running stream's steps
+    assert_clean(engine)
+
+
+class RecordingObserver:
+    """An EngineObserver that counts its calls."""
+
+    def __init__(self):
+        self.calls = {"first_token": 0, "inter_token": 0, "step_interval": 0, "finished": 0}
+
+    def first_token(self, seconds: float) -> None:
+        self.calls["first_token"] += 1
+
+    def inter_token(self, seconds: float) -> None:
+        self.calls["inter_token"] += 1
+
+    def step_interval(self, kind: str, seconds: float) -> None:
+        assert kind in ("decode", "mixed", "prefill")
+        self.calls["step_interval"] += 1
+
+    def finished(self, output, seconds: float) -> None:
+        self.calls["finished"] += 1
+
+
+def test_observer_protocol(tiny):
+    observer: EngineObserver = RecordingObserver()
+    aengine = AsyncLLMEngine(make_engine(tiny), observer=observer)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, n=2)
+
+    async def main():
+        aengine.start()
+        try:
+            await final_outputs(aengine.submit(lambda e: [(None, [1, 2]), (None, [3, 4])], params))
+        finally:
+            await aengine.stop()
+
+    asyncio.run(main())
+    calls = observer.calls
+    assert calls["first_token"] == 2 and calls["finished"] == 2  # once per engine request
+    assert calls["inter_token"] == 2 * 2 * 4  # 4 later tokens of each of 4 samples
+    assert calls["step_interval"] > 0
 
 
 def test_an_engine_failure_fails_every_request_and_later_ones(tiny):

@@ -1,12 +1,14 @@
 """Bad input never gets a 5xx: explicit cases with clear messages, the API key, the body bound, the
-waiting-queue bound, and a schemathesis fuzzing pass over the server's own OpenAPI schema.
+waiting-queue bound (in sequences), the per-request sequence limit, text that has no UTF-8 encoding,
+the OpenAPI schema's error statuses, and a schemathesis fuzzing pass over that schema.
 
 One server (embedded model) with a key, a short context (so every accepted request stays cheap),
-a small body limit and a small waiting bound.
+a small body limit, a small batch (4 sequences run at once) and a small waiting bound (4 sequences).
 """
 
 import json
 import os
+import re
 import time
 
 import httpx
@@ -18,12 +20,20 @@ KEY = "test-secret-key"
 MAX_MODEL_LEN = 40
 MAX_BODY = 100_000
 MAX_WAITING = 4
+MAX_NUM_SEQS = 4
+MAX_SEQUENCES_PER_REQUEST = 256  # the server's default
 
 
 @pytest.fixture(scope="module")
 def server(start_server):
     return start_server(SMALL_ENGINE + ["--max-model-len", str(MAX_MODEL_LEN), "--max-body-bytes", str(MAX_BODY),
-                                        "--max-waiting", str(MAX_WAITING)], api_key=KEY)
+                                        "--max-waiting", str(MAX_WAITING), "--max-num-seqs", str(MAX_NUM_SEQS)],
+                        api_key=KEY)
+
+
+def error_lines(log: str) -> list[str]:
+    """Log records at ERROR or above (ours: "ERROR 12:00:00 name] ...", uvicorn's: "ERROR:    ...")."""
+    return [line for line in log.splitlines() if re.match(r"(ERROR|CRITICAL)\b", line)]
 
 
 def post(server, path: str, body=None, raw: bytes = None, headers=None, timeout: float = 60) -> httpx.Response:
@@ -145,20 +155,97 @@ def test_other_errors(server):
     assert r.status_code == 200, r.text
 
 
+def _first_event(lines) -> str:
+    for line in lines:
+        if line.startswith("data: "):
+            return line
+
+
 def test_overload_gets_503_with_retry_after(server):
-    """Past --max-waiting waiting requests, new ones get 503 + Retry-After; the rest are served."""
-    body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 8, "n": 72, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server.base_url + "/completions", json=body, headers=server.headers,
-                      timeout=120) as big:
-        assert big.status_code == 200  # 64 samples run (--max-num-seqs 64), 8 wait
-        r = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
-        err = assert_error(r, 503, "overloaded")
-        assert err["code"] == "server_overloaded" and r.headers["retry-after"] == "1"
-        lines = [line for line in big.iter_lines() if line.startswith("data: ")]
+    """Past --max-waiting waiting sequences (prompts x n), new requests get 503 + Retry-After; the
+    rest are served."""
+    def stream(n: int, max_tokens: int):
+        body = {"prompt": "Count: 1, 2, 3,", "max_tokens": max_tokens, "n": n, "ignore_eos": True, "stream": True}
+        return httpx.stream("POST", server.base_url + "/completions", json=body, headers=server.headers, timeout=120)
+
+    with stream(MAX_NUM_SEQS, 12) as running:
+        assert running.status_code == 200
+        running_lines = running.iter_lines()
+        assert _first_event(running_lines)  # a token came: its 4 sequences run (all --max-num-seqs)
+        with stream(MAX_WAITING, 4) as waiting:  # 4 sequences wait now: the bound
+            assert waiting.status_code == 200
+            r = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+            err = assert_error(r, 503, "overloaded", "4 sequences waiting")
+            assert err["code"] == "server_overloaded" and r.headers["retry-after"] == "1"
+            lines = [line for line in waiting.iter_lines() if line.startswith("data: ")]
+        lines += [line for line in running_lines if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
-    finished = [c for line in lines[:-1] for c in json.loads(line[6:])["choices"] if c["finish_reason"]]
-    assert len(finished) == 72
+    finished = [c for line in lines if line != "data: [DONE]" for c in json.loads(line[6:])["choices"]
+                if c["finish_reason"]]
+    assert len(finished) == MAX_NUM_SEQS + MAX_WAITING
     assert post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_sequence_limits(server):
+    """Sequences (prompts x n) are counted: more than --max-waiting in one request can never be
+    queued (400), more than max_sequences_per_request is refused at once (400 naming the limit)."""
+    r = post(server, "/v1/completions", {"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 2})
+    assert_error(r, 400, "6 sequences (3 prompt(s) x n=2)", f"the {MAX_WAITING}")
+    r = post(server, "/v1/completions", {"prompt": "x", "n": MAX_WAITING + 1, "max_tokens": 2})
+    assert_error(r, 400, f"{MAX_WAITING + 1} sequences")
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 5})
+    assert_error(r, 400, "5 sequences")
+    too_many = MAX_SEQUENCES_PER_REQUEST + 1
+    r = post(server, "/v1/completions", {"prompt": ["x"] * too_many, "max_tokens": 2})
+    err = assert_error(r, 400, f"{too_many} sequences", f"at most {MAX_SEQUENCES_PER_REQUEST} per request",
+                       "max_sequences_per_request")
+    assert err["param"] == "prompt" and err["code"] == "too_many_sequences"
+    r = post(server, "/v1/completions", {"prompt": ["x", "y", "z"], "n": 100, "max_tokens": 2})
+    assert_error(r, 400, "300 sequences (3 prompt(s) x n=100)", f"at most {MAX_SEQUENCES_PER_REQUEST}")
+    r = post(server, "/v1/completions", {"prompt": ["x", "y"], "n": 2, "max_tokens": 2})  # 4: fits
+    assert r.status_code == 200 and len(r.json()["choices"]) == 4
+
+
+SURROGATES = [  # JSON's \ud800-style escapes decode to lone surrogates, which UTF-8 cannot encode
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "the prompt cannot be encoded as UTF-8"),
+    ("/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', 400, "cannot be encoded as UTF-8"),
+    ("/v1/completions", b'{"prompt": "a", "stop": ["\\ud800"], "max_tokens": 2}', 400,
+     "a stop string cannot be encoded"),
+    ("/v1/completions", b'{"prompt": "a", "model": "\\ud800"}', 404, "does not exist"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 2}', 400,
+     "messages[0].content cannot be encoded as UTF-8"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi", "name": "\\udc80"}], "stream": true}',
+     400, "messages[0].name cannot be encoded"),
+]
+
+
+@pytest.mark.parametrize("path,raw,status,fragment", SURROGATES, ids=[str(i) for i in range(len(SURROGATES))])
+def test_text_without_utf8_encoding(server, path, raw, status, fragment):
+    before = server.log()
+    err = assert_error(post(server, path, raw=raw), status, fragment)
+    if status == 400:
+        assert "surrogates not allowed" in err["message"]
+    new_log = server.log()[len(before):]
+    assert not error_lines(new_log) and "Traceback" not in new_log, new_log
+    assert post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_openapi_documents_the_real_error_statuses(server):
+    schema = httpx.get(server.url + "/openapi.json", headers=server.headers).json()
+    assert '"422"' not in json.dumps(schema) and "HTTPValidationError" not in schema["components"]["schemas"]
+    error_model = schema["components"]["schemas"]["ErrorResponse"]
+    assert error_model["properties"]["error"]["$ref"].endswith("/ErrorInfo")
+    info = schema["components"]["schemas"]["ErrorInfo"]["properties"]
+    assert {"message", "type", "param", "code"} <= set(info)
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert set(responses) == {"200", "400", "401", "404", "413", "503"}, responses
+        for status in ("400", "401", "404", "413", "503"):
+            assert responses[status]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    assert set(schema["paths"]["/v1/models/{model_id}"]["get"]["responses"]) == {"200", "401", "404"}
+    assert set(schema["paths"]["/health"]["get"]["responses"]) == {"200", "503"}  # open: no key asked
+    # and the server does answer 400 (not 422) for a body the schema rejects
+    assert_error(post(server, "/v1/completions", {"prompt": 5}), 400)
 
 
 def _tame(case) -> None:

@@ -1,16 +1,27 @@
 """AsyncLLMEngine: the engine on a thread of its own, fed by many asyncio handlers.
 
-The LLMEngine is not thread-safe, so exactly one thread (the engine thread) touches it: tokenizing,
-rendering chat templates, validating, adding, aborting and stepping. Handlers on the event loop talk
-to it through a thread-safe command queue (submit / abort / call / stop) and get their outputs back through
-one asyncio queue per request; the engine thread hands each step's outputs to the event loop in a
-single `loop.call_soon_threadsafe` call. With no work, the engine thread blocks on the command queue
-(it does not spin).
+Three kinds of threads take part:
+
+- the event loop, where handlers call `submit`, `abort`, `call` and `stop`;
+- a small pool of *prepare* workers: tokenizing, rendering chat templates (the submission's
+  PrepareFn) and validating the prompts against the model's limits. None of that needs engine state
+  (the tokenizer and the limits never change), so it never runs on the step loop: a long prompt, or
+  a huge body that ends in a 400, does not stall the streams of others;
+- the engine thread, the only one that touches the (not thread-safe) LLMEngine: adding, aborting,
+  stepping. Handlers talk to it through a thread-safe queue of typed commands (AddCommand,
+  AbortCommand, CallCommand, StopCommand) and get their outputs back through one asyncio queue per
+  submission; the engine thread hands each step's outputs to the event loop in a single
+  `loop.call_soon_threadsafe` call. With no work, it blocks on the command queue (it does not spin).
 
 A submission is a *group* of prompts sharing one SamplingParams (the OpenAI completions API takes a
-list of prompts); each prompt becomes one engine request. The group is validated as a whole on the
-engine thread before anything is queued, so an invalid prompt refuses the whole submission and is
-reported to that submission only; the loop keeps serving everyone else.
+list of prompts); each prompt becomes one engine request with `params.n` sequences. The group is
+validated as a whole before anything is queued, so an invalid prompt refuses the whole submission
+and is reported to that submission only; the loop keeps serving everyone else.
+
+The waiting bound (`max_waiting`) counts sequences: a submission is admitted only if the engine's
+waiting sequences plus its own (prompts x n) stay within the bound (else EngineOverloadedError, which
+the server turns into a 503); one larger than the bound itself could never be admitted and is
+refused as invalid.
 """
 
 import asyncio
@@ -18,20 +29,19 @@ import itertools
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol, Union
 
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.logger import init_logger
-from tokenmill.engine import compile_watch
 from tokenmill.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
 
-# Runs on the engine thread; returns, per prompt, (prompt text or None, prompt token ids).
-PrepareFn = Callable[[LLMEngine], list[tuple[Optional[str], list[int]]]]
+DEFAULT_PREPARE_WORKERS = 4
 
 
 class EngineOverloadedError(TokenmillError):
@@ -40,6 +50,63 @@ class EngineOverloadedError(TokenmillError):
 
 class EngineDeadError(TokenmillError):
     """The engine thread has stopped (shutdown) or failed; no request can be served."""
+
+
+class RequestAborted(TokenmillError):
+    """The submission was aborted (its consumer gave up)."""
+
+
+def check_encodable(text: str, what: str) -> None:
+    """Refuse text that cannot be encoded as UTF-8 (lone surrogates, which JSON's \\ud800 escapes
+    can carry): the tokenizer and every response body need UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{what} cannot be encoded as UTF-8: {e.reason} (character "
+                                  f"{text[e.start]!r} at position {e.start})") from None
+
+
+class PromptTools:
+    """What a PrepareFn may use, on a prepare worker: the engine's thread-safe, read-only parts
+    (its tokenizer and vocabulary), never its scheduler or caches."""
+
+    def __init__(self, engine: LLMEngine):
+        self._engine = engine
+
+    @property
+    def tokenizer(self):
+        return self._engine.tokenizer
+
+    def tokenize(self, prompt: Union[str, list[int]], add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt (or checked token ids); raises InvalidRequestError."""
+        if isinstance(prompt, str):
+            check_encodable(prompt, "the prompt")
+        return self._engine.tokenize(prompt, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int]) -> Optional[str]:
+        tokenizer = self._engine.tokenizer
+        return None if tokenizer is None else tokenizer.decode(ids)
+
+
+# Runs on a prepare worker; returns, per prompt, (prompt text or None, prompt token ids).
+PrepareFn = Callable[[PromptTools], list[tuple[Optional[str], list[int]]]]
+
+
+class EngineObserver(Protocol):
+    """Receives, on the engine thread, what the server's metrics record. Must be cheap and
+    thread-safe."""
+
+    def first_token(self, seconds: float) -> None:
+        """Time from arrival to the first token, once per engine request."""
+
+    def inter_token(self, seconds: float) -> None:
+        """Time between successive tokens of a sample, once per later token."""
+
+    def step_interval(self, kind: str, seconds: float) -> None:
+        """Time between two engine steps while busy, by the kind of step whose results came back."""
+
+    def finished(self, output: RequestOutput, seconds: float) -> None:
+        """An engine request ended (aborted ones included), `seconds` after its arrival."""
 
 
 @dataclass
@@ -67,10 +134,6 @@ class ServerStats:
     kernel_compile_seconds_after_warmup: float = 0.0
 
 
-class RequestAborted(TokenmillError):
-    """The submission was aborted (its consumer gave up)."""
-
-
 class RequestStream:
     """What one submission gets back: first the accepted prompts (or the error that refused them),
     then (prompt index, RequestOutput) pairs until every prompt's request has finished.
@@ -84,13 +147,13 @@ class RequestStream:
         self._engine = engine
         self._queue: asyncio.Queue = asyncio.Queue()
         self._remaining: Optional[int] = None
-        self._aborted = False
+        self.aborted = False
         self.prompts: list[PromptInfo] = []
         self.finished = False  # every output (or an error) has been read
 
     async def accepted(self) -> list[PromptInfo]:
-        """Wait until the engine thread has validated and queued the prompts; raises the error that
-        refused them (InvalidRequestError, EngineOverloadedError, EngineDeadError)."""
+        """Wait until the prompts are validated and queued; raises the error that refused them
+        (InvalidRequestError, EngineOverloadedError, EngineDeadError)."""
         item = await self._queue.get()
         if isinstance(item, BaseException):
             self.finished = True
@@ -122,10 +185,42 @@ class RequestStream:
         self._queue.put_nowait(error)
 
     def abort(self) -> None:
-        if not self.finished and not self._aborted:
-            self._aborted = True
+        if not self.finished and not self.aborted:
+            self.aborted = True
             self._engine.abort(self.request_id)
             self._queue.put_nowait(RequestAborted(f"request {self.request_id} was aborted"))
+
+
+# ---- commands to the engine thread -----------------------------------------------------------
+@dataclass
+class AddCommand:
+    """Queue a prepared, validated submission."""
+
+    stream: RequestStream
+    prompts: list[PromptInfo]
+    params: SamplingParams
+    arrival: float
+
+
+@dataclass
+class AbortCommand:
+    request_id: str
+
+
+@dataclass
+class CallCommand:
+    """Run fn(engine) between steps; its result (or error) goes to `future`."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future
+
+
+@dataclass
+class StopCommand:
+    """Abort everything and end the engine thread."""
+
+
+Command = Union[AddCommand, AbortCommand, CallCommand, StopCommand]
 
 
 @dataclass
@@ -142,14 +237,11 @@ class _Group:
 
 
 class AsyncLLMEngine:
-    """Drive an LLMEngine from asyncio code.
+    """Drive an LLMEngine from asyncio code; `observer` (optional) gets the engine thread's
+    latency observations (see EngineObserver)."""
 
-    `observer` (optional) receives, on the engine thread, `first_token(seconds)` once per engine
-    request, `inter_token(seconds)` per later token of each sample, and `finished(output, seconds)`
-    per engine request (aborted ones included). It must be cheap and thread-safe.
-    """
-
-    def __init__(self, engine: LLMEngine, *, max_waiting: Optional[int] = None, observer: Any = None):
+    def __init__(self, engine: LLMEngine, *, max_waiting: Optional[int] = None,
+                 observer: Optional[EngineObserver] = None, prepare_workers: int = DEFAULT_PREPARE_WORKERS):
         self.engine = engine
         self.max_waiting = max_waiting if max_waiting and max_waiting > 0 else None
         self.observer = observer
@@ -157,6 +249,9 @@ class AsyncLLMEngine:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.has_tokenizer = engine.tokenizer is not None
+        self._tools = PromptTools(engine)
+        self._prepare_pool = ThreadPoolExecutor(max_workers=prepare_workers, thread_name_prefix="tokenmill-prepare")
+        self._preparing: set[asyncio.Task] = set()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -187,7 +282,8 @@ class AsyncLLMEngine:
             return
         if not self._stopping:
             self._stopping = True
-            self._commands.put(("stop",))
+            self._commands.put(StopCommand())
+            self._prepare_pool.shutdown(wait=False)  # what is being prepared is refused when done
         await asyncio.to_thread(self._thread.join, timeout)
         if self._thread.is_alive():
             logger.warning("the engine thread did not stop within %.0f s", timeout)
@@ -202,22 +298,61 @@ class AsyncLLMEngine:
 
     # ---- requests (event loop side) ----------------------------------------------------------
     def submit(self, prepare: PrepareFn, params: SamplingParams, request_id: Optional[str] = None) -> RequestStream:
-        """Queue a submission; `await stream.accepted()` to learn whether it was taken."""
+        """Prepare a submission on a worker, then queue it; `await stream.accepted()` to learn
+        whether it was taken. Call from the event loop."""
         stream = RequestStream(self, request_id or f"req-{next(self._ids)}")
         if not self.is_running:
             stream.fail(self._dead_error())
             return stream
-        self._commands.put(("add", stream, prepare, params, time.monotonic()))
+        task = self._loop.create_task(self._prepare_and_add(stream, prepare, params, time.monotonic()))
+        self._preparing.add(task)
+        task.add_done_callback(self._preparing.discard)
+        return stream
+
+    async def _prepare_and_add(self, stream: RequestStream, prepare: PrepareFn, params: SamplingParams,
+                               arrival: float) -> None:
+        if not self.is_running:  # stop() shuts the pool down (on this loop, so not between here and there)
+            stream.fail(self._dead_error())
+            return
+        try:
+            prompts = await self._loop.run_in_executor(self._prepare_pool, self._prepare, prepare, params)
+        except InvalidRequestError as e:
+            stream.fail(e)
+            return
+        except Exception as e:  # a tokenizer or template failing on odd input in a way of its own
+            logger.warning("request %s could not be prepared: %r", stream.request_id, e)
+            logger.debug("preparing request %s failed", stream.request_id, exc_info=True)
+            stream.fail(InvalidRequestError(f"the request could not be processed: {type(e).__name__}: {e}"))
+            return
+        if stream.aborted:
+            return  # its consumer gave up while it was being prepared
+        if not self.is_running:
+            stream.fail(self._dead_error())
+            return
+        self._commands.put(AddCommand(stream, prompts, params, arrival))
         if not self._thread.is_alive():  # it ended meanwhile and may not have seen the command
             stream.fail(self._dead_error())
-        return stream
+
+    def _prepare(self, prepare: PrepareFn, params: SamplingParams) -> list[PromptInfo]:
+        """On a prepare worker: tokenize/render, then every check that needs no engine state."""
+        prompts = [PromptInfo(text, list(ids)) for text, ids in prepare(self._tools)]
+        if not prompts:
+            raise InvalidRequestError("no prompt was given")
+        sequences = len(prompts) * params.n
+        if self.max_waiting is not None and sequences > self.max_waiting:
+            raise InvalidRequestError(
+                f"the request has {sequences} sequences ({len(prompts)} prompt(s) x n={params.n}), more than "
+                f"the {self.max_waiting} the server lets wait at once (max_waiting); send fewer per request")
+        for prompt in prompts:  # validate everything before queueing anything
+            self.engine.validate(prompt.token_ids, params)  # reads only the model's fixed limits
+        return prompts
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run fn(engine) on the engine thread, between steps; returns its result or raises its error."""
         if not self.is_running:
             raise self._dead_error()
         future = self._loop.create_future()
-        self._commands.put(("call", fn, future))
+        self._commands.put(CallCommand(fn, future))
         if not self._thread.is_alive():
             raise self._dead_error()
         return await future
@@ -225,7 +360,7 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         """Abort a submission (all its prompts); its KV blocks go back to the pool. Thread-safe."""
         if self._thread is not None and self._thread.is_alive():
-            self._commands.put(("abort", request_id))
+            self._commands.put(AbortCommand(request_id))
 
     def _dead_error(self) -> EngineDeadError:
         if self.error is not None:
@@ -240,14 +375,7 @@ class AsyncLLMEngine:
                 idle = not engine.has_unfinished_requests() and not self._needs_step
                 stop = False
                 for command in self._take_commands(block=idle):
-                    if command[0] == "add":
-                        self._add(*command[1:])
-                    elif command[0] == "abort":
-                        self._abort(command[1])
-                    elif command[0] == "call":
-                        self._call(*command[1:])
-                    elif command[0] == "stop":
-                        stop = True
+                    stop = self._execute(command) or stop
                 if stop:
                     self._shutdown()
                     return
@@ -272,15 +400,30 @@ class AsyncLLMEngine:
             self._refuse_queued(self._dead_error())
             self._flush()
 
+    def _execute(self, command: Command) -> bool:
+        """Carry out one command; True if it asks the thread to stop."""
+        match command:
+            case AddCommand():
+                self._add(command)
+            case AbortCommand(request_id=request_id):
+                self._abort(request_id)
+            case CallCommand():
+                self._call(command)
+            case StopCommand():
+                return True
+            case _:
+                raise TypeError(f"unknown engine command {command!r}")
+        return False
+
     def _refuse_queued(self, error: EngineDeadError) -> None:
         """Answer the submissions and calls still queued (the thread is about to end)."""
         for command in self._take_commands(block=False):
-            if command[0] == "add":
-                self._deliveries.append((command[1], error))
-            elif command[0] == "call":
-                self._deliveries.append((command[2], error))
+            if isinstance(command, AddCommand):
+                self._deliveries.append((command.stream, error))
+            elif isinstance(command, CallCommand):
+                self._deliveries.append((command.future, error))
 
-    def _take_commands(self, block: bool) -> list[tuple]:
+    def _take_commands(self, block: bool) -> list[Command]:
         commands = []
         if block:
             commands.append(self._commands.get())
@@ -290,53 +433,46 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return commands
 
-    def _add(self, stream: RequestStream, prepare: PrepareFn, params: SamplingParams, arrival: float) -> None:
-        engine = self.engine
-        if stream.request_id in self._groups:
-            self._deliveries.append((stream, InvalidRequestError(f"request id {stream.request_id!r} is in use")))
-            return
+    def _add(self, command: AddCommand) -> None:
+        engine, stream, params = self.engine, command.stream, command.params
+        single = len(command.prompts) == 1
+        sub_ids = [stream.request_id if single else f"{stream.request_id}-{i}" for i in range(len(command.prompts))]
         added: list[str] = []
         try:
-            # engine.tokenize checks token ids against the vocabulary (validate does not)
-            prompts = [(text, engine.tokenize(list(ids))) for text, ids in prepare(engine)]
-            if not prompts:
-                raise InvalidRequestError("no prompt was given")
-            for _, ids in prompts:  # validate everything before queueing anything
-                engine.validate(ids, params)
-            if self.max_waiting is not None and len(engine.scheduler.waiting) >= self.max_waiting:
-                raise EngineOverloadedError(
-                    f"the server is overloaded ({len(engine.scheduler.waiting)} requests waiting); retry later")
-            single = len(prompts) == 1
-            sub_ids = [stream.request_id if single else f"{stream.request_id}-{i}" for i in range(len(prompts))]
-            for sub_id, (text, ids) in zip(sub_ids, prompts):
-                engine.add_request(text, params, request_id=sub_id, prompt_ids=ids)
+            if stream.request_id in self._groups:
+                raise InvalidRequestError(f"request id {stream.request_id!r} is in use")
+            self._check_waiting(len(sub_ids) * params.n)
+            for sub_id, prompt in zip(sub_ids, command.prompts):
+                engine.add_request(prompt.text, params, request_id=sub_id, prompt_ids=prompt.token_ids)
                 added.append(sub_id)
-        except (InvalidRequestError, EngineOverloadedError) as e:
+        except Exception as e:  # InvalidRequestError, EngineOverloadedError; anything else is a bug
             for sub_id in added:
                 engine.abort_request(sub_id)
             self._needs_step = self._needs_step or bool(added)
             self._deliveries.append((stream, e))
             return
-        except Exception as e:  # e.g. a chat template or tokenizer failing in an unexpected way
-            logger.exception("could not add request %s", stream.request_id)
-            for sub_id in added:
-                engine.abort_request(sub_id)
-            self._needs_step = self._needs_step or bool(added)
-            self._deliveries.append((stream, InvalidRequestError(f"the request could not be processed: {e}")))
-            return
-        group = _Group(stream, sub_ids, arrival, len(sub_ids))
+        group = _Group(stream, sub_ids, command.arrival, len(sub_ids))
         self._groups[stream.request_id] = group
         for i, sub_id in enumerate(sub_ids):
             self._group_of[sub_id] = (stream.request_id, i)
-            group.progress[sub_id] = [[0, arrival] for _ in range(params.n)]
-        self._deliveries.append((stream, [PromptInfo(text, list(ids)) for text, ids in prompts]))
+            group.progress[sub_id] = [[0, command.arrival] for _ in range(params.n)]
+        self._deliveries.append((stream, command.prompts))
 
-    def _call(self, fn: Callable[[LLMEngine], Any], future: asyncio.Future) -> None:
+    def _check_waiting(self, sequences: int) -> None:
+        if self.max_waiting is None:
+            return
+        waiting = len(self.engine.scheduler.waiting)  # sequences: each of a request's n samples waits
+        if waiting + sequences > self.max_waiting:
+            raise EngineOverloadedError(
+                f"the server is overloaded ({waiting} sequences waiting, at most {self.max_waiting}; this request "
+                f"adds {sequences}); retry later")
+
+    def _call(self, command: CallCommand) -> None:
         try:
-            result = fn(self.engine)
+            result = command.fn(self.engine)
         except Exception as e:
             result = e
-        self._deliveries.append((future, result))
+        self._deliveries.append((command.future, result))
         self._needs_step = True
 
     def _abort(self, request_id: str) -> None:
@@ -358,41 +494,44 @@ class AsyncLLMEngine:
         device time of that step, or the CPU's if the CPU is the slower."""
         now = time.monotonic()
         last, self._last_step_end = self._last_step_end, now
-        observe = getattr(self.observer, "step_interval", None)
-        if observe is not None and last is not None and kind is not None:
-            observe(kind, now - last)
+        if self.observer is not None and last is not None and kind is not None:
+            self.observer.step_interval(kind, now - last)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
-        observer = self.observer
         for out in outputs:
             where = self._group_of.get(out.request_id)
             if where is None:
                 continue  # aborted meanwhile
             group = self._groups[where[0]]
-            if observer is not None:
-                progress = group.progress[out.request_id]
-                for c in out.outputs:
-                    seen = progress[c.index]
-                    new = len(c.token_ids) - seen[0]
-                    if new <= 0:
-                        continue
-                    if seen[0] == 0 and out.request_id not in group.first_seen:
-                        group.first_seen.add(out.request_id)
-                        observer.first_token(now - group.arrival)
-                    elif seen[0] > 0:
-                        gap = (now - seen[1]) / new
-                        for _ in range(new):
-                            observer.inter_token(gap)
-                    seen[0], seen[1] = len(c.token_ids), now
+            if self.observer is not None:
+                self._observe_tokens(self.observer, group, out, now)
             self._deliveries.append((group.stream, where[1:] + (out,)))
             if out.finished:
                 del self._group_of[out.request_id]
                 group.remaining -= 1
-                if observer is not None:
-                    observer.finished(out, now - group.arrival)
+                if self.observer is not None:
+                    self.observer.finished(out, now - group.arrival)
                 if group.remaining == 0:
                     del self._groups[where[0]]
+
+    @staticmethod
+    def _observe_tokens(observer: EngineObserver, group: _Group, out: RequestOutput, now: float) -> None:
+        """Time to first token (once per engine request) and inter-token latencies of new tokens."""
+        progress = group.progress[out.request_id]
+        for c in out.outputs:
+            seen = progress[c.index]
+            new = len(c.token_ids) - seen[0]
+            if new <= 0:
+                continue
+            if seen[0] == 0 and out.request_id not in group.first_seen:
+                group.first_seen.add(out.request_id)
+                observer.first_token(now - group.arrival)
+            elif seen[0] > 0:
+                gap = (now - seen[1]) / new
+                for _ in range(new):
+                    observer.inter_token(gap)
+            seen[0], seen[1] = len(c.token_ids), now
 
     def _shutdown(self) -> None:
         for request_id in list(self._groups):
@@ -411,7 +550,7 @@ class AsyncLLMEngine:
     def _snapshot(self) -> ServerStats:
         s = self.engine.stats()
         kv = self.engine.kv
-        compiles = compile_watch.stats()
+        compiles = self.engine.compile_watch.stats()  # this engine's Triton compiles
         return ServerStats(s.num_running, s.num_waiting, s.kv_cache_usage, kv.num_free_blocks, kv.num_blocks,
                            s.prefix_cache_hit_rate, s.num_preemptions, s.prompt_tokens, s.generation_tokens,
                            len(self._groups), self._num_steps, compiles.compiles_after_warm,

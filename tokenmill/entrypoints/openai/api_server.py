@@ -4,7 +4,9 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models(/{id}), 
 GET /metrics (Prometheus text), GET /version, POST /reset_prefix_cache (for benchmarks). The engine
 runs on its own thread (AsyncLLMEngine), started and stopped with the app's lifespan. On SIGINT or
 SIGTERM uvicorn stops accepting and waits for in-flight requests; after the grace period the engine
-is stopped, which aborts what still runs (see Server below); then the process exits 0.
+is stopped, which aborts what still runs (see Server below); then the process exits 0. A second
+SIGINT/SIGTERM aborts what still runs at once, and the process exits 128 + that signal's number
+(130 for SIGINT, 143 for SIGTERM), as a shell reports a process ended by that signal.
 """
 
 import asyncio
@@ -16,31 +18,76 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill import __version__
+from tokenmill.config import ConfigError
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.entrypoints.openai.errors import APIError, install_error_handlers
 from tokenmill.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from tokenmill.entrypoints.openai.middleware import GuardMiddleware
-from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
+from tokenmill.entrypoints.openai.serving_common import DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from tokenmill.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from tokenmill.logger import init_logger
 
 logger = init_logger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+FORCED_CLOSE_SECONDS = 2.0  # after a second signal: how long aborted streams get to send their last events
 
 
 @dataclass
 class ServerSettings:
     served_model_names: Optional[list[str]] = None  # default: the engine's model name
     api_key: Optional[str] = None
-    max_waiting: Optional[int] = 4096  # requests (samples) waiting; past it new requests get 503
+    # Sequences (prompts x n) waiting to be scheduled: a request that would take the count past this
+    # gets 503 + Retry-After, one larger than it on its own a 400. 0 or None: no bound.
+    max_waiting: Optional[int] = 4096
+    # Sequences (prompts x n) one request may ask for; more: 400 naming the limit.
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     engine_stop_timeout: float = 30.0
+
+    def __post_init__(self):
+        if self.max_sequences_per_request < 1:
+            raise ConfigError(f"max_sequences_per_request must be >= 1, got {self.max_sequences_per_request}")
+
+
+_ERROR_DESCRIPTIONS = {
+    400: "Invalid request: the message says what is wrong (and `param` which field, when one is)",
+    401: "Missing or wrong API key (send 'Authorization: Bearer <key>')",
+    404: "No such model (or route)",
+    409: "Requests are running; try again when the server is idle",
+    413: "The request body is larger than the server's limit",
+    503: "Overloaded (retry after the Retry-After header's seconds) or the engine is not running",
+}
+
+
+def _errors(api_key: Optional[str], *statuses: int) -> dict:
+    """The `responses` of a route for the OpenAPI schema: its error statuses, with OpenAI's error body."""
+    statuses = ((401,) if api_key else ()) + statuses
+    return {s: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[s]} for s in sorted(statuses)}
+
+
+def _without_422(app: FastAPI) -> None:
+    """FastAPI documents 422 for invalid input on every route with a body or parameters; this server
+    answers 400 (in OpenAI's format) instead, so the schema drops it and its unused models."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        schema = generate()  # built once, then cached by FastAPI
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return schema
+
+    app.openapi = openapi
 
 
 def build_app(engine: AsyncLLMEngine, settings: Optional[ServerSettings] = None) -> FastAPI:
@@ -51,9 +98,8 @@ def build_app(engine: AsyncLLMEngine, settings: Optional[ServerSettings] = None)
     metrics.attach(engine)
     if settings.max_waiting is not None:
         engine.max_waiting = settings.max_waiting if settings.max_waiting > 0 else None
-    completions = OpenAIServingCompletion(engine, names, metrics)
-    chat = OpenAIServingChat(engine, names, metrics)
-    created = int(time.time())
+    completions = OpenAIServingCompletion(engine, names, metrics, settings.max_sequences_per_request)
+    chat = OpenAIServingChat(engine, names, metrics, settings.max_sequences_per_request)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -71,41 +117,60 @@ def build_app(engine: AsyncLLMEngine, settings: Optional[ServerSettings] = None)
     app.state.engine = engine
     app.state.metrics = metrics
     install_error_handlers(app)
+    _without_422(app)
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    _add_info_routes(app, engine, names, metrics, settings.api_key)
+    _add_engine_routes(app, engine, completions, chat, settings.api_key)
+    return app
+
+
+def _add_info_routes(app: FastAPI, engine: AsyncLLMEngine, names: list[str], metrics: ServerMetrics,
+                     key: Optional[str]) -> None:
+    """Health, metrics, models and version."""
+    created = int(time.time())
 
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "tokenmill",
                 "root": engine.model_name, "max_model_len": engine.max_model_len}
 
-    @app.get("/health")
+    @app.get("/health", responses=_errors(None, 503))
     async def health():
         if not engine.is_running:
             raise APIError(503, "the engine is not running", code="engine_unavailable")
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=_errors(key))
     async def get_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(key))
     async def list_models():
         return {"object": "list", "data": [model_card(n) for n in names]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=_errors(key, 404))
     async def get_model(model_id: str):
         if model_id not in names:
             raise APIError(404, f"the model `{model_id}` does not exist", param="model", code="model_not_found")
         return model_card(model_id)
 
-    @app.post("/v1/completions")
+    @app.get("/version", responses=_errors(key))
+    async def version():
+        return JSONResponse({"version": __version__})
+
+
+def _add_engine_routes(app: FastAPI, engine: AsyncLLMEngine, completions: OpenAIServingCompletion,
+                       chat: OpenAIServingChat, key: Optional[str]) -> None:
+    """Completions, chat completions and the prefix-cache reset."""
+
+    @app.post("/v1/completions", responses=_errors(key, 400, 404, 413, 503))
     async def create_completion(body: CompletionRequest, raw_request: Request):
         return await completions.create(body, raw_request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_errors(key, 400, 404, 413, 503))
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
         return await chat.create(body, raw_request)
 
-    @app.post("/reset_prefix_cache")
+    @app.post("/reset_prefix_cache", responses=_errors(key, 409, 413, 503))
     async def reset_prefix_cache():
         """Forget the prefix cache (benchmarks call it between runs); only while no request runs."""
         def reset(e) -> bool:
@@ -119,80 +184,96 @@ def build_app(engine: AsyncLLMEngine, settings: Optional[ServerSettings] = None)
                            code="engine_busy")
         return {"status": "ok"}
 
-    @app.get("/version")
-    async def version():
-        return JSONResponse({"version": __version__})
 
-    return app
+class Server(uvicorn.Server):
+    """uvicorn's server with these changes for a graceful shutdown:
 
+    - when the grace period is over, the engine is stopped, which aborts what still runs: streams
+      end with an error event and [DONE], other requests get a 503, so every connection closes
+      cleanly instead of uvicorn cancelling handlers mid-flight (uvicorn's own timeout, a little
+      longer, stays as a backstop);
+    - a second SIGINT or SIGTERM ends the grace period at once: the engine is stopped (aborting
+      what runs, as above), connections get FORCED_CLOSE_SECONDS to send their last events, and
+      `forced_by` records the signal (run_server exits 128 + its number);
+    - the caught signal is not re-raised afterwards (which would end the process by SIGTERM or
+      KeyboardInterrupt instead of an exit status of ours).
+    """
 
-def _uvicorn_server_class():
-    import uvicorn
+    def __init__(self, config, engine: AsyncLLMEngine, grace: Optional[float]):
+        super().__init__(config)
+        self.engine = engine
+        self.grace = grace
+        self.forced_by: Optional[int] = None  # the second signal, if one came
 
-    class Server(uvicorn.Server):
-        """uvicorn's server with two changes for a graceful shutdown:
+    def handle_exit(self, sig: int, frame) -> None:
+        # A signal handler: it only sets flags (the shutdown task below acts on them).
+        if self.should_exit and self.forced_by is None:
+            self.forced_by = sig
+        self.should_exit = True
 
-        - when the grace period is over, the engine is stopped, which aborts what still runs: streams
-          end with an error event and [DONE], other requests get a 503, so every connection closes
-          cleanly instead of uvicorn cancelling handlers mid-flight (uvicorn's own timeout, a little
-          longer, stays as a backstop);
-        - the caught signal is not re-raised afterwards (which would end the process by SIGTERM or
-          KeyboardInterrupt instead of exit status 0).
-        """
+    async def shutdown(self, sockets=None):
+        stopper = asyncio.create_task(self._abort_when_due())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            stopper.cancel()
 
-        def __init__(self, config, engine: AsyncLLMEngine, grace: Optional[float]):
-            super().__init__(config)
-            self.engine = engine
-            self.grace = grace
+    async def _abort_when_due(self) -> None:
+        await self._until_forced(self.grace)
+        if self.forced_by is None:
+            logger.warning("grace period of %.1f s over: aborting the requests still running", self.grace)
+        else:
+            logger.warning("second signal (%s): aborting the requests still running",
+                           signal.Signals(self.forced_by).name)
+        await self.engine.stop()
+        await self._until_forced(None)
+        await asyncio.sleep(FORCED_CLOSE_SECONDS)
+        self.force_exit = True  # stop waiting for connections that are still open
 
-        async def shutdown(self, sockets=None):
-            stopper = None
-            if self.grace is not None:
-                async def stop_engine_later():
-                    await asyncio.sleep(self.grace)
-                    logger.warning("grace period of %.1f s over: aborting the requests still running", self.grace)
-                    await self.engine.stop()
+    async def _until_forced(self, seconds: Optional[float]) -> None:
+        """Wait `seconds` (None: for ever), or less if a second signal comes."""
+        deadline = None if seconds is None else time.monotonic() + seconds
+        while self.forced_by is None and (deadline is None or time.monotonic() < deadline):
+            await asyncio.sleep(0.05)
 
-                stopper = asyncio.create_task(stop_engine_later())
-            try:
-                await super().shutdown(sockets)
-            finally:
-                if stopper is not None:
-                    stopper.cancel()
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            handled = [signal.SIGINT, signal.SIGTERM]
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
-    return Server
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = [signal.SIGINT, signal.SIGTERM]
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def run_server(engine, *, host: str = "127.0.0.1", port: int = 8000, settings: Optional[ServerSettings] = None,
                shutdown_grace: Optional[float] = 30.0, log_level: str = "info", access_log: bool = False) -> int:
-    """Serve an LLMEngine until SIGINT/SIGTERM; returns the exit status."""
-    import uvicorn
-
+    """Serve an LLMEngine until SIGINT/SIGTERM; returns the exit status: 0 after a graceful shutdown,
+    128 + the signal's number after a second signal forced it, 1 if the engine failed or the server
+    could not start."""
     async_engine = AsyncLLMEngine(engine)
     app = build_app(async_engine, settings)
     backstop = None if shutdown_grace is None else shutdown_grace + 10.0
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=backstop, lifespan="on", timeout_keep_alive=30)
-    server = _uvicorn_server_class()(config, async_engine, shutdown_grace)
+    server = Server(config, async_engine, shutdown_grace)
     # What exists now (model, tokenizer, modules) lives as long as the process: keep it out of the
-    # collector's full passes, whose pauses stop the engine thread too.
+    # collector's full passes, whose pauses stop the engine thread too. Unfrozen afterwards, so the
+    # collections at interpreter exit free it: frozen objects are never freed, and native extensions
+    # (Triton's, built with nanobind) then report each of theirs as leaked on stderr.
     gc.collect()
     gc.freeze()
-    server.run()
+    try:
+        server.run()
+    finally:
+        gc.unfreeze()
     if async_engine.error is not None:
         logger.error("the engine failed: %r", async_engine.error)
         return 1
+    if server.forced_by is not None:
+        return 128 + server.forced_by
     return 0 if server.started else 1

@@ -39,9 +39,17 @@ def error_body(status: int, message: str, type: Optional[str] = None, param: Opt
                       "param": param, "code": code}}
 
 
+class _ErrorJSONResponse(JSONResponse):
+    """JSON with non-ASCII characters escaped: a message may quote the client's input, which can hold a
+    lone surrogate that has no UTF-8 encoding (JSON's \\ud800 escape)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(error_body(err.status, err.message, err.type, err.param, err.code), status_code=err.status,
-                        headers=err.headers)
+    return _ErrorJSONResponse(error_body(err.status, err.message, err.type, err.param, err.code),
+                              status_code=err.status, headers=err.headers)
 
 
 def to_api_error(exc: BaseException) -> APIError:

@@ -11,7 +11,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engine.async_engine import AsyncLLMEngine, EngineObserver
 from tokenmill.engine.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -68,7 +68,8 @@ class _EngineStateCollector:
 
 
 class ServerMetrics:
-    """Also the AsyncLLMEngine's observer (first_token / inter_token / finished)."""
+    """Also the AsyncLLMEngine's observer: implements EngineObserver (first_token, inter_token,
+    step_interval, finished), called on the engine thread."""
 
     def __init__(self, model_name: str):
         self.model_name = model_name
@@ -102,7 +103,8 @@ class ServerMetrics:
 
     def attach(self, engine: AsyncLLMEngine) -> None:
         self.registry.register(_EngineStateCollector(engine, self.model_name))
-        engine.observer = self
+        observer: EngineObserver = self
+        engine.observer = observer
 
     # ---- the engine thread's observer interface ----------------------------------------------
     def first_token(self, seconds: float) -> None:

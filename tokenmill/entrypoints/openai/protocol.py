@@ -86,3 +86,16 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     # Extension: render the template without the assistant header (vLLM's name).
     add_generation_prompt: bool = True
+
+
+class ErrorInfo(BaseModel):
+    message: str = Field(..., description="what is wrong, in words")
+    type: str = Field(..., description="e.g. invalid_request_error, server_overloaded, service_unavailable_error")
+    param: Optional[str] = Field(None, description="the request field at fault, if one is")
+    code: Optional[str] = Field(None, description="a stable machine-readable code, e.g. model_not_found")
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: what every 4xx and 5xx answer carries."""
+
+    error: ErrorInfo

@@ -1,15 +1,18 @@
 """POST /v1/chat/completions.
 
-The messages are rendered with the model's chat template on the engine thread (the tokenizer is
-the engine's). Streaming follows OpenAI: a first chunk per choice with the assistant role, then one
-chunk per generated token (content may be empty while text is held back), the finish reason on the
-last one, an optional usage chunk (stream_options.include_usage), and `data: [DONE]`.
+The messages are rendered with the model's chat template and tokenized on a prepare worker of the
+AsyncLLMEngine (never on the engine thread, whose steps a long conversation would otherwise stall).
+Streaming follows OpenAI: a first chunk per choice with the assistant role, then one chunk per
+generated token (content may be empty while text is held back), the finish reason on the last one,
+an optional usage chunk (stream_options.include_usage), and `data: [DONE]`.
 """
+
+from typing import Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from tokenmill.engine.async_engine import PromptInfo, RequestAborted, RequestStream
+from tokenmill.engine.async_engine import PromptInfo, PromptTools, RequestAborted, RequestStream, check_encodable
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.entrypoints.openai.errors import APIError, stream_error_event
@@ -32,8 +35,10 @@ def message_dict(i: int, m: ChatMessage) -> dict:
                                     f"{part.type!r})", param=f"messages.{i}.content")
             parts.append(part.text)
         text = "\n".join(parts)
+    check_encodable(text, f"messages[{i}].content")
     out = {"role": "system" if m.role == "developer" else m.role, "content": text}
     if m.name:
+        check_encodable(m.name, f"messages[{i}].name")
         out["name"] = m.name
     return out
 
@@ -54,6 +59,10 @@ def chat_logprobs(c: CompletionOutput, start: int, end: int, top_k: int) -> dict
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._templates = LLM.from_engine(self.engine.engine)  # its render_chat reads only the tokenizer
+
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
         model = self.model_name(req.model)
         if req.tools and req.tool_choice != "none":
@@ -66,12 +75,13 @@ class OpenAIServingChat(OpenAIServing):
         conversation = [message_dict(i, m) for i, m in enumerate(req.messages)]
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        self.check_sequences(1, req.n, "n")
         params = self.sampling_params(req, max_tokens, top_k)
         add_generation_prompt = req.add_generation_prompt
 
-        def prepare(engine):
-            text = LLM.from_engine(engine).render_chat(conversation, add_generation_prompt)
-            return [(text, engine.tokenize(text, add_special_tokens=False))]
+        def prepare(tools: PromptTools) -> list[tuple[Optional[str], list[int]]]:  # on a prepare worker
+            text = self._templates.render_chat(conversation, add_generation_prompt)
+            return [(text, tools.tokenize(text, add_special_tokens=False))]
 
         request_id = self.new_id("chatcmpl")
         stream, infos = await self.submit(prepare, params, request_id)

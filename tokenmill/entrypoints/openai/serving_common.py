@@ -11,7 +11,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 
 from tokenmill.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineOverloadedError, PrepareFn,
-                                           PromptInfo, RequestStream)
+                                           PromptInfo, RequestStream, check_encodable)
 from tokenmill.engine.outputs import Logprob, RequestOutput
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
@@ -20,6 +20,7 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 32
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256  # prompts x n in one request
 _SEED_MASK = (1 << 63) - 1
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -29,10 +30,12 @@ class ClientDisconnected(Exception):
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], metrics: Optional[ServerMetrics]):
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], metrics: Optional[ServerMetrics],
+                 max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST):
         self.engine = engine
         self.served_model_names = served_model_names
         self.metrics = metrics
+        self.max_sequences_per_request = max_sequences_per_request
 
     def model_name(self, requested: Optional[str]) -> str:
         if requested is None or requested == "":
@@ -41,6 +44,14 @@ class OpenAIServing:
             raise APIError(404, f"the model `{requested}` does not exist; this server serves "
                                 f"{', '.join(self.served_model_names)}", param="model", code="model_not_found")
         return requested
+
+    def check_sequences(self, num_prompts: int, n: int, param: str) -> None:
+        """One request may ask for at most max_sequences_per_request sequences (prompts x n)."""
+        sequences = num_prompts * n
+        if sequences > self.max_sequences_per_request:
+            raise APIError(400, f"the request asks for {sequences} sequences ({num_prompts} prompt(s) x n={n}); "
+                                f"this server takes at most {self.max_sequences_per_request} per request "
+                                "(max_sequences_per_request)", param=param, code="too_many_sequences")
 
     @staticmethod
     def new_id(prefix: str) -> str:
@@ -52,6 +63,8 @@ class OpenAIServing:
         stop = req.stop
         if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
             raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
+        for s in [stop] if isinstance(stop, str) else stop or []:
+            check_encodable(s, "a stop string")
         seed = None if req.seed is None else req.seed & _SEED_MASK  # any int64/uint64 -> the engine's range
         return SamplingParams(
             n=req.n,
@@ -76,7 +89,7 @@ class OpenAIServing:
 
     async def submit(self, prepare: PrepareFn, params: SamplingParams, request_id: str
                      ) -> tuple[RequestStream, list[PromptInfo]]:
-        """Queue on the engine thread; returns once the prompts are validated and queued."""
+        """Prepare (on a worker) and queue; returns once the prompts are validated and queued."""
         stream = self.engine.submit(prepare, params, request_id)
         try:
             prompts = await stream.accepted()

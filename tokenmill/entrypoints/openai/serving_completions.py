@@ -13,14 +13,12 @@ from typing import Optional, Union
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from tokenmill.engine.async_engine import PromptInfo, RequestAborted, RequestStream
+from tokenmill.engine.async_engine import PromptInfo, PromptTools, RequestAborted, RequestStream
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
 from tokenmill.entrypoints.openai.errors import APIError, stream_error_event
 from tokenmill.entrypoints.openai.protocol import CompletionRequest
 from tokenmill.entrypoints.openai.serving_common import (SSE_DONE, ChoiceProgress, EventStreamResponse, OpenAIServing,
                                                          clamp_logprob, now_s, sse, token_str, usage)
-
-MAX_CHOICES = 4096  # prompts x n in one request
 
 
 def normalize_prompts(prompt) -> list[Union[str, list[int]]]:
@@ -60,17 +58,14 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(400, "echo with logprobs needs prompt logprobs, which this server does not compute",
                            param="echo")
         prompts = normalize_prompts(req.prompt)
-        if len(prompts) * req.n > MAX_CHOICES:
-            raise APIError(400, f"at most {MAX_CHOICES} choices (prompts x n) per request", param="prompt")
+        self.check_sequences(len(prompts), req.n, "prompt" if len(prompts) > 1 else "n")
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
 
-        def prepare(engine):
+        def prepare(tools: PromptTools) -> list[tuple[Optional[str], list[int]]]:  # on a prepare worker
             out = []
             for p in prompts:
-                ids = engine.tokenize(p)
-                text = p if isinstance(p, str) else (
-                    engine.tokenizer.decode(ids) if echo and engine.tokenizer is not None else None)
-                out.append((text, ids))
+                ids = tools.tokenize(p)
+                out.append((p if isinstance(p, str) else tools.decode(ids) if echo else None, ids))
             return out
 
         request_id = self.new_id("cmpl")
