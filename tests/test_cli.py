@@ -209,3 +209,8 @@ def test_chat_drops_the_oldest_turns_and_keeps_going(small_engine, monkeypatch, 
     assert all("Be brief." in t for t in texts)  # the system prompt stays
     assert "Name a colour." in texts[1] and "Name a colour." not in texts[2] and "Name a fruit." in texts[2]
     assert "Name a bird." in texts[3] and "word word" not in texts[3]
+
+
+def test_serve_refuses_a_zero_per_request_limit(capsys):
+    assert cli.main(["serve", "--max-sequences-per-request", "0"]) == 2
+    assert "--max-sequences-per-request must be at least 1" in capsys.readouterr().err

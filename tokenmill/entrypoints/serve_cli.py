@@ -38,10 +38,14 @@ def register(subparsers) -> None:
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in the `model` field (default: the model's name)")
     g.add_argument("--max-waiting", type=int, default=4096,
-                   help="refuse new requests with 503 while this many are waiting (0: no bound)")
+                   help="sequences (prompts x n) that may wait to be scheduled: a request that would go past "
+                        "this gets 503 + Retry-After, one larger than it alone a 400 (0: no bound)")
+    g.add_argument("--max-sequences-per-request", type=int, default=256,
+                   help="sequences (prompts x n) one request may ask for (400 beyond)")
     g.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (413 beyond)")
     g.add_argument("--shutdown-grace", type=float, default=30.0,
-                   help="seconds in-flight requests may take to finish on SIGINT/SIGTERM before being aborted")
+                   help="seconds in-flight requests may take to finish on SIGINT/SIGTERM before being aborted; "
+                        "a second signal aborts them at once (exit status 128 + the signal's number)")
     g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the HTTP server's own log level")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -96,6 +100,8 @@ def _check_server_args(args: argparse.Namespace) -> Optional[str]:
         args.model = args.model_arg
     if args.max_body_bytes < 1024:
         return "--max-body-bytes must be at least 1024"
+    if args.max_sequences_per_request < 1:
+        return "--max-sequences-per-request must be at least 1"
     return None
 
 
@@ -117,6 +123,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not names:  # the model's name, and the reference it was started with (e.g. a path) as an alias
         names = [engine.model_name] + ([args.model] if args.model and args.model != engine.model_name else [])
     settings = ServerSettings(served_model_names=names, api_key=api_key, max_waiting=args.max_waiting,
+                              max_sequences_per_request=args.max_sequences_per_request,
                               max_body_bytes=args.max_body_bytes)
     logger.info("%s", startup_summary(engine, args.host, args.port))
     return run_server(engine, host=args.host, port=args.port, settings=settings, shutdown_grace=args.shutdown_grace,
