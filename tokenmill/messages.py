@@ -55,6 +55,9 @@ class SchedulerOutput:
 
 @dataclass
 class LogprobsArrays:
+    """A step's logprobs on the host, in batch order (the runner computes them as tensors and
+    copies them back with the sampled tokens)."""
+
     token_logprobs: np.ndarray  # [B] float32: the sampled token's logprob
     token_ranks: np.ndarray  # [B] int64
     top_ids: np.ndarray  # [B, k] int64

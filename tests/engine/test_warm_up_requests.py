@@ -2,7 +2,7 @@
 the CPU, where the engine itself does not call it."""
 
 from tests.engine.conftest import assert_no_leaks, make_llm
-from tokenmill.runner import sampler as sampler_module
+from tokenmill.runner.sample import gumbel as gumbel_module, sampler as sampler_module
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -34,7 +34,7 @@ def test_warm_up_meets_every_sampler_variant(smollm, monkeypatch):
     four, or the first request of a missing kind compiles on the step path. (On the CPU the model
     is float32 too, so a copy is told from the raw logits by its storage.)"""
     seen, raw = set(), {}
-    real_call, real_sample = sampler_module.Sampler.__call__, sampler_module.gumbel_sample
+    real_call, real_sample = sampler_module.Sampler.__call__, gumbel_module.gumbel_sample
 
     def call(self, logits, *args, **kwargs):
         raw["ptr"] = logits.data_ptr()
@@ -45,7 +45,7 @@ def test_warm_up_meets_every_sampler_variant(smollm, monkeypatch):
         return real_sample(logits, temperature, seeds, positions, greedy_only)
 
     monkeypatch.setattr(sampler_module.Sampler, "__call__", call)
-    monkeypatch.setattr(sampler_module, "gumbel_sample", sample)
+    monkeypatch.setattr(gumbel_module, "gumbel_sample", sample)
     llm = make_llm(smollm)
     llm.engine._warm_up_step_path()
     assert seen == {("raw", True), ("raw", False), ("copy", True), ("copy", False)}

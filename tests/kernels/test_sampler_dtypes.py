@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import tokenmill.kernels.sampling as sampling
-import tokenmill.runner.sampler as sampler_module
+import tokenmill.runner.sample.gumbel as gumbel_module
 from tokenmill.messages import NewRequestData
 from tokenmill.runner.request_states import RequestStates
-from tokenmill.runner.sampler import BatchSamplingPlan, Sampler
+from tokenmill.runner.sample import Sampler
 from tokenmill.sampling_params import SamplingParams
 from tests.kernels.common import INTERPRETER
 
@@ -28,7 +28,9 @@ PLAIN = [0, 1, 2]  # requests that need no stage modifying the logits
 
 
 def make_states() -> RequestStates:
-    states = RequestStates(max_num_reqs=8, max_model_len=64, block_size=16, vocab_size=V, device=torch.device("cpu"))
+    cpu = torch.device("cpu")
+    sampler = Sampler(max_num_reqs=8, vocab_size=V, device=cpu)
+    states = RequestStates(max_num_reqs=8, max_model_len=64, block_size=16, device=cpu, owners=(sampler,))
     for i, p in enumerate(PARAMS):
         prompt = [11 + i, 12, 13, 5]
         states.add(NewRequestData(f"r{i}", prompt + [40, 41], len(prompt), SamplingParams(**p), seed=1000 + i,
@@ -37,11 +39,11 @@ def make_states() -> RequestStates:
     return states
 
 
-def run(sampler: Sampler, logits: torch.Tensor, reqs: list[int]):
-    rows = np.array([sampler.states.row_of[f"r{i}"] for i in reqs])
-    plan = BatchSamplingPlan.for_rows(sampler.states, rows)
+def run(states: RequestStates, logits: torch.Tensor, reqs: list[int]):
+    rows = np.array([states.row_of[f"r{i}"] for i in reqs])
     positions = torch.tensor([6 + i for i in reqs], dtype=torch.int64)
-    return sampler(logits, torch.from_numpy(rows).to(torch.int32), positions, plan)
+    sampler, = states.owners
+    return sampler(logits, rows, torch.from_numpy(rows).to(torch.int32), positions)
 
 
 @pytest.fixture(params=["ref", "triton"])
@@ -57,33 +59,34 @@ def impl(request, monkeypatch):
 def test_sampler_computes_in_float32_and_leaves_the_logits_alone(impl, dtype):
     """Any dtype gives exactly what its values give as float32 logits: tokens, logprobs (float32),
     ranks and top ids; the caller's logits are never written."""
-    sampler = Sampler(make_states())
+    states = make_states()
     reqs = list(range(len(PARAMS)))
     logits = (3 * torch.randn(len(reqs), V, generator=torch.Generator().manual_seed(1))).to(dtype)
     before = logits.clone()
-    out = run(sampler, logits, reqs)
+    out = run(states, logits, reqs)
     assert torch.equal(logits, before)
-    ref = run(sampler, logits.float(), reqs)
+    ref = run(states, logits.float(), reqs)
     assert torch.equal(out.sampled, ref.sampled)
     assert int(out.sampled[4]) != 7, "min_tokens masks the stop id"
-    for name in ("token_logprobs", "token_ranks", "top_logprobs"):
-        got, want = getattr(out, name), getattr(ref, name)
-        assert got.dtype == want.dtype and torch.equal(got, want), name
-    assert out.token_logprobs.dtype == torch.float32
-    assert torch.equal(logits.float().gather(1, out.top_ids), logits.float().gather(1, ref.top_ids))
+    got, want = out.logprobs, ref.logprobs
+    for pair in ((got.token_logprobs, want.token_logprobs), (got.token_ranks, want.token_ranks),
+                 (got.top_logprobs, want.top_logprobs)):
+        assert pair[0].dtype == pair[1].dtype and torch.equal(*pair)
+    assert got.token_logprobs.dtype == torch.float32
+    assert torch.equal(logits.float().gather(1, got.top_ids), logits.float().gather(1, want.top_ids))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_plain_sampling_reads_the_model_logits_without_a_copy(impl, monkeypatch, dtype):
     seen = []
-    real = sampler_module.gumbel_sample
-    monkeypatch.setattr(sampler_module, "gumbel_sample", lambda logits, *a: seen.append(logits) or real(logits, *a))
-    sampler = Sampler(make_states())
+    real = gumbel_module.gumbel_sample
+    monkeypatch.setattr(gumbel_module, "gumbel_sample", lambda logits, *a: seen.append(logits) or real(logits, *a))
+    states = make_states()
     logits = torch.randn(len(PLAIN), V, generator=torch.Generator().manual_seed(2)).to(dtype)
-    out = run(sampler, logits, PLAIN)
+    out = run(states, logits, PLAIN)
     assert len(seen) == 1 and seen[0] is logits
-    states = sampler.states
+    sampler, = states.owners
     rows = [states.row_of[f"r{i}"] for i in PLAIN]
-    expected = sampling.gumbel_sample_ref(logits, states.field_gpu("temperature")[rows], states.field_gpu("seed")[rows],
-                                          torch.tensor([6 + i for i in PLAIN]))
+    expected = sampling.gumbel_sample_ref(logits, sampler.temperature.temperature_gpu[rows],
+                                          sampler.gumbel.seed_gpu[rows], torch.tensor([6 + i for i in PLAIN]))
     assert torch.equal(out.sampled, expected)

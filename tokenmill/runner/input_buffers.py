@@ -61,7 +61,7 @@ class InputBuffers:
         prepare_inputs(
             idx_mapping=self.idx_mapping[:b], query_start_loc=self.query_start_loc[: b + 1],
             start_pos=self.start_pos[:b], num_reqs=step.num_reqs, num_tokens=step.num_tokens,
-            token_table=states.token_table.gpu, num_prefill=states.field_gpu("num_prefill"),
+            token_table=states.token_table.gpu, num_prefill=states.num_prefill_gpu,
             last_sampled=states.last_sampled, block_table=states.block_table.gpu, block_size=states.block_size,
             input_ids=self.input_ids[:t], positions=self.positions[:t], seq_lens=self.seq_lens[:b],
             slot_mapping=self.slot_mapping[:t], logits_indices=self.logits_indices[:b],

@@ -20,7 +20,7 @@ from tokenmill.messages import SchedulerOutput
 from tokenmill.runner.input_buffers import InputBuffers, StepDescriptor
 from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_cache, cuda_kv_budget_bytes
 from tokenmill.runner.request_states import RequestStates
-from tokenmill.runner.sampler import BatchSamplingPlan, Sampler
+from tokenmill.runner.sample import Sampler
 from tokenmill.runner.warmup import warm_up_attention, warm_up_forward
 
 logger = init_logger(__name__)
@@ -40,10 +40,10 @@ class ModelRunner:
         attn = model.model.layers[0].self_attn.attn
         self.kv_spec = KVCacheSpec(arch.num_layers, attn.num_kv_heads, attn.head_dim, config.block_size, dtype)
         self.max_num_tokens = config.max_num_batched_tokens
-        self.states = RequestStates(config.max_num_seqs, max_model_len, config.block_size, self.vocab_size, device)
+        self.sampler = Sampler(config.max_num_seqs, self.vocab_size, device)
+        self.states = RequestStates(config.max_num_seqs, max_model_len, config.block_size, device, (self.sampler,))
         max_blocks = -(-max_model_len // config.block_size)
         self.buffers = InputBuffers(self.max_num_tokens, config.max_num_seqs, max_blocks, device)
-        self.sampler = Sampler(self.states)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.kv_caches: list = []  # per layer (k_cache, v_cache)
         self.graphs = None  # a CudaGraphManager once captured
@@ -165,16 +165,11 @@ class ModelRunner:
         if step is None:
             raise RuntimeError("sample_tokens() needs an execute_model() first")
         b = step.num_reqs
-        plan = BatchSamplingPlan.for_rows(self.states, step.rows)
         idx = self.buffers.idx_mapping[:b]
-        out = self.sampler(logits, idx, self.buffers.seq_lens[:b], plan)
-        post_update(idx, out.sampled, self.buffers.sample_mask[:b], b, self.states.last_sampled,
-                    self.states.output_counts if plan.any_penalty else None)
-        lp = None
-        if out.token_logprobs is not None:
-            lp = (out.token_logprobs, out.token_ranks, out.top_ids, out.top_logprobs)
+        out = self.sampler(logits, step.rows, idx, self.buffers.seq_lens[:b])
+        post_update(idx, out.sampled, self.buffers.sample_mask[:b], b, self.states.last_sampled, out.output_counts)
         self._step = self._logits = None
-        return AsyncOutput(self._req_ids, out.sampled, step.sample_mask, lp, self.copy_stream)
+        return AsyncOutput(self._req_ids, out.sampled, step.sample_mask, out.logprobs, self.copy_stream)
 
     # ---- dummy runs (profiling, warm-up): never touch request state ------------------------
     @torch.inference_mode()

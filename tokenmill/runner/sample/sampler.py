@@ -1,0 +1,81 @@
+"""The sampler: logits [B, V] -> one token per batch entry, plus logprobs when asked.
+
+It composes the stages some request of the batch uses, in this order: logit bias, min_tokens
+masking, penalties, temperature + min-p/top-k/top-p masking; then Gumbel-max sampling (plain argmax
+for an all-greedy batch). Which stages run is decided on the CPU from their numpy mirrors, so no
+device value is read; a stage no row uses is never called. Logprobs are taken from the raw logits.
+
+The logits come in the model's dtype; every kernel computes in float32. A float32 copy is made only
+when some stage modifies the logits; the caller's tensor is never written.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from tokenmill.messages import NewRequestData
+from tokenmill.runner.request_states import RowState
+from tokenmill.runner.sample.gumbel import GumbelSampler
+from tokenmill.runner.sample.logit_bias import LogitBiasStage
+from tokenmill.runner.sample.logprobs import DeviceLogprobs, LogprobsReader
+from tokenmill.runner.sample.min_tokens import MinTokensStage
+from tokenmill.runner.sample.penalties import PenaltyStage
+from tokenmill.runner.sample.stage import SampleBatch, SamplingStage
+from tokenmill.runner.sample.temperature import TemperatureStage
+
+
+@dataclass
+class SamplerOutput:
+    sampled: torch.Tensor  # [B] int64
+    logprobs: Optional[DeviceLogprobs] = None
+    # The penalty stage's [R, V] output-token counts when it ran this step: post-update adds the
+    # sampled tokens to them. None otherwise.
+    output_counts: Optional[torch.Tensor] = None
+
+
+class Sampler(RowState):
+    def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device):
+        self.temperature = TemperatureStage(max_num_reqs, device)
+        self.penalties = PenaltyStage(max_num_reqs, vocab_size, device)
+        # The logit-modifying stages, in the order they run.
+        self.stages: tuple[SamplingStage, ...] = (
+            LogitBiasStage(max_num_reqs, device), MinTokensStage(max_num_reqs, device), self.penalties,
+            self.temperature,
+        )
+        self.gumbel = GumbelSampler(max_num_reqs, device)
+        self.logprobs = LogprobsReader(max_num_reqs)
+        self._parts: tuple[RowState, ...] = self.stages + (self.gumbel, self.logprobs)
+
+    # ---- rows: RequestStates forwards admissions and releases ------------------------------
+    def add_request(self, row: int, new: NewRequestData) -> None:
+        for part in self._parts:
+            part.add_request(row, new)
+
+    def remove_request(self, row: int) -> None:
+        for part in self._parts:
+            part.remove_request(row)
+
+    def apply_staged(self) -> None:
+        for part in self._parts:
+            part.apply_staged()
+
+    # ---- the step -------------------------------------------------------------------------
+    def __call__(self, logits: torch.Tensor, rows: np.ndarray, idx_mapping: torch.Tensor,
+                 positions: torch.Tensor) -> SamplerOutput:
+        """logits [B, V] float32, bfloat16 or float16, never modified; rows [B] the batch's request
+        rows on the host and idx_mapping the same on the device; positions [B]: the position the
+        sampled token will take (its index in the sequence)."""
+        active = [stage for stage in self.stages if stage.needed(rows)]
+        idx = idx_mapping.long()
+        batch = SampleBatch(rows, idx, positions, self.temperature.temperature_gpu[idx])
+        # Stages write into the logits: a float32 copy, which also leaves the raw logits for
+        # logprobs. Plain temperature / greedy sampling reads the model's logits directly.
+        work = logits.to(torch.float32, copy=True) if active else logits
+        for stage in active:
+            stage.apply(work, batch)
+        noise = self.temperature.noise_scale(batch, scaled=self.temperature in active)
+        sampled = self.gumbel.sample(work, batch, noise, self.temperature.all_greedy(rows))
+        return SamplerOutput(sampled, self.logprobs.read(logits, sampled, rows),
+                             self.penalties.output_counts if self.penalties in active else None)
