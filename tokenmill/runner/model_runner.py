@@ -12,11 +12,11 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.kernels.input_prep import post_update
-from tokenmill.layers.forward_context import AttentionMetadata, forward_context
-from tokenmill.layers.linear import set_small_batch_fusion
+from tokenmill.layers.forward_context import AttentionMetadata, AttentionSplitter, forward_context
 from tokenmill.logger import init_logger
 from tokenmill.runner.async_output import AsyncOutput
 from tokenmill.messages import SchedulerOutput
+from tokenmill.runner.dummy_batch import fill_dummy_batch, split_tokens
 from tokenmill.runner.input_buffers import InputBuffers, StepDescriptor
 from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_cache, cuda_kv_budget_bytes
 from tokenmill.runner.request_states import RequestStates
@@ -31,14 +31,14 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype):
         self.model = model
         self.config = config
-        set_small_batch_fusion(config.fused_small_batch_linear)
         self.device = device
         self.dtype = dtype
         self.max_model_len = max_model_len
         arch = model.config
         self.vocab_size = arch.vocab_size
-        attn = model.model.layers[0].self_attn.attn
-        self.kv_spec = KVCacheSpec(arch.num_layers, attn.num_kv_heads, attn.head_dim, config.block_size, dtype)
+        self.attn_spec = model.attention_spec()
+        spec = self.attn_spec
+        self.kv_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, dtype)
         self.max_num_tokens = config.max_num_batched_tokens
         self.sampler = Sampler(config.max_num_seqs, self.vocab_size, device)
         self.states = RequestStates(config.max_num_seqs, max_model_len, config.block_size, device, (self.sampler,))
@@ -81,11 +81,12 @@ class ModelRunner:
             return
         max_piecewise = min(self.config.piecewise_cuda_graph_max_tokens, self.max_num_tokens)
         if max_piecewise >= 16:
-            piecewise = PiecewiseGraphManager(self.model, self.buffers, self.kv_caches, piecewise_sizes(max_piecewise))
+            piecewise = PiecewiseGraphManager(self.attn_spec, self.buffers, self.kv_caches, self.run_model,
+                                              piecewise_sizes(max_piecewise))
             piecewise.capture(lambda tokens: self.dummy_run(tokens, 1))
             self.piecewise = piecewise
         largest = min(self.config.max_num_seqs, self.config.cuda_graph_max_batch, self.max_num_tokens)
-        manager = CudaGraphManager(self.model, self.buffers, self.kv_caches, default_capture_sizes(largest))
+        manager = CudaGraphManager(self.model, self.buffers, self.run_model, default_capture_sizes(largest))
         manager.capture()
         self.graphs = manager
 
@@ -137,27 +138,31 @@ class ModelRunner:
         decode_only = bool((q_lens == 1).all())
         graph = self.graphs.dispatch(len(batch)) if (self.graphs is not None and decode_only) else None
         pieces = self.piecewise.dispatch(num_tokens) if (self.piecewise is not None and graph is None) else None
-        padded = graph.batch_size if graph is not None else len(batch)
+        padded = graph if graph is not None else len(batch)
         padded_tokens = pieces if pieces is not None else num_tokens + padded - len(batch)
         step = StepDescriptor(len(batch), num_tokens, padded, padded_tokens,
                               int(q_lens.max()), int((start + q_lens).max()), rows, samples)
         self.buffers.upload(rows, q_lens, start, samples, padded)
         self.buffers.prepare(step, states)
         if graph is not None:
-            self._logits = graph.replay()[: len(batch)]  # decode: one logits row per request
+            self._logits = self.graphs.replay(graph)[: len(batch)]  # decode: one logits row per request
         else:
             if pieces is not None:
                 hidden = self.piecewise.run(pieces, self.buffers.attention_metadata(step))
             else:
-                hidden = self._forward(step)
+                t = step.padded_tokens
+                hidden = self.run_model(self.buffers.attention_metadata(step), self.buffers.input_ids[:t],
+                                        self.buffers.positions[:t])
             self._logits = self.model.compute_logits(hidden[self.buffers.logits_indices[: len(batch)]])
         self._step = step
         self._req_ids = [e.req_id for e in batch]
 
-    def _forward(self, step: StepDescriptor) -> torch.Tensor:
-        t = step.padded_tokens
-        with forward_context(self.buffers.attention_metadata(step), self.kv_caches):
-            return self.model(self.buffers.input_ids[:t], self.buffers.positions[:t])
+    def run_model(self, meta: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
+                  splitter: Optional[AttentionSplitter] = None) -> torch.Tensor:
+        """The model's forward pass in this runner's forward context: its KV caches and its
+        engine's layer choices (eager steps, dummy runs and every graph capture go through here)."""
+        with forward_context(meta, self.kv_caches, splitter, self.config.fused_small_batch_linear):
+            return self.model(input_ids, positions)
 
     @torch.inference_mode()
     def sample_tokens(self) -> AsyncOutput:
@@ -181,27 +186,13 @@ class ModelRunner:
         # Within the buffers: at most max_num_seqs requests, none longer than max_model_len.
         num_reqs = max(1, min(num_reqs, num_tokens, self.config.max_num_seqs),
                        -(-num_tokens // self.max_model_len))
-        q_lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
-        q_lens[: num_tokens % num_reqs] += 1
         buf = self.buffers
-        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=qsl[1:])
-        buf.input_ids[:num_tokens].zero_()
-        buf.positions[:num_tokens].copy_(torch.from_numpy(np.concatenate([np.arange(n) for n in q_lens])))
         size = self.piecewise.dispatch(num_tokens) if (piecewise and self.piecewise is not None) else None
-        buf.slot_mapping[: size or num_tokens].fill_(-1)  # padding tokens too
-        buf.query_start_loc[: num_reqs + 1].copy_(torch.from_numpy(qsl))
-        buf.seq_lens[:num_reqs].copy_(torch.from_numpy(q_lens))
-        buf.block_tables[:num_reqs].zero_()
-        buf.logits_indices[:num_reqs].copy_(torch.from_numpy(qsl[1:] - 1))
-        meta = AttentionMetadata(buf.query_start_loc[: num_reqs + 1], buf.seq_lens[:num_reqs],
-                                 buf.block_tables[:num_reqs], buf.slot_mapping[:num_tokens],
-                                 int(q_lens.max()), int(q_lens.max()))
+        meta = fill_dummy_batch(buf, split_tokens(num_tokens, num_reqs), size or 0)
         if size is not None:
             hidden = self.piecewise.run(size, meta)
         else:
-            with forward_context(meta, self.kv_caches):
-                hidden = self.model(buf.input_ids[:num_tokens], buf.positions[:num_tokens])
+            hidden = self.run_model(meta, buf.input_ids[:num_tokens], buf.positions[:num_tokens])
         logits = self.model.compute_logits(hidden[buf.logits_indices[:num_reqs]])
         if sample:  # the sampler's worst case: every stage on, over the whole vocabulary
             torch.topk(logits, 20, dim=-1)
