@@ -50,7 +50,8 @@ def _workload(llm: LLM, vocab: int) -> None:
 def test_no_compile_after_warm_up(max_num_batched_tokens):
     path = _gguf_path()
     for dtype in ("float32", "bfloat16"):  # a bf16 engine after an fp32 one, as a server restart in-process would
-        config = EngineConfig(max_num_seqs=64, max_model_len=2048, max_num_batched_tokens=max_num_batched_tokens)
+        config = EngineConfig(max_num_seqs=64, max_model_len=2048, max_num_batched_tokens=max_num_batched_tokens,
+                              num_kv_blocks=4096)
         engine = LLMEngine(path, config, dtype=dtype, device="cuda")
         _workload(LLM.from_engine(engine), engine.loaded.arch.vocab_size)
         stats = engine.compile_watch.stats()
