@@ -139,3 +139,12 @@ def test_engine_flags_round_trip():
                      "--enforce-eager", "--seed", "3"]
     assert cli.engine_config_from_args(p.parse_args(flags)) == cli.engine_config_from_args(args)
     assert cli.engine_flags(p.parse_args([])) == []
+
+
+def test_cpu_default_chunks_long_prompts_beside_decodes():
+    """On the CPU a long prompt is taken in chunks while other requests decode, unless the user set a cap."""
+    from tokenmill.config import CPU_PREFILL_TOKENS_WITH_DECODES
+
+    assert EngineConfig().resolve_prefill_cap("cpu") == CPU_PREFILL_TOKENS_WITH_DECODES
+    assert EngineConfig().resolve_prefill_cap("cuda") is None
+    assert EngineConfig(max_prefill_tokens_with_decodes=1024).resolve_prefill_cap("cpu") == 1024

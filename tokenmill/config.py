@@ -78,6 +78,12 @@ def check_field_types(config: Any) -> None:
             raise ConfigError(f"{f.name} must be >= {minimum}, got {value!r}")
 
 
+# On the CPU a step of a few hundred prompt tokens takes about a second for the embedded model:
+# with decodes running, a long prompt is taken in chunks of this size so streams keep moving
+# (docs/PERFORMANCE.md, CPU).
+CPU_PREFILL_TOKENS_WITH_DECODES = 256
+
+
 @dataclass
 class EngineConfig:
     """The engine's options. Every field is also a flag (--max-num-seqs) and an `LLM(...)` keyword."""
@@ -89,7 +95,7 @@ class EngineConfig:
     # A cap shortens the longest steps but makes more of them mixed (see docs/PERFORMANCE.md, serve-8b).
     max_prefill_tokens_with_decodes: Optional[int] = option(
         None, "prompt tokens a step may take while it also runs decodes; bounds inter-token latency",
-        default_help="up to the step budget", minimum=1)
+        default_help=f"{CPU_PREFILL_TOKENS_WITH_DECODES} on the CPU, up to the step budget on CUDA", minimum=1)
     block_size: int = option(16, "tokens per KV-cache block", choices=(8, 16, 32, 64, 128))
     num_kv_blocks: Optional[int] = option(
         None, "explicit KV-cache size in blocks", default_help="derived from memory", minimum=1)
@@ -121,6 +127,13 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+
+    def resolve_prefill_cap(self, device_type: str) -> Optional[int]:
+        """max_prefill_tokens_with_decodes on this device: on the CPU, where a step of thousands of
+        prompt tokens takes seconds, a long prompt is chunked while other requests decode."""
+        if self.max_prefill_tokens_with_decodes is None and device_type == "cpu":
+            return CPU_PREFILL_TOKENS_WITH_DECODES
+        return self.max_prefill_tokens_with_decodes
 
     def resolve_max_model_len(self, model_max: int) -> int:
         if self.max_model_len is None:

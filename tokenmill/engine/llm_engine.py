@@ -77,7 +77,8 @@ class LLMEngine:
             self.runner.capture_cuda_graphs()
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerLimits(self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                                   self.max_model_len, self.config.max_prefill_tokens_with_decodes),
+                                                   self.max_model_len,
+                                                   self.config.resolve_prefill_cap(self.loaded.device.type)),
                                    self.kv)
         self.outputs = OutputProcessor(self.tokenizer)
         self._inflight: deque[tuple[SchedulerOutput, AsyncOutput]] = deque()
