@@ -79,7 +79,7 @@ def profile_tokenmill(llm: LLM, ids: list[int], top: int = 30) -> str:
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
     except OSError:
         return "unknown"
 
