@@ -107,3 +107,17 @@ def test_greedy_matches_hf_with_window(engine, device, tmp_path):
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
                               pad_token_id=0)[0, len(ids):].tolist()
         assert out.outputs[0].token_ids == ref
+
+
+def test_the_window_reaches_the_runner_and_its_warm_up(tmp_path, monkeypatch):
+    """The model's attention spec carries the window, and warm-up launches the windowed attention
+    variants (a variant first met under load would compile on the step path)."""
+    from tokenmill.runner import warmup
+
+    _, ours = _windowed_pair("mistral", tmp_path)
+    llm = make_llm(ours)
+    assert llm.engine.runner.attn_spec.sliding_window == WINDOW
+    seen = []
+    monkeypatch.setattr(warmup, "paged_attention", lambda *a, **kw: seen.append(kw["sliding_window"]))
+    assert warmup.warm_up_attention(llm.engine.runner) == len(seen) > 0
+    assert set(seen) == {WINDOW}

@@ -38,6 +38,7 @@ def warm_up_attention(runner) -> int:
         meta = fill_dummy_batch(runner.buffers, q_lens)
         q = torch.zeros((tokens, spec.num_heads, spec.head_dim), dtype=runner.dtype, device=runner.device)
         paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, spec.scale,
-                        max_query_len=meta.max_query_len, num_splits=plan.num_splits, block_m=plan.block_m,
-                        block_n=plan.block_n, num_warps=plan.num_warps, num_stages=plan.num_stages)
+                        sliding_window=spec.sliding_window, max_query_len=meta.max_query_len,
+                        num_splits=plan.num_splits, block_m=plan.block_m, block_n=plan.block_n,
+                        num_warps=plan.num_warps, num_stages=plan.num_stages)
     return len(variants)
