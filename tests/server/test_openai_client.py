@@ -166,6 +166,42 @@ def test_greedy_matches_llm_generate(client, smollm):
     assert served_chat.choices[0].message.content == local_chat.text
 
 
+def test_stop_strings_streamed_and_n2_match_llm_generate(client, smollm):
+    """Stop strings (found off the engine thread in the server) give what LLM.generate gives, streamed
+    or not, for two prompts with n=2; streams show no piece of a stop string and usage counts only
+    the tokens sent. (tests/server/test_detokenize.py: a sample's stop does not end its sibling.)"""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.entrypoints.llm import LLM
+    from tokenmill.sampling_params import SamplingParams
+
+    kwargs = dict(model=MODEL, prompt=["Once upon a time", PROMPT], max_tokens=12, temperature=0, n=2,
+                  stop=[" the", "."])
+    full = client.completions.create(**kwargs)
+    usage_chunks = []
+    texts, reasons, chunks = {}, {}, 0
+    for chunk in client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage_chunks.append(chunk.usage)
+        for choice in chunk.choices:
+            assert not any(stop in texts.get(choice.index, "") + choice.text for stop in kwargs["stop"])
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+            chunks += 1
+    llm = LLM.from_engine(LLMEngine(config=EngineConfig(num_kv_blocks=512, max_num_seqs=64), loaded=smollm))
+    local = llm.generate(kwargs["prompt"], SamplingParams(max_tokens=12, temperature=0, n=2, stop=kwargs["stop"]),
+                         use_tqdm=False)
+    expected = [c for out in local for c in out.outputs]
+    assert [c.text for c in full.choices] == [c.text for c in expected] == [texts[i] for i in range(4)]
+    assert [c.finish_reason for c in full.choices] == [c.finish_reason for c in expected] == \
+        [reasons[i] for i in range(4)]
+    assert [c.model_extra["stop_reason"] for c in full.choices] == [c.stop_reason for c in expected]
+    assert [c.model_extra["token_ids"] for c in full.choices] == [c.token_ids for c in expected]
+    assert "stop" in reasons.values()
+    sent = sum(len(c.token_ids) for c in expected)
+    assert full.usage.completion_tokens == usage_chunks[-1].completion_tokens == chunks == sent
+
+
 def test_non_streaming_client_disconnect_aborts(server):
     before = server.metrics()["tokenmill:request_success_total{abort}"]
     with pytest.raises(httpx.ReadTimeout):

@@ -1,6 +1,6 @@
 """AsyncLLMEngine: the engine on a thread of its own, fed by many asyncio handlers.
 
-Three kinds of threads take part:
+Four kinds of threads take part:
 
 - the event loop, where handlers call `submit`, `abort`, `call` and `stop`;
 - a small pool of *prepare* workers: tokenizing, rendering chat templates (the submission's
@@ -10,8 +10,14 @@ Three kinds of threads take part:
 - the engine thread, the only one that touches the (not thread-safe) LLMEngine: adding, aborting,
   stepping. Handlers talk to it through a thread-safe queue of typed commands (AddCommand,
   AbortCommand, CallCommand, StopCommand) and get their outputs back through one asyncio queue per
-  submission; the engine thread hands each step's outputs to the event loop in a single
-  `loop.call_soon_threadsafe` call. With no work, it blocks on the command queue (it does not spin).
+  submission. With no work, it blocks on the command queue (it does not spin). It makes token ids
+  and logprob values only (its OutputProcessor does not detokenize);
+- the *detokenizing* thread, which takes what the engine thread hands over, in order: for each
+  engine request a RequestDetokenizer makes the text, the logprob pieces and finds the stop strings
+  (the same code the offline engine runs), then hands each batch to the event loop in a single
+  `loop.call_soon_threadsafe` call. When a stop string ends a sample, that sample is final for the
+  client at once (its later tokens are dropped) and a StopSampleCommand aborts it in the engine;
+  its siblings go on. With no work, it blocks on its queue.
 
 A submission is a *group* of prompts sharing one SamplingParams (the OpenAI completions API takes a
 list of prompts); each prompt becomes one engine request with `params.n` sequences. The group is
@@ -30,10 +36,11 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol, Union
 
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.output_processor import RequestDetokenizer
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.logger import init_logger
@@ -142,9 +149,11 @@ class RequestStream:
     once the stream has finished.
     """
 
-    def __init__(self, engine: "AsyncLLMEngine", request_id: str):
+    def __init__(self, engine: "AsyncLLMEngine", request_id: str, params: Optional[SamplingParams] = None):
         self.request_id = request_id
+        self.params = params
         self._engine = engine
+        self._texts: dict[int, RequestDetokenizer] = {}  # by prompt index; the detokenizing thread's
         self._queue: asyncio.Queue = asyncio.Queue()
         self._remaining: Optional[int] = None
         self.aborted = False
@@ -216,11 +225,22 @@ class CallCommand:
 
 
 @dataclass
+class StopSampleCommand:
+    """A stop string ended one sample (the detokenizing thread found it): abort that sample; the
+    client has its final output already."""
+
+    request_id: str  # the engine request
+    index: int  # which of its n samples
+    stop_reason: str
+    num_tokens: int  # the tokens the client got
+
+
+@dataclass
 class StopCommand:
     """Abort everything and end the engine thread."""
 
 
-Command = Union[AddCommand, AbortCommand, CallCommand, StopCommand]
+Command = Union[AddCommand, AbortCommand, CallCommand, StopSampleCommand, StopCommand]
 
 
 @dataclass
@@ -234,6 +254,8 @@ class _Group:
     # per engine request: per sample [tokens seen, time of the last one]; and whether TTFT was observed
     progress: dict[str, list[list[float]]] = field(default_factory=dict)
     first_seen: set = field(default_factory=set)
+    # per engine request: the samples a stop string ended, index -> (stop string, tokens shown)
+    text_stops: dict[str, dict[int, tuple[str, int]]] = field(default_factory=dict)
 
 
 class AsyncLLMEngine:
@@ -250,10 +272,14 @@ class AsyncLLMEngine:
         self.max_model_len = engine.max_model_len
         self.has_tokenizer = engine.tokenizer is not None
         self._tools = PromptTools(engine)
+        self._tokenizer = engine.tokenizer
+        engine.outputs.detokenize = False  # text is made on the detokenizing thread
         self._prepare_pool = ThreadPoolExecutor(max_workers=prepare_workers, thread_name_prefix="tokenmill-prepare")
         self._preparing: set[asyncio.Task] = set()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
+        self._detok_queue: queue.SimpleQueue = queue.SimpleQueue()  # batches of deliveries; None ends it
+        self._detok_thread: Optional[threading.Thread] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._ids = itertools.count()
         self._stopping = False
@@ -274,6 +300,9 @@ class AsyncLLMEngine:
             raise RuntimeError("the engine is already started")
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._detok_thread = threading.Thread(target=self._run_detokenizer, name="tokenmill-detokenize",
+                                              daemon=True)
+        self._detok_thread.start()
         self._thread.start()
 
     async def stop(self, timeout: float = 30.0) -> None:
@@ -287,6 +316,9 @@ class AsyncLLMEngine:
         await asyncio.to_thread(self._thread.join, timeout)
         if self._thread.is_alive():
             logger.warning("the engine thread did not stop within %.0f s", timeout)
+            return
+        self._detok_queue.put(None)  # after the engine thread's last batch
+        await asyncio.to_thread(self._detok_thread.join, timeout)
 
     @property
     def is_running(self) -> bool:
@@ -300,7 +332,7 @@ class AsyncLLMEngine:
     def submit(self, prepare: PrepareFn, params: SamplingParams, request_id: Optional[str] = None) -> RequestStream:
         """Prepare a submission on a worker, then queue it; `await stream.accepted()` to learn
         whether it was taken. Call from the event loop."""
-        stream = RequestStream(self, request_id or f"req-{next(self._ids)}")
+        stream = RequestStream(self, request_id or f"req-{next(self._ids)}", params)
         if not self.is_running:
             stream.fail(self._dead_error())
             return stream
@@ -409,6 +441,8 @@ class AsyncLLMEngine:
                 self._abort(request_id)
             case CallCommand():
                 self._call(command)
+            case StopSampleCommand():
+                self._stop_sample(command)
             case StopCommand():
                 return True
             case _:
@@ -485,8 +519,20 @@ class AsyncLLMEngine:
                 continue  # this prompt had finished
             out = self.engine.abort_request(sub_id)
             if out is not None and self.observer is not None:
-                self.observer.finished(out, now - group.arrival)
+                self.observer.finished(_as_shown(group, out), now - group.arrival)
         self._needs_step = True  # let the engine release runner rows even if it is now idle
+
+    def _stop_sample(self, command: StopSampleCommand) -> None:
+        where = self._group_of.get(command.request_id)
+        if where is None:
+            return  # finished or aborted meanwhile
+        group = self._groups[where[0]]
+        group.text_stops.setdefault(command.request_id, {})[command.index] = (command.stop_reason,
+                                                                              command.num_tokens)
+        out = self.engine.abort_request(command.request_id, sample=command.index)
+        self._needs_step = True  # let the engine release runner rows even if it is now idle
+        if out is not None and out.finished:
+            self._dispatch([out])
 
     def _observe_step(self, kind: Optional[str]) -> None:
         """The interval between two engine steps in a busy loop, by the kind of the step whose
@@ -511,7 +557,7 @@ class AsyncLLMEngine:
                 del self._group_of[out.request_id]
                 group.remaining -= 1
                 if self.observer is not None:
-                    self.observer.finished(out, now - group.arrival)
+                    self.observer.finished(_as_shown(group, out), now - group.arrival)
                 if group.remaining == 0:
                     del self._groups[where[0]]
 
@@ -560,10 +606,70 @@ class AsyncLLMEngine:
         if not self._deliveries:
             return
         batch, self._deliveries = self._deliveries, []
-        try:
-            self._loop.call_soon_threadsafe(_deliver, batch)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+        self._detok_queue.put(batch)
+
+    # ---- the detokenizing thread -------------------------------------------------------------
+    def _run_detokenizer(self) -> None:
+        """Take the engine thread's batches in order (all that are waiting at once), give the outputs
+        their text, and hand them to the event loop."""
+        while True:
+            batches = [self._detok_queue.get()]
+            while True:
+                try:
+                    batches.append(self._detok_queue.get_nowait())
+                except queue.Empty:
+                    break
+            ready: list[tuple[Any, Any]] = []
+            for batch in batches:
+                if batch is not None:
+                    ready.extend(self._with_text(batch))
+            if ready:
+                try:
+                    self._loop.call_soon_threadsafe(_deliver, ready)
+                except RuntimeError:  # the event loop is closed: nobody is listening any more
+                    pass
+            if None in batches:
+                return
+
+    def _with_text(self, batch: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+        if self._tokenizer is None:
+            return batch  # no text to make (and no stop strings)
+        ready = []
+        for target, item in batch:
+            if isinstance(target, RequestStream) and isinstance(item, tuple):
+                try:
+                    item = self._shown(target, *item)
+                except Exception as e:  # a bug, or a tokenizer failing in a way of its own
+                    logger.exception("detokenizing the output of request %s failed", target.request_id)
+                    item = TokenmillError(f"the output could not be detokenized: {type(e).__name__}: {e}")
+                    self.abort(target.request_id)
+                if item is None:
+                    continue
+            ready.append((target, item))
+        return ready
+
+    def _shown(self, stream: RequestStream, index: int, out: RequestOutput) -> Optional[tuple[int, RequestOutput]]:
+        """One engine output as the client sees it (None: nothing more to show for that request);
+        the samples a stop string ended are aborted in the engine."""
+        state = stream._texts.get(index)
+        if state is None:
+            state = stream._texts[index] = RequestDetokenizer(self._tokenizer, out.prompt_token_ids, stream.params)
+        shown, stopped = state.process(out)
+        for sample in stopped:
+            c = shown.outputs[sample]
+            self._commands.put(StopSampleCommand(out.request_id, sample, c.stop_reason, len(c.token_ids)))
+        return None if shown is None else (index, shown)
+
+
+def _as_shown(group: _Group, out: RequestOutput) -> RequestOutput:
+    """An engine output as its client saw it: the samples a stop string ended stop there."""
+    stops = group.text_stops.get(out.request_id)
+    if not stops:
+        return out
+    outputs = [replace(c, finish_reason="stop", stop_reason=stops[c.index][0],
+                       token_ids=c.token_ids[:stops[c.index][1]]) if c.index in stops else c
+               for c in out.outputs]
+    return replace(out, outputs=outputs)
 
 
 def _deliver(batch: list[tuple[Any, Any]]) -> None:

@@ -8,6 +8,8 @@ incomplete character (U+FFFD), nothing is emitted and the window grows.
 
 from typing import Optional
 
+from tokenmill.sampling_params import SamplingParams
+
 _REPLACEMENT = "\ufffd"
 _CONTEXT = 6  # tokens of left context kept in the window for spacing decisions
 
@@ -65,3 +67,30 @@ class IncrementalDetokenizer:
     def safe_text(self) -> str:
         """The text a stream may show now: all but the tail that could still grow into a stop string."""
         return self.text[: max(len(self.text) - max(self._max_stop - 1, 0), 0)]
+
+
+def token_piece(tokenizer, token: int) -> Optional[str]:
+    """How one token is shown in logprobs (None without a tokenizer)."""
+    return tokenizer.decode([token]) if tokenizer is not None else None
+
+
+class SampleText:
+    """The text of one sample as its tokens arrive: detokenized, a stop string found (counted only
+    from min_tokens on) and cut. The engine (offline) and the server's detokenizing stage both use
+    it, so both give the same text and stop strings."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                                  params.stop_strings, params.include_stop_str_in_output)
+        self.min_tokens = params.min_tokens
+        self.num_tokens = 0
+
+    def add_token(self, token_id: int) -> Optional[str]:
+        """Append the next output token; returns the stop string that ends the sample here, if any."""
+        self.num_tokens += 1
+        stop = self.detokenizer.add_token(token_id)
+        return stop if self.num_tokens >= self.min_tokens else None
+
+    def text(self, finished: bool) -> str:
+        """All the text once finished; before that, only what a stream may show."""
+        return self.detokenizer.text if finished else self.detokenizer.safe_text()

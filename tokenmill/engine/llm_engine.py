@@ -190,18 +190,20 @@ class LLMEngine:
             self.scheduler.add_request(child)
         return request_id
 
-    def abort_request(self, request_id: str) -> Optional[RequestOutput]:
-        """Stop a request wherever it is; its blocks go back to the pool. Returns its final output."""
+    def abort_request(self, request_id: str, sample: Optional[int] = None) -> Optional[RequestOutput]:
+        """Stop a request (or only its sample number `sample`) wherever it is; its blocks go back to
+        the pool. Returns its output, final (and the request forgotten) once every sample has ended."""
         user = self.outputs.states.get(request_id)
         if user is None:
             return None
-        for sample in user.samples:
-            req = sample.request
+        for state in user.samples if sample is None else user.samples[sample:sample + 1]:
+            req = state.request
             if not req.status.finished:
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
             self.outputs.on_finished(req, RequestStatus.FINISHED_ABORTED)
         out = self.outputs.make_output(request_id)
-        self.outputs.release(request_id)
+        if out.finished:
+            self.outputs.release(request_id)
         return out
 
     def has_unfinished_requests(self) -> bool:

@@ -1,15 +1,20 @@
 """Turning sampled tokens into user-facing outputs: stop checks, detokenization, logprobs, and the
-grouping of n parallel samples under one request id."""
+grouping of n parallel samples under one request id.
+
+With `detokenize` off (the server) the engine makes only token ids and logprob values: no text, no
+logprob pieces, no stop strings. RequestDetokenizer then does that text side, outside the engine
+thread, the same way (SampleText), and says which samples a stop string has ended."""
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 
-from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.detokenizer import SampleText, token_piece
 from tokenmill.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.messages import LogprobsArrays
+from tokenmill.sampling_params import SamplingParams
 
 
 @dataclass
@@ -17,7 +22,7 @@ class SampleState:
     """One of a request's n samples."""
 
     request: Request
-    detokenizer: Optional[IncrementalDetokenizer]
+    text: Optional[SampleText]
     logprobs: Optional[list] = None
     cumulative_logprob: Optional[float] = None
     finish_reason: Optional[str] = None
@@ -38,8 +43,9 @@ class UserRequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, detokenize: bool = True):
         self.tokenizer = tokenizer
+        self.detokenize = detokenize  # off: token ids and logprob values only (text is made elsewhere)
         self.states: dict[str, UserRequestState] = {}  # by user request id
         self.parent_of: dict[str, str] = {}  # sample request id -> user request id
 
@@ -47,12 +53,9 @@ class OutputProcessor:
         samples = []
         for child in children:
             p = child.params
-            detok = None
-            if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.skip_special_tokens, p.stop_strings,
-                                               p.include_stop_str_in_output)
+            text = SampleText(self.tokenizer, prompt_ids, p) if self.tokenizer is not None and self.detokenize else None
             wants_logprobs = p.logprobs is not None
-            samples.append(SampleState(child, detok, [] if wants_logprobs else None, 0.0 if wants_logprobs else None))
+            samples.append(SampleState(child, text, [] if wants_logprobs else None, 0.0 if wants_logprobs else None))
             self.parent_of[child.request_id] = request_id
         self.states[request_id] = UserRequestState(request_id, prompt, prompt_ids, samples,
                                                    RequestMetrics(arrival_time=children[0].arrival_time))
@@ -70,14 +73,13 @@ class OutputProcessor:
             self._record_logprobs(sample, token, batch_index, logprobs, request.params.logprobs)
         params = request.params
         num_out = len(request.output_token_ids)
-        stop_string = sample.detokenizer.add_token(token) if sample.detokenizer is not None else None
-        if num_out >= params.min_tokens:
-            if token in request.stop_ids:
-                request.stop_reason = None if token not in params.stop_token_ids else token
-                return RequestStatus.FINISHED_STOPPED
-            if stop_string is not None:
-                request.stop_reason = stop_string
-                return RequestStatus.FINISHED_STOPPED
+        stop_string = sample.text.add_token(token) if sample.text is not None else None  # from min_tokens on
+        if num_out >= params.min_tokens and token in request.stop_ids:
+            request.stop_reason = None if token not in params.stop_token_ids else token
+            return RequestStatus.FINISHED_STOPPED
+        if stop_string is not None:
+            request.stop_reason = stop_string
+            return RequestStatus.FINISHED_STOPPED
         if num_out >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
@@ -91,7 +93,7 @@ class OutputProcessor:
         sample.cumulative_logprob += float(lp.token_logprobs[i])
 
     def _piece(self, token: int) -> Optional[str]:
-        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
+        return token_piece(self.tokenizer, token) if self.detokenize else None
 
     def on_finished(self, request: Request, status: RequestStatus) -> None:
         user = self.states.get(self.parent_of.get(request.request_id, ""))
@@ -110,10 +112,7 @@ class OutputProcessor:
         for sample in user.samples:
             req = sample.request
             done = sample.finish_reason is not None
-            if sample.detokenizer is None:
-                text = ""
-            else:
-                text = sample.detokenizer.text if done else sample.detokenizer.safe_text()
+            text = sample.text.text(done) if sample.text is not None else ""
             outputs.append(CompletionOutput(
                 index=req.index, text=text, token_ids=list(req.output_token_ids),
                 cumulative_logprob=sample.cumulative_logprob,
@@ -132,3 +131,78 @@ class OutputProcessor:
     def user_request_of(self, sample_request_id: str) -> Optional[str]:
         return self.parent_of.get(sample_request_id)
 
+
+
+@dataclass
+class _ShownSample:
+    """The text side of one sample, as the client sees it."""
+
+    text: SampleText
+    seen: int = 0  # output tokens taken in
+    logprobs: Optional[list] = None
+    cumulative_logprob: Optional[float] = None
+    final: Optional[CompletionOutput] = None  # set once it has ended (its later outputs are this)
+
+
+class RequestDetokenizer:
+    """The text side of one engine request for the server, run outside the engine thread: takes the
+    engine's outputs (token ids and logprob values, no text) in order and returns them as the
+    offline engine would have made them: text, logprob pieces, stop strings. A sample a stop string
+    ends is final from then on; the tokens the engine made after it (before it saw the abort) are
+    dropped."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+        self.tokenizer = tokenizer
+        wants_logprobs = params.logprobs is not None
+        self.samples = [_ShownSample(SampleText(tokenizer, prompt_token_ids, params), 0,
+                                     [] if wants_logprobs else None, 0.0 if wants_logprobs else None)
+                        for _ in range(params.n)]
+        self.done = False  # a finished output has been returned
+
+    def process(self, out: RequestOutput) -> tuple[Optional[RequestOutput], list[int]]:
+        """The output to show (None once a finished one was shown) and the indexes of the samples a
+        stop string has just ended (the engine should abort them)."""
+        if self.done:
+            return None, []
+        outputs, stopped = [], []
+        for c in out.outputs:
+            shown, ended_by_stop = self._advance(self.samples[c.index], c)
+            outputs.append(shown)
+            if ended_by_stop:
+                stopped.append(c.index)
+        self.done = all(s.final is not None for s in self.samples)
+        return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, outputs, self.done, out.metrics), stopped
+
+    def _advance(self, sample: _ShownSample, c: CompletionOutput) -> tuple[CompletionOutput, bool]:
+        if sample.final is not None:
+            return sample.final, False
+        total = len(c.token_ids)
+        for i in range(sample.seen, total):
+            stop = sample.text.add_token(c.token_ids[i])
+            self._add_logprobs(sample, c, i)
+            sample.seen = i + 1
+            # The engine checks its stop tokens before stop strings: its own stop on this token wins.
+            if stop is not None and not (sample.seen == total and c.finish_reason == "stop"):
+                sample.final = self._output(sample, c, "stop", stop)
+                return sample.final, True
+        shown = self._output(sample, c, c.finish_reason, c.stop_reason)
+        if c.finish_reason is not None:
+            sample.final = shown
+        return shown, False
+
+    def _add_logprobs(self, sample: _ShownSample, c: CompletionOutput, i: int) -> None:
+        if sample.logprobs is None or c.logprobs is None or i >= len(c.logprobs):
+            return
+        entry = {tid: Logprob(lp.logprob, lp.rank, token_piece(self.tokenizer, tid))
+                 for tid, lp in c.logprobs[i].items()}
+        sample.logprobs.append(entry)
+        sample.cumulative_logprob += entry[c.token_ids[i]].logprob
+
+    @staticmethod
+    def _output(sample: _ShownSample, c: CompletionOutput, finish_reason: Optional[str],
+                stop_reason) -> CompletionOutput:
+        token_ids = c.token_ids if sample.seen == len(c.token_ids) else c.token_ids[:sample.seen]
+        return CompletionOutput(c.index, sample.text.text(finish_reason is not None), token_ids,
+                                sample.cumulative_logprob,
+                                list(sample.logprobs) if sample.logprobs is not None else None,
+                                finish_reason, stop_reason)
