@@ -1,7 +1,8 @@
 """Rejection sampling for speculative decoding: the Triton kernel against the torch reference
-(interpreter on CPU at small shapes, real shapes on CUDA), the greedy rule, equality with plain
-sampling without drafts, and statistical tests of the reference (the spec): the emitted tokens follow
-the target distribution whatever the drafts, and synthetic acceptance accepts at its rate."""
+(interpreter on CPU at small shapes, real shapes on CUDA), the uniform layout (num_drafts) against
+the compact one, the greedy rule, equality with plain sampling without drafts, and statistical
+tests of the reference (the spec): the emitted tokens follow the target distribution whatever the
+drafts, and synthetic acceptance accepts at its rate."""
 
 from dataclasses import dataclass
 from typing import Optional
@@ -118,6 +119,73 @@ def test_kernel_matches_reference(small_blocks, device, with_q, synthetic):
         assert int(mismatched) <= allowed
         accepted = int((ref_emitted - 1).sum())
         assert 0 < accepted < int(case.cu[-1]) - len(emitted)  # some drafts accepted, some rejected
+
+
+def uniform_case(case: Case, seed: int) -> tuple[Case, torch.Tensor]:
+    """The same requests in the uniform layout of a CUDA graph, and their num_drafts [B] int32: 1 + K
+    rows each, the used rows (drafts, then bonus) copied from `case`, the unused ones other logits,
+    temperatures, seeds and positions; draft ids past a request's drafts -1, or for every other
+    request an id far outside the vocabulary (never read); q rows past its drafts another
+    distribution."""
+    gen = torch.Generator().manual_seed(seed)
+    (B, K), V = case.drafts.shape, case.logits.shape[1]
+    n = (case.cu[1:] - case.cu[:-1] - 1).tolist()
+    logits = 2 * torch.randn(B * (K + 1), V, generator=gen)
+    q = torch.softmax(torch.randn(B * K, V, generator=gen), dim=-1)
+    temperature = torch.where(torch.rand(B * (K + 1), generator=gen) < 0.3, 0.0, 1.0)
+    seeds = torch.randint(-2**62, 2**62, (B * (K + 1),), generator=gen)
+    positions = torch.randint(0, 2**34, (B * (K + 1),), generator=gen)
+    drafts = torch.where(torch.arange(B)[:, None] % 2 == 0, -1, 2**40).expand(B, K).clone()
+    for b in range(B):
+        src, dst = slice(int(case.cu[b]), int(case.cu[b + 1])), slice(b * (K + 1), b * (K + 1) + n[b] + 1)
+        for full, part in ((logits, case.logits), (temperature, case.temperature), (seeds, case.seeds),
+                           (positions, case.positions)):
+            full[dst] = part[src]
+        q[b * K:b * K + n[b]] = case.q[int(case.cu[b]) - b:int(case.cu[b]) - b + n[b]]
+        drafts[b, :n[b]] = case.drafts[b, :n[b]]
+    cu = torch.arange(0, B * (K + 1) + 1, K + 1, dtype=torch.int32)
+    uniform = Case(logits, cu, drafts, q, temperature, seeds, positions)
+    return uniform, torch.tensor(n, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("impl", ["ref", pytest.param("triton", marks=CPU.marks)])
+@pytest.mark.parametrize("with_q", [True, False])
+@pytest.mark.parametrize("synthetic", [None, 0.6])
+def test_uniform_layout_matches_the_compact_layout(small_blocks, impl, with_q, synthetic):
+    """1 + K rows a request and num_drafts in 0..K (greedy and sampled requests): the tokens of the
+    compact layout, from either implementation; num_drafts above a request's rows - 1 is capped."""
+    sample = rejection_sample_ref if impl == "ref" else rejection_sample_triton
+    for V, seed in ((64, 11), (130, 12)):
+        case = random_case([4, 0, 2, 1, 3, 0, 4, 2, 1, 4, 0, 3], V, 4, seed=seed)
+        uniform, num_drafts = uniform_case(case, seed)
+        compact_out, compact_emitted = rejection_sample_ref(*case.args(with_q), synthetic_acceptance=synthetic)
+        out, emitted = sample(*uniform.args(with_q), synthetic_acceptance=synthetic, num_drafts=num_drafts)
+        assert torch.equal(out, compact_out) and torch.equal(emitted, compact_emitted)
+        accepted = int((compact_emitted - 1).sum())
+        assert 0 < accepted < int(num_drafts.sum())  # some drafts accepted, some rejected
+        capped = sample(*case.args(with_q), synthetic_acceptance=synthetic, num_drafts=num_drafts + 3)
+        assert torch.equal(capped[0], compact_out) and torch.equal(capped[1], compact_emitted)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("with_q", [True, False])
+def test_uniform_layout_kernel_at_real_shapes(with_q):
+    """The kernel on CUDA in the uniform layout: the compact layout's tokens exactly (the same
+    arithmetic on the same rows), the reference's within the rounding allowance of
+    test_kernel_matches_reference; no host sync."""
+    for case, allowed in kernel_cases("cuda"):
+        uniform, num_drafts = uniform_case(case.to("cpu"), seed=5)
+        uniform, num_drafts = uniform.to("cuda"), num_drafts.cuda()
+        compact = rejection_sample(*case.args(with_q))
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out, emitted = rejection_sample(*uniform.args(with_q), num_drafts=num_drafts)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(out, compact[0]) and torch.equal(emitted, compact[1])
+        ref_out, ref_emitted = rejection_sample_ref(*uniform.args(with_q), num_drafts=num_drafts)
+        assert int(((out != ref_out).any(dim=1) | (emitted != ref_emitted)).sum()) <= allowed
 
 
 @pytest.mark.skipif(not INTERPRETER, reason="Triton on CPU needs TRITON_INTERPRET=1")

@@ -1,6 +1,7 @@
 """RejectionSampler: the rejection sampler over the Sampler's own rows (seeds from GumbelSampler, the
-noise scale from TemperatureStage): without drafts it picks the Sampler's tokens, a seeded request
-gets the same tokens in any batch, and the greedy and synthetic-acceptance rules hold end to end."""
+noise scale from TemperatureStage, the stages by Sampler.process): without drafts it picks the
+Sampler's tokens, a seeded request gets the same tokens in any batch and in the uniform (1 + k rows,
+num_drafts) layout, and the greedy and synthetic-acceptance rules hold end to end."""
 
 from typing import Optional
 
@@ -8,10 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from tokenmill.runner.sample import Sampler
-from tokenmill.runner.sample.rejection import RejectionOutput, RejectionSampler
+from tokenmill.runner.sample import RejectionOutput, RejectionSampler, Sampler
 from tokenmill.sampling_params import SamplingParams
-from tests.runner.common import CPU, V, batch, new_request
+from tests.runner.common import CPU, V, new_request
 
 PARAMS = (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_k=5),
           SamplingParams(temperature=0.6, top_p=0.9, presence_penalty=0.5))
@@ -37,24 +37,28 @@ class Request:
         self.drafts = torch.multinomial(self.q, 1, generator=gen)[:, 0] if num_drafts else torch.zeros(0).long()
 
 
+def padded(rows: torch.Tensor, num_rows: int, fill: float) -> torch.Tensor:
+    return torch.cat([rows, rows.new_full((num_rows - len(rows), V), fill)])
+
+
 def step(sampler: Sampler, requests: list[Request], k: int, with_q: bool = False,
-         synthetic: Optional[float] = None) -> RejectionOutput:
-    """What the runner will do: the Sampler's stages over every logits row, then the rejection sampler."""
-    counts = [len(r.logits) for r in requests]
+         synthetic: Optional[float] = None, uniform: bool = False) -> RejectionOutput:
+    """What the runner will do: the Sampler's stages over every logits row (Sampler.process), then
+    the rejection sampler. uniform: every request gets 1 + k rows (unused ones: other logits, -1
+    drafts) and num_drafts says how many it uses."""
+    counts = [k + 1 if uniform else len(r.logits) for r in requests]
     rows = np.repeat([r.row for r in requests], counts)
-    positions = np.concatenate([r.position + np.arange(c) for r, c in zip(requests, counts)])
-    b = batch(list(rows), list(positions), sampler.temperature.temperature_gpu)
+    positions = torch.from_numpy(np.concatenate([r.position + np.arange(c) for r, c in zip(requests, counts)]))
     cu = torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32)
     drafts = torch.full((len(requests), k), -1, dtype=torch.long)
     for i, r in enumerate(requests):
         drafts[i, :len(r.drafts)] = r.drafts
-    logits = torch.cat([r.logits for r in requests])
-    active = [stage for stage in sampler.stages if stage.needed(b.rows)]
-    for stage in active:
-        stage.apply(logits, b)
-    noise = sampler.temperature.noise_scale(b, scaled=sampler.temperature in active)
-    q = torch.cat([r.q for r in requests]) if with_q else None
-    return RejectionSampler(sampler.gumbel, synthetic).sample(logits, b, noise, cu, drafts, q)
+    logits = torch.cat([padded(r.logits, c, 5.0) for r, c in zip(requests, counts)])
+    processed = sampler.process(logits, rows, torch.from_numpy(rows), positions)
+    q = torch.cat([padded(r.q, c - 1, 1.0 / V) for r, c in zip(requests, counts)]) if with_q else None
+    num_drafts = torch.tensor([len(r.drafts) for r in requests], dtype=torch.int32) if uniform else None
+    return RejectionSampler(sampler.gumbel, synthetic).sample(processed.logits, processed.batch, processed.noise, cu,
+                                                              drafts, q, num_drafts)
 
 
 def test_no_drafts_picks_the_samplers_tokens(sampler):
@@ -96,6 +100,17 @@ def test_greedy_request_accepts_the_targets_argmax(sampler):
     assert out.num_emitted.tolist() == [5, 3]
     assert torch.equal(out.sampled[0], target.logits.argmax(dim=-1))
     assert out.sampled[1].tolist() == target.logits[:3].argmax(dim=-1).tolist() + [-1, -1]
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+@pytest.mark.parametrize("synthetic", [None, 0.7])
+def test_uniform_layout_gives_the_compact_layouts_tokens(sampler, with_q, synthetic):
+    """1 + k rows a request, num_drafts in 0..k: the same tokens as rows of drafts + 1 each."""
+    requests = [Request(row % 4, n, position=30 + 9 * row, seed=50 + row) for row, n in enumerate((0, 4, 2, 1, 3, 4))]
+    compact = step(sampler, requests, 4, with_q, synthetic)
+    uniform = step(sampler, requests, 4, with_q, synthetic, uniform=True)
+    assert torch.equal(uniform.sampled, compact.sampled) and torch.equal(uniform.num_emitted, compact.num_emitted)
+    assert 6 < int(compact.num_emitted.sum()) < 6 + 14  # some drafts accepted, some rejected
 
 
 @pytest.mark.parametrize("with_q", [False, True])

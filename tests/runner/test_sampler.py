@@ -108,3 +108,25 @@ def test_async_output_returns_typed_logprobs():
     assert isinstance(out.logprobs, LogprobsArrays) and out.logprobs.token_ranks.dtype == np.int64
     assert out.logprobs.top_ids.tolist() == [[5], [1]] and out.logprobs.top_logprobs.dtype == np.float32
     assert AsyncOutput(["a"], sampled[:1], np.array([True])).get().logprobs is None
+
+
+def test_process_runs_the_stages_without_sampling(states, calls, monkeypatch):
+    """Sampler.process: the caller's logits and the raw temperatures when no stage runs; else a
+    rewritten float32 copy, scaled rows' noise 1, and the penalties' counts. __call__ samples exactly
+    what process gives."""
+    (sampler,) = states.owners
+    seen = []
+    real = gumbel_module.gumbel_sample
+    monkeypatch.setattr(gumbel_module, "gumbel_sample", lambda logits, *a: seen.append((logits, a)) or real(logits, *a))
+    logits = random_logits(3).to(torch.bfloat16)
+    rows = np.array([states.row_of[n] for n in ["greedy", "plain", "greedy"]])
+    plain = sampler.process(logits, rows, torch.from_numpy(rows), torch.full((3,), 3))
+    assert calls == [] and plain.logits is logits and plain.output_counts is None
+    assert plain.noise.tolist() == pytest.approx([0.0, 0.9, 0.0]) and plain.batch.rows is rows
+    rows = np.array([states.row_of[n] for n in ["top_k", "penalty", "greedy"]])
+    processed = sampler.process(logits, rows, torch.from_numpy(rows), torch.full((3,), 3))
+    assert calls == [PenaltyStage, TemperatureStage] and processed.logits.dtype == torch.float32
+    assert processed.noise.tolist() == [1.0, 1.0, 0.0] and processed.output_counts is sampler.penalties.output_counts
+    assert not torch.equal(processed.logits[0], logits[0].float())
+    out = sampler(logits, rows, torch.from_numpy(rows), torch.full((3,), 3))
+    assert torch.equal(seen[-1][0], processed.logits) and torch.equal(out.sampled, real(processed.logits, *seen[-1][1]))

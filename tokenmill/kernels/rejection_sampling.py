@@ -10,6 +10,15 @@ order: request b's draft i is row cu[b] - b + i. `temperature`, `seeds` and `pos
 logits row ([num_logits] each): the noise scale the Gumbel sampler would use for that row (0:
 greedy), the request's seed and the position the row's token takes.
 
+Uniform layout (num_drafts). A CUDA graph of a verify step gives every request the same number of
+rows, 1 + k, whatever its number of drafts; `num_drafts` [B] int32 on the device then says how many
+each has. Request b uses n_b = min(num_drafts[b], rows_b - 1) drafts (rows_b = cu[b+1] - cu[b]): rows
+cu[b] .. cu[b] + n_b - 1 are its draft positions, row cu[b] + n_b its bonus position, and its
+remaining rows, their draft ids (e.g. -1) and their draft-probability rows are never read. The
+draft-probability rows keep their places (request b's draft i: row cu[b] - b + i). Without
+num_drafts, n_b = rows_b - 1: the compact layout above. A request gets the same tokens in both
+layouts when its used rows carry the same logits, temperatures, seeds and positions.
+
 The logits are the target's after every sampling stage (penalties, temperature and top-k/top-p/
 min-p masks...), in float32 or the model's dtype: the target distribution of a row is
 p = softmax(logits / T) with T its temperature, exactly what plain Gumbel sampling draws from.
@@ -70,13 +79,17 @@ def uniform_from_bits_ref(bits: torch.Tensor) -> torch.Tensor:
     return (bits >> 9).float() * (1.0 / (1 << 23)) + (0.5 / (1 << 23))
 
 
-def _row_layout(cu: torch.Tensor, num_logits: int):
-    """Per logits row: its request, its index among the request's rows, and whether it is the bonus."""
+def _row_layout(cu: torch.Tensor, num_logits: int, num_drafts: Optional[torch.Tensor]):
+    """Per logits row: its request, its index j among the request's rows, and the request's number
+    of drafts n (the row is a draft row if j < n, the bonus row if j == n, unused past it)."""
     cu = cu.long()
     counts = cu[1:] - cu[:-1]
     req = torch.repeat_interleave(torch.arange(len(counts), device=cu.device), counts, output_size=num_logits)
     j = torch.arange(num_logits, device=cu.device) - cu[req]
-    return req, j, j == counts[req] - 1
+    n = counts - 1
+    if num_drafts is not None:
+        n = torch.minimum(num_drafts.long().clamp(min=0), n)
+    return req, j, n[req]
 
 
 def _softmax_parts(x: torch.Tensor, t: torch.Tensor):
@@ -116,24 +129,26 @@ def _row_decisions(x, drafts, q, t, keys, synthetic_acceptance):
 
 def rejection_sample_ref(logits: torch.Tensor, cu_num_logits: torch.Tensor, draft_token_ids: torch.Tensor,
                          draft_probs: Optional[torch.Tensor], temperature: torch.Tensor, seeds: torch.Tensor,
-                         positions: torch.Tensor, synthetic_acceptance: Optional[float] = None):
+                         positions: torch.Tensor, synthetic_acceptance: Optional[float] = None,
+                         num_drafts: Optional[torch.Tensor] = None):
     """(sampled [B, k + 1] int64, num_emitted [B] int32): see the module docstring. Vectorised
     over all rows; it syncs with the host (repeat_interleave), so it is the CPU path only."""
     x = logits.float()
     N, V = x.shape
     B, K = draft_token_ids.shape
-    req, j, bonus = _row_layout(cu_num_logits, N)
+    req, j, n = _row_layout(cu_num_logits, N, num_drafts)
+    bonus, not_draft = j == n, j >= n
     padded = torch.cat([draft_token_ids.long(), draft_token_ids.new_zeros(B, 1).long()], dim=1)
-    drafts = torch.where(bonus, 0, padded[req, j.clamp(max=K)]).clamp(0, V - 1)
+    drafts = torch.where(not_draft, 0, padded[req, j.clamp(max=K)]).clamp(0, V - 1)
     q = None
     if draft_probs is not None:
-        q_rows = torch.where(bonus, draft_probs.shape[0], torch.arange(N, device=x.device) - req)
+        q_rows = torch.where(not_draft, draft_probs.shape[0], torch.arange(N, device=x.device) - req)
         q = torch.cat([draft_probs.float(), x.new_zeros(1, V)])[q_rows]
     t = temperature.float()
     accept, recovered = _row_decisions(x, drafts, q, t, row_keys_ref(seeds, positions), synthetic_acceptance)
     emitted = torch.where(bonus, gumbel_sample_ref(x, t, seeds, positions), recovered)
     table = torch.zeros(B, K + 1, dtype=torch.bool, device=x.device)
-    table[req, j] = accept & ~bonus
+    table[req, j] = accept & ~not_draft
     num_acc = table.long().cumprod(dim=1).sum(dim=1)
     token = emitted[cu_num_logits[:-1].long() + num_acc]
     cols = torch.arange(K + 1, device=x.device)[None, :]
@@ -238,11 +253,14 @@ def _draft_row(row_ptr, q_row_ptr, V, d, t, key, synthetic,
 
 @triton.jit
 def _rejection_kernel(logits_ptr, stride_logits, V, cu_ptr, drafts_ptr, stride_drafts, q_ptr, stride_q,
-                      temperature_ptr, seeds_ptr, positions_ptr, out_ptr, stride_out, emitted_ptr, K, synthetic,
-                      HAS_Q: tl.constexpr, SYNTHETIC: tl.constexpr, BLOCK: tl.constexpr, OUT_BLOCK: tl.constexpr):
+                      temperature_ptr, seeds_ptr, positions_ptr, num_drafts_ptr, out_ptr, stride_out, emitted_ptr,
+                      K, synthetic, HAS_Q: tl.constexpr, SYNTHETIC: tl.constexpr, HAS_NUM_DRAFTS: tl.constexpr,
+                      BLOCK: tl.constexpr, OUT_BLOCK: tl.constexpr):
     b = tl.program_id(0)
     first = tl.load(cu_ptr + b).to(tl.int32)
     n = tl.load(cu_ptr + b + 1).to(tl.int32) - first - 1
+    if HAS_NUM_DRAFTS:  # a uniform layout: the rows past the bonus row are not read
+        n = tl.minimum(tl.maximum(tl.load(num_drafts_ptr + b).to(tl.int32), 0), n)
     drafts_row = drafts_ptr + b.to(tl.int64) * stride_drafts
     num_acc = tl.zeros([], tl.int32)
     rejected = tl.zeros([], tl.int32)
@@ -276,7 +294,8 @@ def _rejection_kernel(logits_ptr, stride_logits, V, cu_ptr, drafts_ptr, stride_d
 
 def rejection_sample_triton(logits: torch.Tensor, cu_num_logits: torch.Tensor, draft_token_ids: torch.Tensor,
                             draft_probs: Optional[torch.Tensor], temperature: torch.Tensor, seeds: torch.Tensor,
-                            positions: torch.Tensor, synthetic_acceptance: Optional[float] = None):
+                            positions: torch.Tensor, synthetic_acceptance: Optional[float] = None,
+                            num_drafts: Optional[torch.Tensor] = None):
     """rejection_sample_ref's outputs; no host sync (every shape comes from the arguments' shapes)."""
     assert logits.dim() == 2 and logits.stride(1) == 1, "logits must be [num_logits, V] with unit column stride"
     N, V = logits.shape
@@ -291,9 +310,10 @@ def rejection_sample_triton(logits: torch.Tensor, cu_num_logits: torch.Tensor, d
     q = draft_probs if draft_probs is not None else logits
     _rejection_kernel[(B,)](
         logits, logits.stride(0), V, cu_num_logits, drafts, drafts.stride(0), q, q.stride(0),
-        temperature, seeds, positions, out, out.stride(0), emitted, K,
-        float(synthetic_acceptance) if synthetic_acceptance is not None else 0.0,
+        temperature, seeds, positions, num_drafts if num_drafts is not None else cu_num_logits,
+        out, out.stride(0), emitted, K, float(synthetic_acceptance) if synthetic_acceptance is not None else 0.0,
         HAS_Q=draft_probs is not None, SYNTHETIC=synthetic_acceptance is not None,
+        HAS_NUM_DRAFTS=num_drafts is not None,
         BLOCK=min(VOCAB_BLOCK, triton.next_power_of_2(V)), OUT_BLOCK=triton.next_power_of_2(K + 1),
         num_warps=8, enable_fp_fusion=False,  # round T * g before the sum, like the reference
     )
@@ -301,10 +321,8 @@ def rejection_sample_triton(logits: torch.Tensor, cu_num_logits: torch.Tensor, d
 
 
 def rejection_sample(logits, cu_num_logits, draft_token_ids, draft_probs, temperature, seeds, positions,
-                     synthetic_acceptance: Optional[float] = None):
-    """Triton on CUDA, the torch reference elsewhere; see the module docstring for the layout."""
-    if use_triton(logits):
-        return rejection_sample_triton(logits, cu_num_logits, draft_token_ids, draft_probs, temperature, seeds,
-                                       positions, synthetic_acceptance)
-    return rejection_sample_ref(logits, cu_num_logits, draft_token_ids, draft_probs, temperature, seeds, positions,
-                                synthetic_acceptance)
+                     synthetic_acceptance: Optional[float] = None, num_drafts: Optional[torch.Tensor] = None):
+    """Triton on CUDA, the torch reference elsewhere; see the module docstring for the layouts."""
+    impl = rejection_sample_triton if use_triton(logits) else rejection_sample_ref
+    return impl(logits, cu_num_logits, draft_token_ids, draft_probs, temperature, seeds, positions,
+                synthetic_acceptance, num_drafts)

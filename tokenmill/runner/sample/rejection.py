@@ -5,8 +5,8 @@ follows them, lossless with respect to the distribution plain sampling draws fro
 Like GumbelSampler, this is not a logit-rewriting stage but a RowState with its own call, and it
 keeps no per-request state of its own: the seeds are GumbelSampler's column (`seed_gpu`) and the
 temperatures come in as the noise scale TemperatureStage.noise_scale gives, exactly as for plain
-sampling. The sampler's stages run first, on every logits row (draft and bonus rows alike); this
-component receives their result.
+sampling. The sampler's stages run first, on every logits row (draft and bonus rows alike), by
+Sampler.process; this component receives its ProcessedLogits' logits and noise scale.
 """
 
 from dataclasses import dataclass
@@ -28,8 +28,9 @@ class RejectionOutput:
 
 
 class RejectionSampler(RowState):
-    """sample(logits, batch, temperature, cu_num_logits, draft_token_ids, draft_probs=None), with
-    B requests and num_logits = sum over requests of (num_drafts + 1):
+    """sample(logits, batch, temperature, cu_num_logits, draft_token_ids, draft_probs=None,
+    num_drafts=None), with B requests and num_logits = sum over requests of (num_drafts + 1), or of
+    any number of rows above that with num_drafts (a uniform layout, e.g. 1 + k rows each):
 
       logits           [num_logits, V], float32 (or the model's dtype): the target's logits after the
                        sampler's stages (penalties, temperature + top-k/top-p/min-p masks, ...); request
@@ -45,6 +46,11 @@ class RejectionSampler(RowState):
       draft_probs      [num_logits - B, V] float32, the draft model's probabilities, one row per draft
                        position in the same order (request b's draft i: row cu[b] - b + i); None for
                        deterministic drafts (n-gram): q is one-hot, a draft is accepted with p(draft).
+      num_drafts       [B] int32 on the device, or None: request b's number of drafts, when its rows
+                       are more than its drafts + 1 (a CUDA graph's uniform 1 + k rows). It uses its
+                       first min(num_drafts[b], rows - 1) drafts, its bonus row is cu[b] + num_drafts[b]
+                       and its other rows are ignored (their draft ids may be -1). None: every row
+                       but the last is a draft position.
 
     Returns a RejectionOutput on the device, without a host sync. With synthetic_acceptance = A (a
     benchmark mode for random weights) every draft is accepted with probability A whatever its
@@ -60,8 +66,9 @@ class RejectionSampler(RowState):
         """Nothing of its own: the seed is GumbelSampler's, the temperature TemperatureStage's."""
 
     def sample(self, logits: torch.Tensor, batch: SampleBatch, temperature: torch.Tensor, cu_num_logits: torch.Tensor,
-               draft_token_ids: torch.Tensor, draft_probs: Optional[torch.Tensor] = None) -> RejectionOutput:
+               draft_token_ids: torch.Tensor, draft_probs: Optional[torch.Tensor] = None,
+               num_drafts: Optional[torch.Tensor] = None) -> RejectionOutput:
         sampled, num_emitted = rejection_sample(logits, cu_num_logits, draft_token_ids, draft_probs, temperature,
                                                 self.gumbel.seed_gpu[batch.idx], batch.positions,
-                                                self.synthetic_acceptance)
+                                                self.synthetic_acceptance, num_drafts)
         return RejectionOutput(sampled, num_emitted)

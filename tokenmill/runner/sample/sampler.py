@@ -7,6 +7,10 @@ device value is read; a stage no row uses is never called. Logprobs are taken fr
 
 The logits come in the model's dtype; every kernel computes in float32. A float32 copy is made only
 when some stage modifies the logits; the caller's tensor is never written.
+
+Sampler.process runs the stages alone and returns what sampling would read (ProcessedLogits): the
+rejection sampler of speculative decoding takes the same logits and noise scale over its draft and
+bonus rows. Sampler.__call__ is process, then Gumbel-max sampling and logprobs.
 """
 
 from dataclasses import dataclass
@@ -33,6 +37,18 @@ class SamplerOutput:
     # The penalty stage's [R, V] output-token counts when it ran this step: post-update adds the
     # sampled tokens to them. None otherwise.
     output_counts: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class ProcessedLogits:
+    """The stages' result over a batch: what the token choice reads."""
+
+    # [B, V]: a float32 copy the stages rewrote when some stage ran, else the caller's tensor itself
+    # (model dtype, untouched).
+    logits: torch.Tensor
+    noise: torch.Tensor  # [B] float32: the Gumbel noise scale of each row (0: greedy)
+    batch: SampleBatch
+    output_counts: Optional[torch.Tensor] = None  # as SamplerOutput.output_counts
 
 
 class Sampler(RowState):
@@ -62,11 +78,13 @@ class Sampler(RowState):
             part.apply_staged()
 
     # ---- the step -------------------------------------------------------------------------
-    def __call__(self, logits: torch.Tensor, rows: np.ndarray, idx_mapping: torch.Tensor,
-                 positions: torch.Tensor) -> SamplerOutput:
-        """logits [B, V] float32, bfloat16 or float16, never modified; rows [B] the batch's request
-        rows on the host and idx_mapping the same on the device; positions [B]: the position the
-        sampled token will take (its index in the sequence)."""
+    def process(self, logits: torch.Tensor, rows: np.ndarray, idx_mapping: torch.Tensor,
+                positions: torch.Tensor) -> ProcessedLogits:
+        """The logit stages some row uses (logit bias, min_tokens, penalties, temperature + filters),
+        without sampling. logits [B, V] float32, bfloat16 or float16, never modified; rows [B] the
+        batch's request rows on the host and idx_mapping the same on the device (a request may
+        occupy several rows, e.g. its draft and bonus positions); positions [B]: the position each
+        row's token takes (its index in the sequence). No device value is read on the host."""
         active = [stage for stage in self.stages if stage.needed(rows)]
         idx = idx_mapping.long()
         batch = SampleBatch(rows, idx, positions, self.temperature.temperature_gpu[idx])
@@ -75,7 +93,14 @@ class Sampler(RowState):
         work = logits.to(torch.float32, copy=True) if active else logits
         for stage in active:
             stage.apply(work, batch)
-        noise = self.temperature.noise_scale(batch, scaled=self.temperature in active)
-        sampled = self.gumbel.sample(work, batch, noise, self.temperature.all_greedy(rows))
-        return SamplerOutput(sampled, self.logprobs.read(logits, sampled, rows),
-                             self.penalties.output_counts if self.penalties in active else None)
+        return ProcessedLogits(work, self.temperature.noise_scale(batch, scaled=self.temperature in active), batch,
+                               self.penalties.output_counts if self.penalties in active else None)
+
+    def __call__(self, logits: torch.Tensor, rows: np.ndarray, idx_mapping: torch.Tensor,
+                 positions: torch.Tensor) -> SamplerOutput:
+        """One token per row: process(), then Gumbel-max sampling (argmax for an all-greedy batch);
+        logprobs from the raw logits when asked. Arguments as for process()."""
+        processed = self.process(logits, rows, idx_mapping, positions)
+        sampled = self.gumbel.sample(processed.logits, processed.batch, processed.noise,
+                                     self.temperature.all_greedy(rows))
+        return SamplerOutput(sampled, self.logprobs.read(logits, sampled, rows), processed.output_counts)
