@@ -4,7 +4,7 @@
 #   OUT=/some/dir PHASES="tests kernels small latency" bash benchmarks/gpu_check.sh
 #
 # Phases (run in the order given; each is guarded, so one failure does not stop the rest):
-#   tests     pytest -m gpu tests/kernels tests/gpu            -> $OUT/gpu_tests.xml
+#   tests     pytest -m gpu tests/kernels, then tests/gpu tests/runner tests/test_sliding_window.py -> $OUT/gpu_tests.xml
 #   kernels   benchmarks/kernel_bench.py --quick                -> $OUT/kernel_bench.json
 #   gemv      kernel_bench's batch-1 GEMV sweep only (Llama-3.1-8B shapes) -> $OUT/kernel_bench_gemv.json
 #   overhead  benchmarks/step_overhead.py: host vs device time of eager (prefill / mixed) steps, Llama-3.1-8B
@@ -123,7 +123,7 @@ for phase in $PHASES; do
             # tests serially (one of them checks how much device memory the engine takes).
             [ "$phase" != rtests ] && run_phase kernel-tests "$PY" -m pytest -q -m gpu -n 6 tests/kernels \
                 --junitxml "$OUT/gpu_kernel_tests.xml" -p no:cacheprovider
-            [ "$phase" != ktests ] && run_phase runner-tests "$PY" -m pytest -q -m gpu tests/gpu \
+            [ "$phase" != ktests ] && run_phase runner-tests "$PY" -m pytest -q -m gpu tests/gpu tests/runner tests/test_sliding_window.py \
                 --junitxml "$OUT/gpu_tests.xml" -p no:cacheprovider ;;
         kernels)
             run_phase kernels "$PY" benchmarks/kernel_bench.py --quick --out "$OUT/kernel_bench.json" ;;
