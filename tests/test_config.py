@@ -67,7 +67,9 @@ def test_llm_keywords_reach_the_configs(monkeypatch):
     changed = dict(max_model_len=128, max_num_seqs=3, max_num_batched_tokens=64, max_prefill_tokens_with_decodes=16,
                    block_size=32, num_kv_blocks=9, gpu_memory_utilization=0.5, kv_cache_memory_gb=0.25,
                    enable_prefix_caching=False, async_scheduling=False, enforce_eager=True, cuda_graph_max_batch=8,
-                   piecewise_cuda_graph_max_tokens=0, fused_small_batch_linear=False, seed=7)
+                   piecewise_cuda_graph_max_tokens=0, fused_small_batch_linear=False, seed=7,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+                                       "prompt_lookup_min": 1})
     assert set(changed) == {f.name for f in dataclasses.fields(EngineConfig)}, "a new field: add it here"
     engine = LLM("tiny-llama", load_format="dummy", dtype="float32", device="cpu", **changed).engine
     assert dataclasses.asdict(engine.config) == changed

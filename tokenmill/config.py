@@ -78,6 +78,23 @@ def check_field_types(config: Any) -> None:
             raise ConfigError(f"{f.name} must be >= {minimum}, got {value!r}")
 
 
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: a proposer drafts tokens that one target step verifies."""
+
+    method: str = option("ngram", "how drafts are made: ngram (prompt lookup in the request's own tokens)",
+                         choices=("ngram",))
+    num_speculative_tokens: int = option(3, "draft tokens per request per step", minimum=1)
+    prompt_lookup_max: int = option(4, "ngram: the longest n-gram matched", minimum=1)
+    prompt_lookup_min: int = option(2, "ngram: the shortest n-gram matched", minimum=1)
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
+                              f"({self.prompt_lookup_max})")
+
+
 # On the CPU a step of a few hundred prompt tokens takes about a second for the embedded model:
 # with decodes running, a long prompt is taken in chunks of this size so streams keep moving
 # (docs/PERFORMANCE.md, CPU).
@@ -117,8 +134,17 @@ class EngineConfig:
               "RMSNorm / SiLU-and-mul before it fused in; off: cuBLAS and separate kernels")
     seed: int = option(0, "seeds dummy weights and requests that bring no seed of their own",
                        aliases=("--engine-seed",))
+    speculative_config: Optional[SpeculativeConfig] = option(
+        None, 'speculative decoding as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3, '
+              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}; n-gram drafts only, verify steps run without '
+              'CUDA graphs, not yet measured on a GPU', default_help="off")
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):
+            try:
+                self.speculative_config = SpeculativeConfig(**self.speculative_config)
+            except TypeError as e:
+                raise ConfigError(f"speculative_config: {e}") from None
         self.validate()
 
     def validate(self) -> None:

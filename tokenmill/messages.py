@@ -32,6 +32,10 @@ class ScheduledRequest:
     start_pos: int  # tokens already in the KV cache (or computed by earlier in-flight steps)
     new_block_ids: list[int]  # appended to the request's block table before this step
     samples: bool  # this step reaches the end of the known tokens, so it samples the next one
+    # A speculating request's decode: its last sampled token and up to num_tokens - 1 drafts. Its
+    # position comes from the device (start_pos is the scheduler's upper bound, since in-flight
+    # steps may accept fewer drafts); its KV slots are reserved for all of them.
+    speculative: bool = False
 
 
 @dataclass
@@ -67,5 +71,7 @@ class LogprobsArrays:
 @dataclass
 class ModelRunnerOutput:
     req_ids: list[str]  # batch order
-    sampled_token_ids: np.ndarray  # [B] int64; -1 where the entry did not sample
+    sampled_token_ids: np.ndarray  # [B] int64, or [B, 1 + k] with speculation; -1 where nothing was sampled
     logprobs: Optional[LogprobsArrays] = None
+    num_emitted: Optional[np.ndarray] = None  # [B] tokens each entry emitted (speculation: 1 + accepted)
+    num_drafts: Optional[np.ndarray] = None  # [B] drafts each entry verified (speculation)

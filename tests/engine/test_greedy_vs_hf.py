@@ -19,15 +19,20 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_batch_matches_hf_alone(name, smollm, chat_prompt_ids, hf_greedy):
-    llm = make_llm(smollm, **CONFIGS[name])
-    outs = llm.generate(chat_prompt_ids, GREEDY, use_tqdm=False)
+def check_batch_matches_hf(llm, name: str, prompt_ids, hf_greedy) -> None:
+    """The batch's greedy tokens are HF's for each prompt alone; the regime really happened."""
+    outs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
     for out, ref in zip(outs, hf_greedy):
         assert out.outputs[0].token_ids == ref
         assert out.outputs[0].finish_reason == "length"
     if name == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_batch_matches_hf_alone(name, smollm, chat_prompt_ids, hf_greedy):
+    llm = make_llm(smollm, **CONFIGS[name])
+    check_batch_matches_hf(llm, name, chat_prompt_ids, hf_greedy)
     if name == "chunked-prefill":
         assert max(len(p) for p in chat_prompt_ids) > 24  # prompts really were split
     assert_no_leaks(llm)

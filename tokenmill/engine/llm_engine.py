@@ -20,6 +20,7 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerLimits
+from tokenmill.engine.spec_stats import SpecDecodeStats
 from tokenmill.errors import InvalidRequestError
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.logger import init_logger
@@ -76,9 +77,11 @@ class LLMEngine:
             self.runner.warm_up()
             self.runner.capture_cuda_graphs()
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        spec = self.config.speculative_config
         self.scheduler = Scheduler(SchedulerLimits(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                                    self.max_model_len,
-                                                   self.config.resolve_prefill_cap(self.loaded.device.type)),
+                                                   self.config.resolve_prefill_cap(self.loaded.device.type),
+                                                   spec.num_speculative_tokens if spec else 0),
                                    self.kv)
         self.outputs = OutputProcessor(self.tokenizer)
         self._inflight: deque[tuple[SchedulerOutput, AsyncOutput]] = deque()
@@ -86,6 +89,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.step_log: Optional[list[StepShape]] = None  # set to [] to record every step's shape
         self.generation_tokens = 0
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec else None
         self.steps_completed = 0  # steps whose results came back
         self.last_step_kind: Optional[str] = None  # "decode", "mixed" or "prefill": the last of those
         if on_gpu:
@@ -120,6 +124,8 @@ class LLMEngine:
         self.kv.prefix_queries = self.kv.prefix_hits = 0
         self.kv.reset_prefix_cache()
         self.generation_tokens = self.steps_completed = 0
+        if self.spec_stats is not None:
+            self.spec_stats = SpecDecodeStats(self.spec_stats.num_speculative_tokens)
         self.last_step_kind = None
         self._rng = random.Random(self.config.seed)  # as if nothing had run
         self._ids = itertools.count()
@@ -187,6 +193,8 @@ class LLMEngine:
                                     parent_id=request_id, index=i))
         self.outputs.add(request_id, prompt if isinstance(prompt, str) else None, list(ids), children)
         for child in children:
+            # Penalties and logprobs read each emitted token's own step: such requests decode plainly.
+            child.speculates = self.runner.speculates(params)
             self.scheduler.add_request(child)
         return request_id
 
@@ -246,20 +254,25 @@ class LLMEngine:
 
     def _process(self, sched: SchedulerOutput, out: ModelRunnerOutput, emit_unfinished: bool) -> list[RequestOutput]:
         changed: dict[str, None] = {}
-        tokens = out.sampled_token_ids
-        for i in range(len(out.req_ids)):
-            token = int(tokens[i])
-            if token < 0:
+        if self.spec_stats is not None and out.num_drafts is not None:
+            sampled = out.sampled_token_ids[:, 0] >= 0
+            self.spec_stats.record(out.num_drafts[sampled], out.num_emitted[sampled])
+        for i, entry in enumerate(sched.batch):
+            tokens = self._emitted(out, i)
+            if not tokens:
                 continue
-            request = self.scheduler.take_sampled_token(out.req_ids[i])
+            scheduled = entry.num_tokens if entry.speculative else 1
+            request = self.scheduler.take_sampled_token(out.req_ids[i], scheduled, len(tokens))
             if request is None:
                 continue
-            request.output_token_ids.append(token)
-            self.generation_tokens += 1
-            status = self.outputs.on_token(request, token, i, out.logprobs)
-            if status is not None:
-                self.scheduler.finish_request(request, status)
-                self.outputs.on_finished(request, status)
+            for token in tokens:  # several with speculation; none after a stop
+                request.output_token_ids.append(token)
+                self.generation_tokens += 1
+                status = self.outputs.on_token(request, token, i, out.logprobs)
+                if status is not None:
+                    self.scheduler.finish_request(request, status)
+                    self.outputs.on_finished(request, status)
+                    break
             changed[request.parent_id] = None
         results = []
         for user_id in changed:
@@ -270,6 +283,14 @@ class LLMEngine:
             if output.finished:
                 self.outputs.release(user_id)
         return results
+
+    @staticmethod
+    def _emitted(out: ModelRunnerOutput, i: int) -> list[int]:
+        """The tokens batch entry i produced in its step (none if it did not sample)."""
+        tokens = out.sampled_token_ids[i]
+        if out.num_emitted is None:
+            return [] if tokens < 0 else [int(tokens)]
+        return [int(t) for t in tokens[: int(out.num_emitted[i])]] if tokens[0] >= 0 else []
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,

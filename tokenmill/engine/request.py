@@ -40,6 +40,7 @@ class Request:
     num_prefill_tokens: int = 0  # tokens known at the last admission (prompt, plus outputs if resumed)
     num_preemptions: int = 0
     stop_reason: Optional[object] = None
+    speculates: bool = False  # its decodes verify draft tokens (speculative decoding)
     parent_id: Optional[str] = None  # the user's request id when n > 1
     index: int = 0  # which of the n samples
 

@@ -29,6 +29,7 @@ class SchedulerLimits:
     max_num_batched_tokens: int
     max_model_len: int
     max_prefill_tokens_with_decodes: Optional[int] = None
+    num_speculative_tokens: int = 0  # drafts a speculating request's decode verifies (0: no speculation)
 
 
 class Scheduler:
@@ -98,7 +99,7 @@ class Scheduler:
             if request.request_id in preempted_now:
                 continue
             prefilling = request.num_computed_tokens < request.num_prefill_tokens  # its prompt is not done
-            num_new = self._tokens_to_schedule(request, min(budget, prefill_budget) if prefilling else budget)
+            num_new, speculative = self._running_tokens(request, prefilling, budget, prefill_budget)
             if num_new == 0:
                 continue
             blocks_before = len(request.block_ids)
@@ -110,7 +111,7 @@ class Scheduler:
                     break
             if request.request_id in preempted_now:
                 continue
-            batch.append(self._entry(request, num_new, request.block_ids[blocks_before:]))
+            batch.append(self._entry(request, num_new, request.block_ids[blocks_before:], speculative))
             scheduled.add(request.request_id)
             budget -= num_new
             if prefilling:
@@ -155,10 +156,28 @@ class Scheduler:
             return 0  # its last token is already on the way
         return min(request.num_tokens_scheduled_ahead - request.num_computed_tokens, budget)
 
-    def _entry(self, request: Request, num_new: int, new_block_ids: list[int]) -> ScheduledRequest:
+    def _running_tokens(self, request: Request, prefilling: bool, budget: int, prefill_budget: int
+                        ) -> tuple[int, bool]:
+        """Tokens to schedule for a running request, and whether they verify drafts."""
+        if request.speculates and not prefilling:
+            return self._speculative_tokens(request, budget), True
+        return self._tokens_to_schedule(request, min(budget, prefill_budget) if prefilling else budget), False
+
+    def _speculative_tokens(self, request: Request, budget: int) -> int:
+        """A speculating decode: its last token and up to k drafts, within the budget, the context
+        length and what max_tokens leaves (counting what in-flight steps may still emit)."""
+        left = request.max_tokens - len(request.output_token_ids) - request.num_pending
+        room = self.limits.max_model_len - request.num_computed_tokens
+        return max(0, min(1 + self.limits.num_speculative_tokens, budget, left, room))
+
+    def _entry(self, request: Request, num_new: int, new_block_ids: list[int],
+               speculative: bool = False) -> ScheduledRequest:
         start = request.num_computed_tokens
         self.num_prefill_tokens += max(0, min(start + num_new, request.num_prefill_tokens) - start)
         request.num_computed_tokens += num_new
+        if speculative:  # counts are upper bounds until the step's emitted tokens come back
+            request.num_pending += num_new
+            return ScheduledRequest(request.request_id, num_new, start, new_block_ids, True, True)
         samples = request.num_computed_tokens == request.num_tokens_scheduled_ahead
         if samples:
             request.num_pending += 1
@@ -188,10 +207,14 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # ---- results --------------------------------------------------------------------------
-    def take_sampled_token(self, request_id: str) -> Optional[Request]:
-        """Account for one sampled token arriving for request_id; the request, if still live."""
+    def take_sampled_token(self, request_id: str, scheduled: int = 1, emitted: int = 1) -> Optional[Request]:
+        """Account for a step's tokens arriving for request_id: `scheduled` were counted as pending
+        (1, or 1 + k for a speculating decode), `emitted` came (1 + the drafts accepted); the
+        slots of rejected drafts are free to be overwritten. Returns the request, if still live."""
         request = self.requests.get(request_id)
         if request is None:
             return None  # finished or aborted while its step was in flight
-        request.num_pending -= 1
+        request.num_pending -= scheduled
+        if request.status == RequestStatus.RUNNING and request.num_computed_tokens:
+            request.num_computed_tokens -= scheduled - emitted
         return request

@@ -5,6 +5,7 @@ The engine and loader flags are generated from the fields of `EngineConfig` and 
 """
 
 import argparse
+import logging
 import dataclasses
 import json
 import sys
@@ -179,6 +180,8 @@ def cmd_generate(args) -> int:
         ids = engine.tokenize(args.prompt)
     stream_completion(engine, ids, params)
     print()
+    if engine.spec_stats is not None:
+        logging.getLogger("tokenmill").info("%s", engine.spec_stats.summary())
     return 0
 
 

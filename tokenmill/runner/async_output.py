@@ -15,17 +15,23 @@ from tokenmill.runner.sample.logprobs import DeviceLogprobs
 
 class AsyncOutput:
     def __init__(self, req_ids: list[str], sampled: torch.Tensor, sample_mask: np.ndarray,
-                 logprobs: Optional[DeviceLogprobs] = None, copy_stream: Optional["torch.cuda.Stream"] = None):
+                 logprobs: Optional[DeviceLogprobs] = None, copy_stream: Optional["torch.cuda.Stream"] = None,
+                 num_emitted: Optional[torch.Tensor] = None, num_drafts: Optional[torch.Tensor] = None):
+        """sampled [B], or [B, 1 + k] with num_emitted and num_drafts [B] (speculative decoding)."""
         self.req_ids = req_ids
         self.sample_mask = sample_mask
         self._event = None
-        self._sampled, self._logprobs = sampled, logprobs  # on the CPU, already host tensors
+        # on the CPU, already host tensors
+        self._sampled, self._logprobs, self._num_emitted, self._num_drafts = sampled, logprobs, num_emitted, num_drafts
         if sampled.is_cuda:
             main = torch.cuda.current_stream(sampled.device)
             copy_stream = copy_stream or main
             copy_stream.wait_stream(main)
             with torch.cuda.stream(copy_stream):
                 self._sampled = _to_pinned(sampled, copy_stream)
+                if num_emitted is not None:
+                    self._num_emitted = _to_pinned(num_emitted, copy_stream)
+                    self._num_drafts = _to_pinned(num_drafts, copy_stream)
                 if logprobs is not None:
                     self._logprobs = logprobs.map(lambda t: _to_pinned(t, copy_stream))
                 self._event = torch.cuda.Event()
@@ -40,7 +46,10 @@ class AsyncOutput:
         sampled = self._sampled.numpy().astype(np.int64, copy=True)
         sampled[~self.sample_mask] = -1
         logprobs = self._logprobs.to_arrays() if self._logprobs is not None else None
-        return ModelRunnerOutput(self.req_ids, sampled, logprobs)
+        if self._num_emitted is None:
+            return ModelRunnerOutput(self.req_ids, sampled, logprobs)
+        return ModelRunnerOutput(self.req_ids, sampled, logprobs, self._num_emitted.numpy().astype(np.int64),
+                                 self._num_drafts.numpy().astype(np.int64))
 
 
 def _to_pinned(t: torch.Tensor, stream: "torch.cuda.Stream") -> torch.Tensor:

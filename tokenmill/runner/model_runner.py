@@ -21,6 +21,7 @@ from tokenmill.runner.input_buffers import InputBuffers, StepDescriptor
 from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_cache, cuda_kv_budget_bytes
 from tokenmill.runner.request_states import RequestStates
 from tokenmill.runner.sample import Sampler
+from tokenmill.runner.spec_decode.decoder import SpeculativeDecoder
 from tokenmill.runner.warmup import warm_up_attention, warm_up_forward
 
 logger = init_logger(__name__)
@@ -37,11 +38,16 @@ class ModelRunner:
         arch = model.config
         self.vocab_size = arch.vocab_size
         self.attn_spec = model.attention_spec()
-        spec = self.attn_spec
-        self.kv_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, dtype)
+        attn = self.attn_spec
+        self.kv_spec = KVCacheSpec(attn.num_layers, attn.num_kv_heads, attn.head_dim, config.block_size, dtype)
         self.max_num_tokens = config.max_num_batched_tokens
         self.sampler = Sampler(config.max_num_seqs, self.vocab_size, device)
-        self.states = RequestStates(config.max_num_seqs, max_model_len, config.block_size, device, (self.sampler,))
+        spec = config.speculative_config
+        # Speculative decoding (runner/spec_decode/decoder.py), only when configured.
+        self.spec = SpeculativeDecoder(spec, self.sampler, config.max_num_seqs, device) if spec else None
+        self.states = RequestStates(config.max_num_seqs, max_model_len, config.block_size, device,
+                                    (self.sampler,) + ((self.spec,) if self.spec else ()),
+                                    spare_columns=1 + spec.num_speculative_tokens if spec else 0)
         max_blocks = -(-max_model_len // config.block_size)
         self.buffers = InputBuffers(self.max_num_tokens, config.max_num_seqs, max_blocks, device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -49,6 +55,7 @@ class ModelRunner:
         self.graphs = None  # a CudaGraphManager once captured
         self.piecewise = None  # a PiecewiseGraphManager once captured
         self._step: Optional[StepDescriptor] = None
+        self._plan = None  # the step's VerifyPlan with speculative decoding
         self._logits: Optional[torch.Tensor] = None
         self._req_ids: list[str] = []
 
@@ -113,6 +120,10 @@ class ModelRunner:
         budget = cuda_kv_budget_bytes(self.config.gpu_memory_utilization, peak, self.device)
         return int(budget // self.kv_spec.bytes_per_block)
 
+    def speculates(self, params) -> bool:
+        """Whether a request with these sampling parameters verifies drafts in its decodes."""
+        return self.spec is not None and self.spec.eligible(params)
+
     def release(self, req_ids: list[str]) -> None:
         """Free the rows of finished or preempted requests."""
         for req_id in req_ids:
@@ -144,6 +155,7 @@ class ModelRunner:
                               int(q_lens.max()), int((start + q_lens).max()), rows, samples)
         self.buffers.upload(rows, q_lens, start, samples, padded)
         self.buffers.prepare(step, states)
+        self._plan = self.spec.prepare(self.buffers, states, batch, rows, q_lens) if self.spec else None
         if graph is not None:
             self._logits = self.graphs.replay(graph)[: len(batch)]  # decode: one logits row per request
         else:
@@ -153,7 +165,8 @@ class ModelRunner:
                 t = step.padded_tokens
                 hidden = self.run_model(self.buffers.attention_metadata(step), self.buffers.input_ids[:t],
                                         self.buffers.positions[:t])
-            self._logits = self.model.compute_logits(hidden[self.buffers.logits_indices[: len(batch)]])
+            rows_out = self._plan.logit_index if self._plan else self.buffers.logits_indices[: len(batch)]
+            self._logits = self.model.compute_logits(hidden[rows_out])
         self._step = step
         self._req_ids = [e.req_id for e in batch]
 
@@ -171,6 +184,11 @@ class ModelRunner:
             raise RuntimeError("sample_tokens() needs an execute_model() first")
         b = step.num_reqs
         idx = self.buffers.idx_mapping[:b]
+        if self.spec is not None:
+            out = self.spec.sample_and_update(logits, self._plan, self.buffers, idx, step.rows, self.states)
+            self._step = self._logits = self._plan = None
+            return AsyncOutput(self._req_ids, out.sampled, step.sample_mask, out.logprobs, self.copy_stream,
+                               out.num_emitted, out.num_drafts)
         out = self.sampler(logits, step.rows, idx, self.buffers.seq_lens[:b])
         post_update(idx, out.sampled, self.buffers.sample_mask[:b], b, self.states.last_sampled, out.output_counts)
         self._step = self._logits = None

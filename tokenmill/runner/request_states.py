@@ -62,7 +62,7 @@ class RowParams:
 
 class RequestStates:
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device,
-                 owners: Sequence[RowState] = ()):
+                 owners: Sequence[RowState] = (), spare_columns: int = 0):
         max_blocks_per_req = -(-max_model_len // block_size)
         self.max_num_reqs = max_num_reqs
         self.block_size = block_size
@@ -70,7 +70,8 @@ class RequestStates:
         self.owners = tuple(owners)
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.row_of: dict[str, int] = {}
-        self.token_table = StagedWriteTensor((max_num_reqs, max_model_len), torch.int32, device)
+        # spare_columns past the context length take speculative writes of not-yet-known tokens
+        self.token_table = StagedWriteTensor((max_num_reqs, max_model_len + spare_columns), torch.int32, device)
         self.block_table = StagedWriteTensor((max_num_reqs, max_blocks_per_req), torch.int32, device)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)  # blocks written per row
         self.last_sampled = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)

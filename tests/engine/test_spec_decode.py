@@ -1,0 +1,78 @@
+"""Speculative decoding with n-gram drafts: greedy output equals greedy output without speculation
+(and HF's) in every scheduling regime; drafts are accepted; limits and stops hold."""
+
+import pytest
+
+from tests.engine.conftest import assert_no_leaks, make_llm
+from tests.engine.test_greedy_vs_hf import CONFIGS, check_batch_matches_hf
+from tokenmill.sampling_params import SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+COPY = "Copy this text exactly: The cat sat on the mat. The cat sat on the mat. The cat sat on the mat."
+
+
+def _copy_prompt(llm) -> list[int]:
+    tok = llm.engine.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": COPY}], tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_with_ngram_matches_hf(name, smollm, chat_prompt_ids, hf_greedy):
+    llm = make_llm(smollm, speculative_config=NGRAM, **CONFIGS[name])
+    check_batch_matches_hf(llm, name, chat_prompt_ids, hf_greedy)
+    assert_no_leaks(llm)
+
+
+def test_drafts_are_accepted_and_output_is_unchanged(smollm):
+    plain, spec = make_llm(smollm), make_llm(smollm, speculative_config=NGRAM)
+    prompt = _copy_prompt(plain)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    out = spec.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert out == ref and len(out) == 40  # max_tokens exactly, never more
+    assert spec.engine.steps_completed <= 30  # several tokens per step: drafts were accepted (24 seen)
+    stats = spec.engine.spec_stats
+    assert 0 < stats.accepted <= stats.drafts and stats.mean_accepted_length > 1.5
+    assert stats.accepted_at[0] >= stats.accepted_at[1] >= stats.accepted_at[2]
+    assert sum(stats.accepted_at) == stats.accepted and "drafts accepted" in stats.summary()
+    assert_no_leaks(spec)
+
+
+def test_stops_limits_and_mixed_requests(smollm):
+    """Stop strings and stop ids cut inside a step's accepted drafts; requests with penalties or
+    logprobs (which decode plainly) share the batch and give what they give without speculation."""
+    plain, spec = make_llm(smollm), make_llm(smollm, speculative_config=NGRAM)
+    prompt = _copy_prompt(plain)
+    cases = [SamplingParams(temperature=0, max_tokens=30, stop=["mat. The"]),
+             SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3),
+             SamplingParams(temperature=0, max_tokens=20, logprobs=2),
+             SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True, n=2)]
+    ref = plain.generate([prompt] * len(cases), cases, use_tqdm=False)
+    out = spec.generate([prompt] * len(cases), cases, use_tqdm=False)
+    for i, (a, b) in enumerate(zip(ref, out)):
+        if i == 4:  # sampled: reproducible, the same distribution, not the same draws
+            again = spec.generate([prompt], cases[4], use_tqdm=False)[0]
+            assert [c.token_ids for c in again.outputs] == [c.token_ids for c in b.outputs]
+            assert all(len(c.token_ids) == 20 for c in b.outputs)
+            continue
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs], i
+        assert [c.text for c in a.outputs] == [c.text for c in b.outputs]
+        assert [c.finish_reason for c in a.outputs] == [c.finish_reason for c in b.outputs]
+    assert out[0].outputs[0].finish_reason == "stop" and "mat. The" not in out[0].outputs[0].text
+    assert len(out[1].outputs[0].token_ids) == 7
+    for x, y in zip(ref[3].outputs[0].logprobs, out[3].outputs[0].logprobs):
+        assert x.keys() == y.keys()
+    assert_no_leaks(spec)
+
+
+def test_bad_speculative_config_is_refused():
+    from tokenmill.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="prompt_lookup_min"):
+        EngineConfig(speculative_config={"prompt_lookup_min": 5, "prompt_lookup_max": 2})
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        EngineConfig(speculative_config={"num_speculative_tokens": 0})
+    with pytest.raises(ConfigError, match="speculative_config"):
+        EngineConfig(speculative_config={"proposer": "x"})

@@ -1,0 +1,157 @@
+"""Speculative decoding in the runner: verify a proposer's drafts in the target's step.
+
+A speculating request's decode step computes its last sampled token plus up to k drafts (the
+scheduler reserved 1 + k KV slots). Its position cannot come from the host: the previous step, still
+in flight when this one was scheduled, may accept any number of drafts. So this module keeps each
+row's count of known tokens on the device (`known`): input preparation for speculating entries reads
+it (input ids: `last_sampled`, then the row's drafts), every logits row of such an entry is sampled
+(draft positions, then the bonus position), the rejection sampler decides how many drafts stand, and
+the post-update appends the emitted tokens to the device token table and advances `known`. Then the
+proposer drafts the next tokens from that table. Nothing here reads a device value on the host.
+
+Requests that do not speculate share the path: one logits row each, no drafts, which the rejection
+sampler turns into exactly the plain sampler's token. The module exists only when the engine was
+started with a speculative_config, so an engine without one pays nothing.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from tokenmill.config import SpeculativeConfig
+from tokenmill.kernels.input_prep import post_update
+from tokenmill.messages import NewRequestData
+from tokenmill.runner.request_states import RequestStates, RowState
+from tokenmill.runner.sample import RejectionSampler, Sampler
+from tokenmill.runner.sample.logprobs import DeviceLogprobs
+from tokenmill.runner.spec_decode.ngram import NgramProposer
+from tokenmill.runner.spec_decode.proposer import ProposerInputs
+from tokenmill.runner.staged_write import to_device
+
+
+@dataclass(frozen=True)
+class VerifyPlan:
+    """One step's logits rows: entry b owns rows cu[b]..cu[b+1]-1 (every token of a speculating
+    entry, the last token of any other). Host arrays and their device copies."""
+
+    expanded_rows: np.ndarray  # [num_logits] request row of each logits row
+    logit_index: torch.Tensor  # [num_logits] token index within the step of each logits row
+    expanded_idx: torch.Tensor  # [num_logits] expanded_rows on the device
+    cu_num_logits: torch.Tensor  # [B + 1]
+
+
+@dataclass
+class VerifyOutput:
+    sampled: torch.Tensor  # [B, 1 + k] int64: the emitted tokens, then -1
+    num_emitted: torch.Tensor  # [B] int32
+    num_drafts: torch.Tensor  # [B] int32: the drafts each entry verified
+    logprobs: Optional[DeviceLogprobs]
+
+
+class SpeculativeDecoder(RowState):
+    def __init__(self, config: SpeculativeConfig, sampler: Sampler, max_num_reqs: int, device: torch.device):
+        self.k = config.num_speculative_tokens
+        self.device = device
+        self.sampler = sampler
+        self.rejection = RejectionSampler(sampler.gumbel)
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, max_num_reqs, self.k,
+                                      device)
+        self.known = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        self.drafts = torch.full((max_num_reqs, self.k), -1, dtype=torch.int64, device=device)
+        self.num_drafts = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        self._admitted: list[tuple[int, int]] = []  # (row, known tokens) staged for the device
+
+    # ---- rows ------------------------------------------------------------------------------
+    def add_request(self, row: int, new: NewRequestData) -> None:
+        self._admitted.append((row, len(new.token_ids)))
+        self.proposer.add_request(row, new)
+
+    def apply_staged(self) -> None:
+        if self._admitted:
+            pairs = to_device(np.asarray(self._admitted, dtype=np.int64), self.device)
+            self.known[pairs[:, 0]] = pairs[:, 1].to(torch.int32)
+            self.num_drafts[pairs[:, 0]] = 0
+            self._admitted = []
+
+    # ---- the step: inputs ------------------------------------------------------------------
+    @staticmethod
+    def eligible(params) -> bool:
+        """Penalties and logprobs read each emitted token's own step, so such requests decode plainly."""
+        penalised = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+                     or params.presence_penalty != 0.0)
+        return not penalised and params.logprobs is None
+
+    def prepare(self, buffers, states: RequestStates, batch, rows: np.ndarray, q_lens: np.ndarray) -> VerifyPlan:
+        """After the plain input preparation: the speculating entries' inputs, and the step's logits rows."""
+        speculative = np.fromiter((e.speculative for e in batch), dtype=bool, count=len(batch))
+        self.prepare_inputs(buffers, states, rows, q_lens, speculative)
+        counts = np.where(speculative, q_lens, 1)
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(counts, out=cu[1:])
+        qsl = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        first = np.where(speculative, qsl[:-1], qsl[1:] - 1)  # each entry's first logits row
+        logit_rows = np.repeat(first - cu[:-1], counts) + np.arange(cu[-1])
+        expanded = np.repeat(rows, counts)
+        n = len(logit_rows)
+        packed = to_device(np.concatenate([logit_rows, expanded, cu]).astype(np.int64), self.device)
+        return VerifyPlan(expanded, packed[:n], packed[n:2 * n], packed[2 * n:])
+
+    def prepare_inputs(self, buffers, states: RequestStates, rows: np.ndarray, q_lens: np.ndarray,
+                       speculative: np.ndarray) -> None:
+        """Rewrite the speculating entries' inputs in the step buffers from the device counts:
+        positions from `known`, input ids `last_sampled` then the drafts, their slots and seq lens."""
+        ent = np.flatnonzero(speculative)
+        if len(ent) == 0:
+            return
+        qsl = np.zeros(len(q_lens) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        tok_ent = np.repeat(ent, q_lens[ent])
+        offset = np.arange(len(tok_ent)) - np.repeat(np.cumsum(q_lens[ent]) - q_lens[ent], q_lens[ent])
+        host = np.concatenate([qsl[tok_ent] + offset, rows[tok_ent], offset, ent, rows[ent], q_lens[ent]])
+        packed = to_device(host.astype(np.int64), self.device)
+        t, e = len(tok_ent), len(ent)
+        tok, tok_row, j = packed[:t], packed[t:2 * t], packed[2 * t:3 * t]
+        ent_idx, ent_row, ent_q = packed[3 * t:3 * t + e], packed[3 * t + e:3 * t + 2 * e], packed[3 * t + 2 * e:]
+        pos = self.known[tok_row].long() - 1 + j
+        draft = self.drafts[tok_row, (j - 1).clamp(min=0)].clamp(min=0)
+        buffers.input_ids[tok] = torch.where(j == 0, states.last_sampled[tok_row], draft)
+        buffers.positions[tok] = pos
+        bs = states.block_size
+        blocks = states.block_table.gpu[tok_row, pos // bs].long()
+        buffers.slot_mapping[tok] = blocks * bs + pos % bs
+        buffers.seq_lens[ent_idx] = (self.known[ent_row].long() - 1 + ent_q).to(buffers.seq_lens.dtype)
+
+    # ---- the step: sampling and the post-update ----------------------------------------------
+    def sample_and_update(self, logits: torch.Tensor, plan: VerifyPlan, buffers, idx: torch.Tensor,
+                          rows: np.ndarray, states: RequestStates) -> VerifyOutput:
+        """logits [num_logits, V] in plan order; idx [B] the entries' rows on the device."""
+        b = len(rows)
+        positions = buffers.positions[plan.logit_index] + 1  # the position each row's token takes
+        processed = self.sampler.process(logits, plan.expanded_rows, plan.expanded_idx, positions)
+        cu, entry_rows = plan.cu_num_logits, idx[:b].long()
+        num_drafts = torch.minimum(self.num_drafts[entry_rows], (cu[1:] - cu[:-1] - 1).to(torch.int32))
+        out = self.rejection.sample(processed.logits, processed.batch, processed.noise, cu,
+                                    self.drafts[entry_rows], None, num_drafts)
+        emitted = out.num_emitted.long()
+        last = out.sampled.gather(1, (emitted - 1)[:, None])[:, 0]  # each entry's last emitted token
+        logprobs = self.sampler.logprobs.read(logits[cu[:-1] + emitted - 1], last, rows)
+        sample_mask = buffers.sample_mask[:b]
+        post_update(idx, last, sample_mask, b, states.last_sampled, processed.output_counts)
+        self._append(out.sampled, emitted * sample_mask.long(), entry_rows, states)
+        drafts = self.proposer.propose(ProposerInputs(idx, b, states.token_table.gpu, self.known, self.k))
+        self.drafts[entry_rows] = drafts.draft_ids.long()
+        self.num_drafts[entry_rows] = drafts.num_drafts
+        return VerifyOutput(out.sampled, out.num_emitted, num_drafts, logprobs)
+
+    def _append(self, sampled: torch.Tensor, emitted: torch.Tensor, entry_rows: torch.Tensor,
+                states: RequestStates) -> None:
+        """The emitted tokens into the device token table after each row's known ones; `known` advances."""
+        base = self.known[entry_rows].long()
+        # Columns past `known` hold nothing yet, so writing every slot (unused ones too) is safe;
+        # the table has 1 + k spare columns for it.
+        cols = base[:, None] + torch.arange(self.k + 1, device=self.device)
+        states.token_table.gpu[entry_rows[:, None].expand_as(cols), cols] = sampled.to(torch.int32)
+        self.known[entry_rows] = (base + emitted).to(torch.int32)
