@@ -254,26 +254,14 @@ class LLMEngine:
 
     def _process(self, sched: SchedulerOutput, out: ModelRunnerOutput, emit_unfinished: bool) -> list[RequestOutput]:
         changed: dict[str, None] = {}
-        if self.spec_stats is not None and out.num_drafts is not None:
-            sampled = out.sampled_token_ids[:, 0] >= 0
-            self.spec_stats.record(out.num_drafts[sampled], out.num_emitted[sampled])
-        for i, entry in enumerate(sched.batch):
-            tokens = self._emitted(out, i)
-            if not tokens:
-                continue
-            scheduled = entry.num_tokens if entry.speculative else 1
-            request = self.scheduler.take_sampled_token(out.req_ids[i], scheduled, len(tokens))
-            if request is None:
-                continue
-            for token in tokens:  # several with speculation; none after a stop
-                request.output_token_ids.append(token)
-                self.generation_tokens += 1
-                status = self.outputs.on_token(request, token, i, out.logprobs)
-                if status is not None:
-                    self.scheduler.finish_request(request, status)
-                    self.outputs.on_finished(request, status)
-                    break
-            changed[request.parent_id] = None
+        if out.num_emitted is None:  # one token per entry (no speculation): the plain loop
+            tokens = out.sampled_token_ids
+            for i in range(len(out.req_ids)):
+                token = int(tokens[i])
+                if token >= 0:
+                    self._take_tokens(out, i, (token,), 1, changed)
+        else:
+            self._take_speculative(sched, out, changed)
         results = []
         for user_id in changed:
             if not emit_unfinished and not self.outputs.states[user_id].finished:
@@ -284,13 +272,30 @@ class LLMEngine:
                 self.outputs.release(user_id)
         return results
 
-    @staticmethod
-    def _emitted(out: ModelRunnerOutput, i: int) -> list[int]:
-        """The tokens batch entry i produced in its step (none if it did not sample)."""
-        tokens = out.sampled_token_ids[i]
-        if out.num_emitted is None:
-            return [] if tokens < 0 else [int(tokens)]
-        return [int(t) for t in tokens[: int(out.num_emitted[i])]] if tokens[0] >= 0 else []
+    def _take_speculative(self, sched: SchedulerOutput, out: ModelRunnerOutput, changed: dict) -> None:
+        """A step with speculative decoding: each entry emitted 1 + its accepted drafts."""
+        sampled = out.sampled_token_ids[:, 0] >= 0
+        if self.spec_stats is not None:
+            self.spec_stats.record(out.num_drafts[sampled], out.num_emitted[sampled])
+        for i, entry in enumerate(sched.batch):
+            if sampled[i]:
+                tokens = [int(t) for t in out.sampled_token_ids[i, : int(out.num_emitted[i])]]
+                self._take_tokens(out, i, tokens, entry.num_tokens if entry.speculative else 1, changed)
+
+    def _take_tokens(self, out: ModelRunnerOutput, i: int, tokens, scheduled: int, changed: dict) -> None:
+        """Batch entry i's tokens of one step, in order; none after the one that finishes it."""
+        request = self.scheduler.take_sampled_token(out.req_ids[i], scheduled, len(tokens))
+        if request is None:
+            return
+        for token in tokens:
+            request.output_token_ids.append(token)
+            self.generation_tokens += 1
+            status = self.outputs.on_token(request, token, i, out.logprobs)
+            if status is not None:
+                self.scheduler.finish_request(request, status)
+                self.outputs.on_finished(request, status)
+                break
+        changed[request.parent_id] = None
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,
