@@ -87,9 +87,15 @@ class SpeculativeConfig:
     num_speculative_tokens: int = option(3, "draft tokens per request per step", minimum=1)
     prompt_lookup_max: int = option(4, "ngram: the longest n-gram matched", minimum=1)
     prompt_lookup_min: int = option(2, "ngram: the shortest n-gram matched", minimum=1)
+    # For benchmarks with random weights, which accept nothing: every step drafts k tokens and the
+    # rejection step accepts each with this probability, whatever the tokens (the verify cost is real).
+    synthetic_acceptance: Optional[float] = option(
+        None, "benchmarks: accept each draft with this probability regardless of the tokens", default_help="off")
 
     def __post_init__(self) -> None:
         check_field_types(self)
+        if self.synthetic_acceptance is not None and not 0.0 <= self.synthetic_acceptance <= 1.0:
+            raise ConfigError(f"synthetic_acceptance must be in [0, 1], got {self.synthetic_acceptance}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
                               f"({self.prompt_lookup_max})")

@@ -76,3 +76,24 @@ def test_bad_speculative_config_is_refused():
         EngineConfig(speculative_config={"num_speculative_tokens": 0})
     with pytest.raises(ConfigError, match="speculative_config"):
         EngineConfig(speculative_config={"proposer": "x"})
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.7, 1.0])
+def test_synthetic_acceptance_for_benchmarks(rate):
+    """Random weights accept nothing; with synthetic_acceptance every step drafts k tokens and each
+    is accepted with that probability, so tokens per verifying step follow the rate."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.entrypoints.llm import LLM
+
+    config = EngineConfig(num_kv_blocks=64, max_num_seqs=4,
+                          speculative_config={**NGRAM, "synthetic_acceptance": rate})
+    llm = LLM.from_engine(LLMEngine("tiny-llama", config, load_format="dummy", dtype="float32", device="cpu"))
+    outs = llm.generate([[1, 2, 3, 4, 5]] * 4, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                        use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 60 for o in outs)
+    stats = llm.engine.spec_stats
+    expected = sum(rate ** i for i in range(4))  # 1 + a + a^2 + a^3 tokens a verifying step
+    assert abs(stats.mean_accepted_length - expected) < 0.35, (stats.mean_accepted_length, expected)
+    with pytest.raises(Exception, match="synthetic_acceptance"):
+        EngineConfig(speculative_config={"synthetic_acceptance": 1.5})

@@ -241,12 +241,15 @@ class LLMEngine:
                 self.runner.release(sched.freed_req_ids)
         results: list[RequestOutput] = []
         keep = 1 if (self.config.async_scheduling and launched) else 0
+        completed = 0
         while len(self._inflight) > keep:
             sched, pending = self._inflight.popleft()
             self.steps_completed += 1
+            completed += 1
             self.last_step_kind = sched.kind
             results.extend(self._process(sched, pending.get(), emit_unfinished))
-        if not launched and not results and self.scheduler.has_unfinished and not self._inflight:
+        # (A speculating request may wait a step for its in-flight tokens without finishing.)
+        if not launched and not completed and self.scheduler.has_unfinished and not self._inflight:
             raise RuntimeError("the scheduler could not schedule any request (this is a bug)")
         if not self.scheduler.has_unfinished:  # idle: release the rows of what just finished
             self.runner.release(self.scheduler.take_freed_ids())

@@ -55,7 +55,8 @@ class SpeculativeDecoder(RowState):
         self.k = config.num_speculative_tokens
         self.device = device
         self.sampler = sampler
-        self.rejection = RejectionSampler(sampler.gumbel)
+        self.rejection = RejectionSampler(sampler.gumbel, config.synthetic_acceptance)
+        self.synthetic = config.synthetic_acceptance is not None  # then every step drafts k tokens
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, max_num_reqs, self.k,
                                       device)
         self.known = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
@@ -142,8 +143,12 @@ class SpeculativeDecoder(RowState):
         post_update(idx, last, sample_mask, b, states.last_sampled, processed.output_counts)
         self._append(out.sampled, emitted * sample_mask.long(), entry_rows, states)
         drafts = self.proposer.propose(ProposerInputs(idx, b, states.token_table.gpu, self.known, self.k))
-        self.drafts[entry_rows] = drafts.draft_ids.long()
-        self.num_drafts[entry_rows] = drafts.num_drafts
+        if self.synthetic:  # k drafts every step: those not found are token 0 (any token will do)
+            self.drafts[entry_rows] = drafts.draft_ids.long().clamp(min=0)
+            self.num_drafts[entry_rows] = self.k
+        else:
+            self.drafts[entry_rows] = drafts.draft_ids.long()
+            self.num_drafts[entry_rows] = drafts.num_drafts
         return VerifyOutput(out.sampled, out.num_emitted, num_drafts, logprobs)
 
     def _append(self, sampled: torch.Tensor, emitted: torch.Tensor, entry_rows: torch.Tensor,
