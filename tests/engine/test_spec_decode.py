@@ -97,3 +97,36 @@ def test_synthetic_acceptance_for_benchmarks(rate):
     assert abs(stats.mean_accepted_length - expected) < 0.35, (stats.mean_accepted_length, expected)
     with pytest.raises(Exception, match="synthetic_acceptance"):
         EngineConfig(speculative_config={"synthetic_acceptance": 1.5})
+
+
+def test_served_stream_with_speculation(smollm):
+    """Through the async front end (the server's engine loop, detokenizing thread and streams): a
+    speculating request streams several tokens per output and ends as LLM.generate without
+    speculation ends, stop string included."""
+    import asyncio
+
+    from tokenmill.engine.async_engine import AsyncLLMEngine
+
+    plain = make_llm(smollm)
+    prompt = _copy_prompt(plain)
+    params = SamplingParams(temperature=0, max_tokens=40, stop=["mat. The cat sat on the mat. The"])
+    ref = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert ref.finish_reason == "stop"
+    engine = make_llm(smollm, speculative_config=NGRAM).engine
+    aengine = AsyncLLMEngine(engine)
+
+    async def main():
+        aengine.start()
+        try:
+            return [out async for _, out in aengine.submit(lambda tools: [(None, list(prompt))], params)]
+        finally:
+            await asyncio.sleep(0.3)  # a stop string's abort reaches the engine
+            await aengine.stop()
+
+    outs = asyncio.run(main())
+    final = outs[-1].outputs[0]
+    assert (final.token_ids, final.text, final.finish_reason, final.stop_reason) == \
+        (ref.token_ids, ref.text, ref.finish_reason, ref.stop_reason)
+    grew = [len(b.outputs[0].token_ids) - len(a.outputs[0].token_ids) for a, b in zip(outs, outs[1:])]
+    assert max(grew) > 1  # several tokens arrived in one streamed output
+    assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.kv.num_blocks
