@@ -69,7 +69,7 @@ def test_llm_keywords_reach_the_configs(monkeypatch):
                    enable_prefix_caching=False, async_scheduling=False, enforce_eager=True, cuda_graph_max_batch=8,
                    piecewise_cuda_graph_max_tokens=0, fused_small_batch_linear=False, seed=7,
                    speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
-                                       "prompt_lookup_min": 1})
+                                       "prompt_lookup_min": 1, "synthetic_acceptance": 0.5})
     assert set(changed) == {f.name for f in dataclasses.fields(EngineConfig)}, "a new field: add it here"
     engine = LLM("tiny-llama", load_format="dummy", dtype="float32", device="cpu", **changed).engine
     assert dataclasses.asdict(engine.config) == changed
