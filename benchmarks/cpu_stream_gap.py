@@ -8,8 +8,9 @@ gap between two tokens until the long prompt's first token is reported, with the
 """
 
 import argparse
-import json
 import time
+
+from _report import emit
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
@@ -49,10 +50,7 @@ def main() -> None:
                           max_prefill_tokens_with_decodes=args.cap, enable_prefix_caching=False)
     engine = LLMEngine(None, config, dtype="float32", device="cpu")
     result = {"cap": engine.scheduler.limits.max_prefill_tokens_with_decodes, **measure(engine, args.prompt_tokens)}
-    print(json.dumps(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

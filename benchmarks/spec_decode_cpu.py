@@ -6,8 +6,9 @@ greedy. Reports acceptance rate, tokens per verifying step and ms per output tok
 """
 
 import argparse
-import json
 import time
+
+from _report import emit
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
@@ -72,10 +73,7 @@ def main() -> None:
               "prompts": len(prompts), "plain": run(plain_llm, prompts, params), "ngram": run(spec_llm, prompts, params)}
     result["speedup"] = round(result["plain"]["ms_per_output_token"] / result["ngram"]["ms_per_output_token"], 2)
     result["same_tokens"] = result["plain"].pop("token_ids") == result["ngram"].pop("token_ids")
-    print(json.dumps(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -130,3 +130,15 @@ def test_served_stream_with_speculation(smollm):
     grew = [len(b.outputs[0].token_ids) - len(a.outputs[0].token_ids) for a, b in zip(outs, outs[1:])]
     assert max(grew) > 1  # several tokens arrived in one streamed output
     assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_everything_on_together(smollm, chat_prompt_ids, hf_greedy):
+    """Speculation with chunked prefill, preemption, the prefix cache (a second round served from
+    it) and async scheduling all at once: still HF's greedy tokens, and nothing leaks."""
+    llm = make_llm(smollm, speculative_config=NGRAM, max_num_batched_tokens=24, num_kv_blocks=14,
+                   max_num_seqs=4, enable_prefix_caching=True, async_scheduling=True)
+    for _ in range(2):
+        check_batch_matches_hf(llm, "preemption", chat_prompt_ids, hf_greedy)
+    assert llm.engine.kv.prefix_hits > 0
+    assert llm.engine.spec_stats.drafts > 0
+    assert_no_leaks(llm)

@@ -138,7 +138,9 @@ class SpeculativeDecoder(RowState):
                                     self.drafts[entry_rows], None, num_drafts)
         emitted = out.num_emitted.long()
         last = out.sampled.gather(1, (emitted - 1)[:, None])[:, 0]  # each entry's last emitted token
-        logprobs = self.sampler.logprobs.read(logits[cu[:-1] + emitted - 1], last, rows)
+        logprobs = None  # from each entry's last emitted row; only rows that do not speculate ask
+        if self.sampler.logprobs.needed(rows):
+            logprobs = self.sampler.logprobs.read(logits[cu[:-1] + emitted - 1], last, rows)
         sample_mask = buffers.sample_mask[:b]
         post_update(idx, last, sample_mask, b, states.last_sampled, processed.output_counts)
         self._append(out.sampled, emitted * sample_mask.long(), entry_rows, states)
