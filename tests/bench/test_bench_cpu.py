@@ -335,3 +335,139 @@ def test_launched_server_gets_the_engine_flags_changed():
     served = build_parser().parse_args(cmd[3:])
     assert engine_config_from_args(served) == engine_config_from_args(args)
     assert "--max-num-seqs" not in cmd and "--enforce-eager" not in cmd
+
+
+# ---- speculative decoding in the benchmarks -------------------------------------------------------
+# With synthetic acceptance a verify step drafts k tokens and accepts each with that probability;
+# 13 output tokens are the prefill's one plus three full verify steps of k = 3 (1 + 3 x 4), so every
+# draft has all k tokens and the figures are exact.
+
+def _check_spec(spec, rate: float, k: int = 3) -> None:
+    assert spec["num_speculative_tokens"] == k and spec["num_drafts"] > 0
+    assert spec["acceptance_rate"] == rate
+    assert spec["mean_accepted_length"] == (1.0 + k if rate == 1.0 else 1.0)
+    assert spec["acceptance_by_position"] == [rate] * k
+    assert spec["num_accepted_tokens"] == sum(spec["num_accepted_tokens_by_position"])
+    assert spec["num_draft_tokens"] == sum(spec["num_draft_tokens_by_position"])
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.0])
+def test_latency_with_synthetic_acceptance(tmp_path, rate):
+    rc = main(["bench", "latency", "--workload", "latency-tiny", "--device", "cpu", "--out", str(tmp_path),
+               "--repeat", "1", "--output-len", "13", "--warmup-requests", "1", "--no-plot",
+               "--synthetic-acceptance", str(rate)])
+    assert rc == 0
+    r = _load(tmp_path / "latency-latency-tiny+custom.json")
+    s = r["summary"]
+    _check_spec(s["speculative"], rate)
+    assert r["speculative"] == s["speculative"] == r["results"]["runs"][0]["speculative"]
+    assert r["engine"]["config"]["speculative_config"]["synthetic_acceptance"] == rate
+    # ms per output token counts the tokens emitted: a verify step's 1 + accepted tokens share its time
+    assert s["output_tokens"] == 13
+    assert s["tokens_per_decode_step"] == pytest.approx(4.0 if rate == 1.0 else 1.0)
+    assert s["decode_step_ms"] == pytest.approx(s["tpot_ms"] * s["tokens_per_decode_step"])
+    assert s["decode_steps"] == (3 if rate == 1.0 else 12)  # verify steps count as decode steps
+    assert r["roofline"]["by_kind"]["decode"]["steps"] == s["decode_steps"]
+    assert 0 < s["bandwidth_pct"] <= 100
+
+
+def test_latency_without_speculation_has_no_spec_figures(tmp_path):
+    rc = main(["bench", "latency", "--workload", "latency-tiny", "--device", "cpu", "--out", str(tmp_path),
+               "--repeat", "1", "--output-len", "6", "--warmup-requests", "1", "--no-plot"])
+    assert rc == 0
+    s = _load(tmp_path / "latency-latency-tiny+custom.json")["summary"]
+    assert s["speculative"] is None and s["tokens_per_decode_step"] == 1.0 and s["decode_steps"] == 5
+    assert s["decode_step_ms"] == pytest.approx(s["tpot_ms"])
+
+
+def test_throughput_with_a_speculative_config_and_synthetic_acceptance(tmp_path, capsys):
+    """--synthetic-acceptance sets synthetic_acceptance inside a given --speculative-config (k = 2
+    here: 13 tokens = 1 + 4 verify steps of 3)."""
+    rc = main(["bench", "throughput", "--workload", "tiny", "--device", "cpu", "--out", str(tmp_path),
+               "--num-prompts", "3", "--output-len", "13", "--warmup-requests", "1", "--no-plot",
+               "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+               "--synthetic-acceptance", "1"])
+    assert rc == 0
+    r = _load(tmp_path / "throughput-tiny+custom.json")
+    s = r["summary"]
+    _check_spec(s["speculative"], 1.0, k=2)
+    assert s["speculative"]["num_drafts"] == 3 * 4 and s["output_tokens"] == 3 * 13
+    assert r["engine"]["config"]["speculative_config"]["num_speculative_tokens"] == 2
+    assert r["roofline"]["by_kind"]["decode"]["steps"] == 4  # verify steps, as the scheduler saw them
+    out = capsys.readouterr().out
+    assert "acceptance 100.0%" in out and "3.00 tokens per verifying step" in out
+
+
+def test_serve_launch_forwards_speculation_and_reports_acceptance(tmp_path):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("aiohttp")
+    rc = main(["bench", "serve", "--workload", "tiny", "--device", "cpu", "--launch", "--num-prompts", "3",
+               "--output-len", "13", "--request-rate", "inf", "--warmup-requests", "1", "--out", str(tmp_path),
+               "--server-timeout", "120", "--no-plot", "--synthetic-acceptance", "1.0"])
+    assert rc == 0
+    r = _load(tmp_path / "serve-tiny+custom.json")
+    cmd = r["server_command"]
+    spec_config = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec_config["method"] == "ngram" and spec_config["num_speculative_tokens"] == 3
+    assert spec_config["synthetic_acceptance"] == 1.0
+    rate = r["rates"][0]
+    s = rate["summary"]
+    assert s["completed"] == 3 and s["failed"] == 0 and s["output_tokens"] == 3 * 13
+    assert s["multi_token_chunks"] > 0 and s["requests_with_chunks_not_tokens"] == 0
+    # scraped from the server's /metrics around the load (the warm-up's requests not counted)
+    _check_spec(rate["speculative"], 1.0)
+    assert rate["speculative"]["num_drafts"] == 3 * 3
+    assert r["summary"]["speculative"] == rate["speculative"]
+
+
+def test_synthetic_acceptance_flag(capsys):
+    from tokenmill.bench.common import engine_namespace, speculative_config
+    from tokenmill.bench.serve import server_command
+    from tokenmill.config import SpeculativeConfig
+    from tokenmill.entrypoints.cli import build_parser, engine_config_from_args
+
+    parser = build_parser()
+    alone = parser.parse_args(["bench", "serve", "--synthetic-acceptance", "0.5"])
+    assert speculative_config(alone) == SpeculativeConfig(method="ngram", num_speculative_tokens=3,
+                                                          synthetic_acceptance=0.5)
+    given = parser.parse_args(["bench", "latency", "--speculative-config", '{"num_speculative_tokens": 5}',
+                               "--synthetic-acceptance", "0.25"])
+    assert speculative_config(given) == SpeculativeConfig(num_speculative_tokens=5, synthetic_acceptance=0.25)
+    plain = parser.parse_args(["bench", "serve"])
+    assert speculative_config(plain) is None
+    w = get_workload("serve-8b")
+    assert "--speculative-config" not in server_command(plain, w, 8000)
+    # forwarded to a launched server, and parsed back there into the same engine options
+    cmd = server_command(alone, w, 8000)
+    served = build_parser().parse_args(cmd[3:])
+    assert engine_config_from_args(served).speculative_config == speculative_config(alone)
+    assert engine_config_from_args(served) == engine_config_from_args(engine_namespace(alone, w))
+    for bad in ("1.5", "-0.1", "x"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["bench", "latency", "--synthetic-acceptance", bad])
+        assert "--synthetic-acceptance" in capsys.readouterr().err
+
+
+def test_spec_counters_parsed_from_a_scrape():
+    from tokenmill.bench.serve import server_side, spec_counts
+
+    def scrape(drafts, tokens, accepted, per_pos_drafted, per_pos_accepted):
+        lines = [f'tokenmill:spec_decode_num_drafts_total{{model_name="m"}} {drafts}',
+                 f'tokenmill:spec_decode_num_draft_tokens_total{{model_name="m"}} {tokens}',
+                 f'tokenmill:spec_decode_num_accepted_tokens_total{{model_name="m"}} {accepted}']
+        for p, (d, a) in enumerate(zip(per_pos_drafted, per_pos_accepted)):
+            lines.append(f'tokenmill:spec_decode_num_draft_tokens_per_pos_total{{model_name="m",position="{p}"}} {d}')
+            lines.append(f'tokenmill:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{p}"}} {a}')
+        return "\n".join(lines)
+
+    before = scrape(10, 28, 14, [10, 10, 8], [8, 4, 2])
+    after = scrape(30, 88, 50, [30, 30, 28], [26, 16, 8])
+    counts = spec_counts(after)
+    assert (counts.num_speculative_tokens, counts.verify_steps, counts.drafts, counts.accepted) == (3, 30, 88, 50)
+    assert counts.drafted_at == (30, 30, 28) and counts.accepted_at == (26, 16, 8)
+    assert spec_counts("tokenmill:engine_steps_total{model_name=\"m\"} 3") is None
+    spec = server_side(before, after)["speculative"]
+    assert (spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"]) == (20, 60, 36)
+    assert spec["acceptance_rate"] == pytest.approx(36 / 60) and spec["mean_accepted_length"] == pytest.approx(1 + 36 / 20)
+    assert spec["acceptance_by_position"] == pytest.approx([18 / 20, 12 / 20, 6 / 20])
+    assert server_side("", "")["speculative"] is None

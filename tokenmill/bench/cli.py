@@ -30,6 +30,16 @@ def _add_common(p: argparse.ArgumentParser, default_workload: str, default_repea
     g.add_argument("--no-plot", action="store_true", help="write no PNG")
     # Left unset, these come from the workload (preset, dummy weights, its dtype).
     add_engine_args(p, defaults={name: (None, "the workload's") for name in ("model", "load_format", "dtype")})
+    from tokenmill.bench.common import probability
+
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--synthetic-acceptance", type=probability, default=None, metavar="A",
+                   help="for random weights, which accept nothing: every verify step drafts k tokens and accepts "
+                        "each with probability A whatever the tokens (0..1), so the verify cost is real and the "
+                        "tokens per step follow A; sets synthetic_acceptance in --speculative-config, and alone "
+                        'implies --speculative-config \'{"method": "ngram", "num_speculative_tokens": 3}\'; '
+                        "the results report acceptance rate, mean accepted length and acceptance by position "
+                        "(default: off)")
 
 
 def register(subparsers) -> None:

@@ -2,9 +2,17 @@
 
 We drive the engine loop directly and timestamp every step's output: the first token's time
 gives TTFT (prefill + first sample), the gaps between later tokens the decode time per output
-token (TPOT = (t_last - t_first) / (n - 1)). The bandwidth fraction is the decode bytes per token
-(weights + mean KV read) over TPOT, against the measured copy bandwidth; the roofline % over all
-steps is reported as for throughput.
+token (TPOT = (t_last - t_first) / (n - 1), n counting the tokens emitted, not the steps). The
+decode time per engine step is the same span over the decode steps that emitted tokens
+(`decode_step_ms`); without speculation every step emits one token and it equals TPOT; with
+speculation a verify step emits 1 + its accepted drafts (`tokens_per_decode_step`), so comparing
+`decode_step_ms` of two runs, with and without speculation, gives the cost of a verify step against
+a one-token decode step. The tokens of one step arrive together, so `itl_ms` then holds zeros.
+
+The bandwidth fraction is the decode bytes per token (weights + KV read and written, summed over
+the decode steps, over the tokens they emitted) over TPOT, against the measured copy bandwidth; the
+roofline % over all steps is reported as for throughput. With speculation the result's `speculative`
+(and each run's) holds the acceptance figures of the timed request (bench/common.py: spec_summary).
 """
 
 from __future__ import annotations
@@ -16,18 +24,22 @@ import time
 import numpy as np
 
 from tokenmill.bench import report
-from tokenmill.bench.common import build_engine, median_index, reset_prefix_cache, resolve_workload, synchronize
+from tokenmill.bench.common import (build_engine, format_spec, median_index, reset_prefix_cache, resolve_workload,
+                                    spec_snapshot, spec_summary, synchronize)
 from tokenmill.bench.roofline import (format_roofline, kv_bytes_per_token, measure_ceilings, run_roofline,
                                       step_floor)
+from tokenmill.bench.step_timer import StepKinds
 from tokenmill.bench.workloads import generate_requests, warmup_requests
 
 
-def time_one_request(engine, prompt_ids: list[int], params) -> tuple[float, list[float]]:
-    """(start time, arrival time of each output token) for one request run alone."""
+def time_one_request(engine, prompt_ids: list[int], params) -> tuple[float, list[float], list[float]]:
+    """(start time, arrival time of each output token, arrival time of each step output that brought
+    new tokens) for one request run alone."""
     synchronize(engine.loaded.device)
     start = time.perf_counter()
     request_id = engine.add_request(None, params, prompt_ids=prompt_ids)
     times: list[float] = []
+    arrivals: list[float] = []
     finished = False
     while not finished or engine.has_unfinished_requests():
         for out in engine.step():
@@ -35,9 +47,11 @@ def time_one_request(engine, prompt_ids: list[int], params) -> tuple[float, list
                 continue
             now = time.perf_counter()
             n = len(out.outputs[0].token_ids)
-            times.extend([now] * (n - len(times)))
+            if n > len(times):
+                arrivals.append(now)
+                times.extend([now] * (n - len(times)))
             finished = finished or out.finished
-    return start, times
+    return start, times, arrivals
 
 
 def run(args, log=None) -> dict:
@@ -65,33 +79,49 @@ def run(args, log=None) -> dict:
     for i in range(args.repeat):
         reset_prefix_cache(engine)
         engine.step_log = []
-        start, times = time_one_request(engine, req.prompt_token_ids, params)
+        spec_before = spec_snapshot(engine)
+        step_kinds = StepKinds(engine).install()
+        start, times, arrivals = time_one_request(engine, req.prompt_token_ids, params)
+        kinds = step_kinds.uninstall()
         steps, engine.step_log = engine.step_log, None
+        spec = spec_summary(spec_snapshot(engine).since(spec_before)) if spec_before is not None else None
         elapsed = times[-1] - start
         n = len(times)
         ttft = times[0] - start
-        tpot = (times[-1] - times[0]) / (n - 1) if n > 1 else float("nan")
-        decode = [s for s in steps if int(np.sum(s.query_lens)) == 1 and len(s.query_lens) == 1]
-        # bytes per decode token: weights + KV read (+ written), from the as-run floor of each decode step
+        tpot = (times[-1] - times[0]) / (n - 1) if n > 1 else float("nan")  # per token emitted
+        # per decode step that emitted tokens (a verify step emits 1 + its accepted drafts)
+        decode_emits = len(arrivals) - 1
+        step_s = (arrivals[-1] - arrivals[0]) / decode_emits if decode_emits > 0 else float("nan")
+        # Decode steps as the scheduler saw them: a verify step's entry holds the last token and its
+        # drafts, so counting one-token steps would miss it.
+        decode = [s for s, kind in zip(steps, kinds) if kind == "decode"]
+        # bytes per decode token: weights + KV read (+ written), from the as-run floor of each decode
+        # step, over the tokens those steps emitted (every token after the first)
         dec_bytes = [step_floor(s, arch, dtype_bytes, ceilings, "as-run").bytes for s in decode]
         dec_bytes_spec = [step_floor(s, arch, dtype_bytes, ceilings, "spec").bytes for s in decode]
-        mean_bytes = float(np.mean(dec_bytes)) if dec_bytes else float("nan")
-        mean_bytes_spec = float(np.mean(dec_bytes_spec)) if dec_bytes_spec else float("nan")
+        mean_bytes = float(np.sum(dec_bytes)) / (n - 1) if dec_bytes and n > 1 else float("nan")
+        mean_bytes_spec = float(np.sum(dec_bytes_spec)) / (n - 1) if dec_bytes_spec and n > 1 else float("nan")
         bw = mean_bytes / tpot / ceilings.copy_bytes_per_s if n > 1 else float("nan")
         bw_spec = mean_bytes_spec / tpot / ceilings.copy_bytes_per_s if n > 1 else float("nan")
         itl = np.diff(np.asarray(times)) if n > 1 else np.zeros(0)
-        roof = run_roofline(steps, arch, dtype_bytes, ceilings, elapsed)
+        roof = run_roofline(steps, arch, dtype_bytes, ceilings, elapsed, kinds=kinds)
         run_ = {"elapsed_s": elapsed, "output_tokens": n, "ttft_ms": 1e3 * ttft, "tpot_ms": 1e3 * tpot,
                 "decode_tok_per_s": 1.0 / tpot if n > 1 else None, "tok_per_s": n / elapsed,
-                "bytes_per_decode_token": mean_bytes, "bandwidth_pct": 100 * bw, "bandwidth_pct_spec": 100 * bw_spec,
+                "decode_step_ms": 1e3 * step_s, "decode_steps": len(decode),
+                "tokens_per_decode_step": (n - 1) / decode_emits if decode_emits > 0 else None,
+                "bytes_per_decode_token": mean_bytes,
+                "bytes_per_decode_step": float(np.mean(dec_bytes)) if dec_bytes else None,
+                "bandwidth_pct": 100 * bw, "bandwidth_pct_spec": 100 * bw_spec,
                 "kv_bytes_per_token": kv_tok, "itl_ms": (1e3 * itl).round(4).tolist(),
                 "itl_ms_p50": float(np.percentile(1e3 * itl, 50)) if itl.size else None,
                 "itl_ms_p99": float(np.percentile(1e3 * itl, 99)) if itl.size else None,
-                "num_steps": len(steps), "roofline": roof}
+                "num_steps": len(steps), "roofline": roof, "speculative": spec}
         runs.append(run_)
         log(f"run {i + 1}/{args.repeat}: TTFT {run_['ttft_ms']:.2f} ms, TPOT {run_['tpot_ms']:.3f} ms "
-            f"({run_['decode_tok_per_s']:.1f} tok/s), bandwidth {run_['bandwidth_pct']:.1f}% of copy, "
-            f"roofline {roof['roofline_pct']:.1f}%")
+            f"({run_['decode_tok_per_s']:.1f} tok/s), {run_['decode_step_ms']:.3f} ms per decode step, "
+            f"bandwidth {run_['bandwidth_pct']:.1f}% of copy, roofline {roof['roofline_pct']:.1f}%"
+            + (f"; acceptance {100 * spec['acceptance_rate']:.1f}%, {spec['mean_accepted_length']:.2f} tokens per "
+               f"verifying step" if spec else ""))
     mid = median_index([r["tpot_ms"] for r in runs])
     med = runs[mid]
     for j, r in enumerate(runs):
@@ -107,18 +137,26 @@ def run(args, log=None) -> dict:
                     "tpot_ms_median": statistics.median(r["tpot_ms"] for r in runs),
                     "ttft_ms_median": statistics.median(r["ttft_ms"] for r in runs)},
         "roofline": med["roofline"],
+        "speculative": med["speculative"],
         "summary": {"tpot_ms": med["tpot_ms"], "ttft_ms": statistics.median(r["ttft_ms"] for r in runs),
-                    "decode_tok_per_s": med["decode_tok_per_s"], "bandwidth_pct": med["bandwidth_pct"],
+                    "decode_tok_per_s": med["decode_tok_per_s"], "decode_step_ms": med["decode_step_ms"],
+                    "tokens_per_decode_step": med["tokens_per_decode_step"], "decode_steps": med["decode_steps"],
+                    "bandwidth_pct": med["bandwidth_pct"],
                     "bandwidth_pct_spec": med["bandwidth_pct_spec"], "roofline_pct": med["roofline"]["roofline_pct"],
-                    "output_tokens": med["output_tokens"]},
+                    "output_tokens": med["output_tokens"], "speculative": med["speculative"]},
     })
     return result
 
 
 def print_summary(result: dict, out=sys.stdout) -> None:
     s = result["summary"]
+    step = s.get("decode_step_ms")
+    per_step = "" if step is None else (f", {step:.3f} ms per decode step "
+                                        f"({s.get('tokens_per_decode_step') or 0:.2f} tokens per step)")
     print(f"{result['workload']['name']} on {result['device_name']} ({result['dtype']}): TPOT {s['tpot_ms']:.3f} ms "
-          f"({s['decode_tok_per_s']:.1f} tok/s decode, median of {result['repeat']}), TTFT {s['ttft_ms']:.2f} ms, "
-          f"decode bandwidth {s['bandwidth_pct']:.1f}% of the measured copy bandwidth "
+          f"per output token ({s['decode_tok_per_s']:.1f} tok/s decode, median of {result['repeat']}){per_step}, "
+          f"TTFT {s['ttft_ms']:.2f} ms, decode bandwidth {s['bandwidth_pct']:.1f}% of the measured copy bandwidth "
           f"(spec formula {s['bandwidth_pct_spec']:.1f}%)", file=out)
+    if s.get("speculative"):
+        print(format_spec(s["speculative"]), file=out)
     print(format_roofline(result["roofline"]), file=out)

@@ -6,6 +6,7 @@ torch/triton/transformers versions, date, command line, git commit, ceilings, re
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -59,7 +60,9 @@ def metadata(kind: str, argv: Optional[list[str]] = None) -> dict:
 
 
 def _clean(obj: Any) -> Any:
-    """JSON-safe: numpy scalars to Python, NaN/inf to None."""
+    """JSON-safe: dataclasses to dicts, numpy scalars to Python, NaN/inf to None."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return _clean(dataclasses.asdict(obj))
     if isinstance(obj, dict):
         return {str(k): _clean(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -114,6 +117,14 @@ def _fmt(x, spec: str = ".0f", none: str = "-") -> str:
     return none if x is None else format(x, spec)
 
 
+def _spec_note(spec: Optional[dict]) -> str:
+    """The speculative-decoding figures of a result for the table's "other" column ("" when off)."""
+    if not spec:
+        return ""
+    return (f", spec accept {_fmt(100 * spec.get('acceptance_rate', 0), '.0f')}%, "
+            f"{_fmt(spec.get('mean_accepted_length'), '.2f')} tok/verify")
+
+
 def summary_rows(merged: dict) -> list[list[str]]:
     rows = [["kind", "workload", "tag", "tok/s", "roofline %", "peer ratio", "other", "device"]]
     for r in merged["results"]:
@@ -124,12 +135,14 @@ def summary_rows(merged: dict) -> list[list[str]]:
         s = r.get("summary") or {}
         if kind == "throughput":
             other = (f"{_fmt(s.get('elapsed_s'), '.2f')} s, {_fmt(s.get('total_tok_per_s'))} total tok/s, "
-                     f"{s.get('output_tokens', '-')} out tok, {s.get('num_steps', '-')} steps")
+                     f"{s.get('output_tokens', '-')} out tok, {s.get('num_steps', '-')} steps"
+                     + _spec_note(s.get("speculative")))
             rows.append([kind, name, tag, _fmt(s.get("output_tok_per_s")), _fmt(s.get("roofline_pct"), ".1f"),
                          _fmt(s.get("peer_ratio"), ".2f"), other, dev])
         elif kind == "latency":
-            other = (f"TPOT {_fmt(s.get('tpot_ms'), '.2f')} ms, TTFT {_fmt(s.get('ttft_ms'), '.1f')} ms, "
-                     f"BW {_fmt(s.get('bandwidth_pct'), '.1f')}%")
+            other = (f"TPOT {_fmt(s.get('tpot_ms'), '.2f')} ms, {_fmt(s.get('decode_step_ms'), '.2f')} ms/step, "
+                     f"TTFT {_fmt(s.get('ttft_ms'), '.1f')} ms, BW {_fmt(s.get('bandwidth_pct'), '.1f')}%"
+                     + _spec_note(s.get("speculative")))
             rows.append([kind, name, tag, _fmt(s.get("decode_tok_per_s")), _fmt(s.get("roofline_pct"), ".1f"), "-",
                          other, dev])
         elif kind == "serve":
@@ -137,7 +150,8 @@ def summary_rows(merged: dict) -> list[list[str]]:
                 a = rate.get("summary", {})
                 other = (f"rate {rate.get('request_rate')}, TTFT p50/p99 {_fmt(a.get('ttft_ms_p50'), '.0f')}/"
                          f"{_fmt(a.get('ttft_ms_p99'), '.0f')} ms, ITL p50/p99 {_fmt(a.get('itl_ms_p50'), '.1f')}/"
-                         f"{_fmt(a.get('itl_ms_p99'), '.1f')} ms, {a.get('failed', '-')} failed")
+                         f"{_fmt(a.get('itl_ms_p99'), '.1f')} ms, {a.get('failed', '-')} failed"
+                         + _spec_note(rate.get("speculative")))
                 rows.append([kind, name, tag, _fmt(a.get("output_tok_per_s")), "-", "-", other, dev])
         else:
             rows.append([kind, name, tag, "-", "-", "-", r.get("error", ""), dev])

@@ -216,13 +216,19 @@ def _pct(floor: float, measured: Optional[float]) -> Optional[float]:
 
 
 def run_roofline(step_log: Sequence, arch: ModelArchConfig, dtype_bytes: int, ceilings: Ceilings,
-                 measured_s: float, step_seconds: Optional[Sequence[float]] = None) -> dict:
+                 measured_s: float, step_seconds: Optional[Sequence[float]] = None,
+                 kinds: Optional[Sequence[str]] = None) -> dict:
     """The roofline report of one run: floor / measured time, overall and by kind of step.
 
     `step_seconds` (host-side intervals, one per step, see step_timer) gives each kind its own
-    measured time and percentage; without it only the floors and counts are split by kind."""
+    measured time and percentage; without it only the floors and counts are split by kind.
+    `kinds` (one per step, as the scheduler saw them: step_timer.StepKinds) sorts the steps;
+    without it each step's shape decides (step_kind), which takes a speculative verify step (last
+    token + drafts) for a prefill chunk."""
     if step_seconds is not None and len(step_seconds) != len(step_log):
         step_seconds = None
+    if kinds is not None and (len(kinds) != len(step_log) or not set(kinds) <= set(KINDS)):
+        kinds = None
     by_kind = {k: {"steps": 0, "new_tokens": 0, "floor_s": 0.0, "floor_s_spec": 0.0, "bytes": 0.0, "flops": 0.0,
                    "memory_bound_steps": 0, "measured_s": 0.0 if step_seconds is not None else None}
                for k in KINDS}
@@ -230,7 +236,7 @@ def run_roofline(step_log: Sequence, arch: ModelArchConfig, dtype_bytes: int, ce
     for i, shape in enumerate(step_log):
         f = step_floor(shape, arch, dtype_bytes, ceilings, "as-run")
         f_spec = step_floor(shape, arch, dtype_bytes, ceilings, "spec")
-        kind = by_kind[step_kind(shape)]
+        kind = by_kind[kinds[i] if kinds is not None else step_kind(shape)]
         mem_bound = f.bytes / ceilings.copy_bytes_per_s >= f.flops / ceilings.matmul_flops_per_s
         for d in (kind, total):
             d["floor_s"] += f.seconds

@@ -10,11 +10,17 @@ request is counted in `multi_token_chunks`. Without `token_ids`, a chunk counts 
 final usage chunk's completion_tokens is checked against the count. Reported: throughput and TTFT / ITL / TPOT / end-to-end percentiles (p50, p90, p99).
 
 `--launch` starts `tokenmill serve MODEL` as a subprocess (engine flags passed through, extra
-server flags with `--server-args`), waits for `/health`, and stops it at the end; otherwise
+server flags with `--server-args`; `--speculative-config` and `--synthetic-acceptance` become the
+server's `--speculative-config`), waits for `/health`, and stops it at the end; otherwise
 `--base-url` points at a running server. `--rates 2,4,8` sweeps request rates against one server;
 before each rate we ask the server to forget its prefix cache (`POST /reset_prefix_cache`, if it
 has one) and otherwise give each later rate other token ids (same lengths), so no rate benefits
 from an earlier one's prompts. Warm-up requests also use other token ids.
+
+With speculation on the server, each rate's `speculative` (and the summary's, of the best rate)
+holds the acceptance figures of that rate's requests, from the server's speculative-decoding
+counters scraped from `/metrics` before and after the load (acceptance rate, mean accepted length,
+acceptance by draft position; see bench/common.py: spec_summary).
 """
 
 from __future__ import annotations
@@ -221,6 +227,39 @@ def counter_total(metrics_text: str, name: str) -> Optional[float]:
     return sum(values) if values else None
 
 
+def counter_by_label(metrics_text: str, name: str, label: str) -> dict[str, float]:
+    """{value of label `label`: value} of the counter `name` (exported as `name_total`)."""
+    pattern = re.compile(r'^' + re.escape(name) + r'(?:_total)?\{([^}]*)\}\s+(\S+)$')
+    out: dict[str, float] = {}
+    for m in map(pattern.match, metrics_text.splitlines()):
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            if label in labels:
+                out[labels[label]] = out.get(labels[label], 0.0) + float(m.group(2))
+    return out
+
+
+def spec_counts(metrics_text: str):
+    """The server's speculative-decoding counters in a /metrics scrape as SpecDecodeCounts (None: the
+    server exports none, i.e. it runs without speculation)."""
+    from tokenmill.engine.spec_stats import SpecDecodeCounts
+
+    drafts = counter_total(metrics_text, "tokenmill:spec_decode_num_drafts")
+    if drafts is None:
+        return None
+
+    def per_position(name: str) -> dict[int, int]:
+        return {int(p): int(v) for p, v in counter_by_label(metrics_text, name, "position").items()}
+
+    drafted = per_position("tokenmill:spec_decode_num_draft_tokens_per_pos")
+    accepted = per_position("tokenmill:spec_decode_num_accepted_tokens_per_pos")
+    k = max([*drafted, *accepted, -1]) + 1
+    return SpecDecodeCounts(k, int(drafts),
+                            int(counter_total(metrics_text, "tokenmill:spec_decode_num_draft_tokens") or 0),
+                            int(counter_total(metrics_text, "tokenmill:spec_decode_num_accepted_tokens") or 0),
+                            tuple(drafted.get(i, 0) for i in range(k)), tuple(accepted.get(i, 0) for i in range(k)))
+
+
 def histogram_summary(before: dict, after: dict) -> dict:
     """The observations between two scrapes of a histogram, per label value: count, mean, and the
     bucket bounds that hold the median and the 99th percentile (a histogram gives no finer answer)."""
@@ -244,7 +283,9 @@ def histogram_summary(before: dict, after: dict) -> dict:
 def server_side(before: str, after: str) -> dict:
     """What the server saw between two /metrics scrapes: its step intervals by kind, its own ITL
     (before the HTTP stream), garbage-collection pauses by generation, and Triton kernels compiled
-    on the step path. Set beside the client's ITL, this tells engine time from delivery time."""
+    on the step path. Set beside the client's ITL, this tells engine time from delivery time. With
+    speculation, `speculative` holds the acceptance figures of the requests between the scrapes
+    (bench/common.py: spec_summary); None when the server exports no speculative counters."""
     def hist(name: str, by: str) -> dict:
         return histogram_summary(histograms(before, name, by), histograms(after, name, by))
 
@@ -256,7 +297,18 @@ def server_side(before: str, after: str) -> dict:
             "itl": hist("tokenmill:inter_token_latency_seconds", "model_name"),
             "gc_pauses": hist("tokenmill:gc_pause_seconds", "generation"),
             "kernel_compiles": delta("tokenmill:kernel_compiles_after_warmup"),
-            "kernel_compile_s": delta("tokenmill:kernel_compile_seconds_after_warmup")}
+            "kernel_compile_s": delta("tokenmill:kernel_compile_seconds_after_warmup"),
+            "speculative": _spec_delta(before, after)}
+
+
+def _spec_delta(before: str, after: str) -> Optional[dict]:
+    from tokenmill.bench.common import spec_summary
+
+    a = spec_counts(after)
+    if a is None:
+        return None
+    b = spec_counts(before)
+    return spec_summary(a.since(b) if b is not None and b.num_speculative_tokens == a.num_speculative_tokens else a)
 
 
 def _scrape(base_url: str) -> Optional[str]:
@@ -405,9 +457,12 @@ def _device_name(device: Optional[str]) -> str:
 
 def run(args, log=None) -> dict:
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    from tokenmill.bench.common import resolve_workload
+    from tokenmill.bench.common import format_spec, resolve_workload, speculative_config
 
     w = resolve_workload(args, "serve-8b")
+    if args.base_url and not args.launch and speculative_config(args) is not None:
+        log("note: --speculative-config / --synthetic-acceptance configure a server that --launch starts; the "
+            "server at --base-url runs with its own configuration")
     if args.rates:
         rates = [float(x) for x in args.rates.split(",") if x.strip()]
     else:
@@ -451,6 +506,7 @@ def run(args, log=None) -> dict:
             per_rate.append({"request_rate": rate if rate != float("inf") else "inf", "max_concurrency": args.max_concurrency,
                              "prefix_cache_reset": status == 200, "fresh_token_ids": fresh, "summary": s,
                              "server_steps": seen["steps"] if seen else None, "server_side": seen,
+                             "speculative": seen["speculative"] if seen else None,
                              "ttft_ms": [1e3 * (r.token_times[0] - r.send_time) if r.token_times else None
                                          for r in records] if args.keep_requests else None})
             log(f"  {s['completed']} ok, {s['failed']} failed in {duration:.1f} s: {s['output_tok_per_s'] or 0:.0f} "
@@ -459,6 +515,8 @@ def run(args, log=None) -> dict:
                 f"p50/p90/p99 {s['itl_ms_p50'] or 0:.1f}/{s['itl_ms_p90'] or 0:.1f}/{s['itl_ms_p99'] or 0:.1f} ms")
             if seen:
                 log("  " + server_log_line(seen))
+                if seen["speculative"]:
+                    log("  " + format_spec(seen["speculative"]))
             if s["errors"]:
                 log(f"  errors: {s['errors']}")
     except BaseException:
@@ -475,7 +533,8 @@ def run(args, log=None) -> dict:
                    "ceilings": None, "roofline": None, "rates": per_rate,
                    "results": {"rates": per_rate}})
     best = max(per_rate, key=lambda r: r["summary"]["output_tok_per_s"] or 0)
-    result["summary"] = {"output_tok_per_s": best["summary"]["output_tok_per_s"], "rates": rates}
+    result["summary"] = {"output_tok_per_s": best["summary"]["output_tok_per_s"], "rates": rates,
+                         "speculative": best["speculative"]}
     return result
 
 

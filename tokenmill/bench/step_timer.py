@@ -79,3 +79,35 @@ class StepTimer:
             out.extend([span] * (j - i + 1))
             prev, i = times[i], j + 1
         return out
+
+
+class StepKinds:
+    """The kind of every step launched while installed (decode, prefill or mixed, as the scheduler
+    decided it), in step_log order. A StepShape cannot tell a speculative verify step (a request's
+    last token plus its drafts) from a prefill chunk of as many tokens; the scheduler's own output
+    can. We wrap the scheduler's bound `schedule` method on the instance (no engine change) and note
+    the kind of each output that has a batch (the engine launches, and logs, exactly those)."""
+
+    def __init__(self, engine):
+        self.scheduler = engine.scheduler
+        self.kinds: list[str] = []
+        self._installed = False
+
+    def install(self) -> "StepKinds":
+        original = self.scheduler.schedule
+
+        def schedule(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if out.batch:
+                self.kinds.append(out.kind)
+            return out
+
+        self.scheduler.schedule = schedule
+        self._installed = True
+        return self
+
+    def uninstall(self) -> list[str]:
+        if self._installed:
+            del self.scheduler.schedule  # back to the class's method
+            self._installed = False
+        return self.kinds

@@ -15,10 +15,10 @@ import sys
 import time
 
 from tokenmill.bench import report
-from tokenmill.bench.common import (build_engine, free_device_memory, median_index, reset_prefix_cache,
-                                    resolve_workload, synchronize)
+from tokenmill.bench.common import (build_engine, format_spec, free_device_memory, median_index, reset_prefix_cache,
+                                    resolve_workload, spec_snapshot, spec_summary, synchronize)
 from tokenmill.bench.roofline import format_roofline, measure_ceilings, run_roofline, step_kind
-from tokenmill.bench.step_timer import StepTimer
+from tokenmill.bench.step_timer import StepKinds, StepTimer
 from tokenmill.bench.workloads import generate_requests, summarize, warmup_requests
 
 
@@ -28,10 +28,11 @@ def _params(requests, temperature: float):
     return [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=r.max_tokens) for r in requests]
 
 
-def _per_step_points(step_log, seconds) -> list[list]:
+def _per_step_points(step_log, seconds, kinds=None) -> list[list]:
     """[batch entries, new tokens, seconds (host-timed), kind] per step (for the batch-size plot)."""
-    return [[int(len(s.query_lens)), int(s.query_lens.sum()), round(float(t), 7), step_kind(s)]
-            for s, t in zip(step_log, seconds)]
+    kinds = kinds if kinds is not None and len(kinds) == len(step_log) else [step_kind(s) for s in step_log]
+    return [[int(len(s.query_lens)), int(s.query_lens.sum()), round(float(t), 7), kind]
+            for s, t, kind in zip(step_log, seconds, kinds)]
 
 
 def _run_tokenmill(args, w, log) -> dict:
@@ -60,28 +61,35 @@ def _run_tokenmill(args, w, log) -> dict:
     for i in range(args.repeat):
         reset_prefix_cache(engine)
         engine.step_log = []
+        spec_before = spec_snapshot(engine)
         timer = StepTimer(engine).install()
+        step_kinds = StepKinds(engine).install()
         synchronize(device)
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         synchronize(device)
         elapsed = time.perf_counter() - t0
         timer.uninstall()
+        kinds = step_kinds.uninstall()
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         step_log, seconds = engine.step_log, timer.step_seconds()
         engine.step_log = None
-        roof = run_roofline(step_log, arch, dtype_bytes, args.ceilings, elapsed, seconds)
+        roof = run_roofline(step_log, arch, dtype_bytes, args.ceilings, elapsed, seconds, kinds)
         stats = engine.stats()
+        spec = spec_summary(spec_snapshot(engine).since(spec_before)) if spec_before is not None else None
         run = {"elapsed_s": elapsed, "output_tokens": out_tokens, "prompt_tokens": expected["prompt_tokens"],
                "output_tok_per_s": out_tokens / elapsed,
                "total_tok_per_s": (out_tokens + expected["prompt_tokens"]) / elapsed,
                "requests_per_s": len(requests) / elapsed, "num_steps": len(step_log),
                "num_preemptions": stats.num_preemptions, "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
-               "roofline": roof, "per_step": _per_step_points(step_log, seconds) if args.keep_steps else None}
+               "roofline": roof, "speculative": spec,
+               "per_step": _per_step_points(step_log, seconds, kinds) if args.keep_steps else None}
         runs.append(run)
         log(f"run {i + 1}/{args.repeat}: {run['output_tok_per_s']:.0f} output tok/s, "
             f"{run['total_tok_per_s']:.0f} total tok/s, {len(requests) / elapsed:.2f} req/s, {elapsed:.2f} s, "
-            f"{out_tokens} output tokens, {len(step_log)} steps, roofline {roof['roofline_pct']:.1f}%")
+            f"{out_tokens} output tokens, {len(step_log)} steps, roofline {roof['roofline_pct']:.1f}%"
+            + (f"; acceptance {100 * spec['acceptance_rate']:.1f}%, {spec['mean_accepted_length']:.2f} tokens per "
+               f"verifying step" if spec else ""))
         if out_tokens != expected["output_tokens"]:
             log(f"WARNING: {out_tokens} output tokens generated, {expected['output_tokens']} requested")
     engine_info = {"num_kv_blocks": engine.kv.num_blocks, "block_size": engine.config.block_size,
@@ -124,15 +132,17 @@ def run(args, log=None) -> dict:
         "results": {"runs": runs, "median_run": mid,
                     "output_tok_per_s_median": statistics.median(r["output_tok_per_s"] for r in runs),
                     "output_tok_per_s_all": [r["output_tok_per_s"] for r in runs]},
-        "roofline": med["roofline"],
+        "roofline": med["roofline"], "speculative": med["speculative"],
     })
     summary = {"output_tok_per_s": med["output_tok_per_s"],  # the median run (by elapsed time)
                "total_tok_per_s": med["total_tok_per_s"], "requests_per_s": med["requests_per_s"],
                "elapsed_s": med["elapsed_s"], "output_tokens": med["output_tokens"], "num_steps": med["num_steps"],
                "roofline_pct": med["roofline"]["roofline_pct"], "roofline_pct_spec": med["roofline"]["roofline_pct_spec"],
-               "peer_ratio": None}
+               "peer_ratio": None, "speculative": med["speculative"]}
     result["summary"] = summary
     log(format_roofline(med["roofline"]))
+    if med["speculative"]:
+        log(format_spec(med["speculative"]))
     if args.compare:
         requests, warm = tm["requests"], tm["warmup"]
         del tm
@@ -161,6 +171,8 @@ def print_summary(result: dict, out=sys.stdout) -> None:
     print(f"{w['name']} on {result['device_name']} ({result['dtype']}): {s['output_tok_per_s']:.0f} output tok/s "
           f"(median run of {result['repeat']}), {s['total_tok_per_s']:.0f} total tok/s, {s['requests_per_s']:.2f} req/s, "
           f"{s['elapsed_s']:.2f} s, {s['output_tokens']} output tokens, {s['num_steps']} steps", file=out)
+    if s.get("speculative"):
+        print(format_spec(s["speculative"]), file=out)
     print(format_roofline(result["roofline"]), file=out)
     if s.get("peer_ratio") is not None:
         print(f"transformers: {s['peer_output_tok_per_s']:.0f} output tok/s -> ratio tokenmill / transformers "

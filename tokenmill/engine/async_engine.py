@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional, Protocol, Union
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.output_processor import RequestDetokenizer
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.spec_stats import SpecDecodeCounts
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.logger import init_logger
 from tokenmill.sampling_params import SamplingParams
@@ -139,6 +140,8 @@ class ServerStats:
     num_steps: int = 0
     kernel_compiles_after_warmup: int = 0  # Triton compiles on the step path (each one stalls a step)
     kernel_compile_seconds_after_warmup: float = 0.0
+    # Speculative decoding's counts (a frozen copy of the engine's tally); None when speculation is off.
+    spec_decode: Optional[SpecDecodeCounts] = None
 
 
 class RequestStream:
@@ -597,10 +600,11 @@ class AsyncLLMEngine:
         s = self.engine.stats()
         kv = self.engine.kv
         compiles = self.engine.compile_watch.stats()  # this engine's Triton compiles
+        spec = self.engine.spec_stats
         return ServerStats(s.num_running, s.num_waiting, s.kv_cache_usage, kv.num_free_blocks, kv.num_blocks,
                            s.prefix_cache_hit_rate, s.num_preemptions, s.prompt_tokens, s.generation_tokens,
                            len(self._groups), self._num_steps, compiles.compiles_after_warm,
-                           compiles.seconds_after_warm)
+                           compiles.seconds_after_warm, None if spec is None else spec.snapshot())
 
     def _flush(self) -> None:
         if not self._deliveries:

@@ -78,7 +78,7 @@ def resolve_api_key(api_key: Optional[str], api_key_file: Optional[str],
 
 def startup_summary(engine, host: str, port: int) -> str:
     """One line on what is served and how: model, architecture, dtype, device, context length, KV
-    cache, CUDA graphs, address."""
+    cache, CUDA graphs, speculative decoding (when on), address."""
     loaded, config = engine.loaded, engine.config
     blocks = engine.kv.num_blocks
     if loaded.device.type != "cuda":
@@ -87,9 +87,13 @@ def startup_summary(engine, host: str, port: int) -> str:
         graphs = "off (enforce_eager)" if config.enforce_eager else "on"
     dtype = str(loaded.dtype).replace("torch.", "")
     address = f"[{host}]" if ":" in host else host
+    spec = config.speculative_config
+    speculation = "" if spec is None else (
+        f", speculative decoding {spec.method} k={spec.num_speculative_tokens}"
+        + ("" if spec.synthetic_acceptance is None else f" (synthetic acceptance {spec.synthetic_acceptance:g})"))
     return (f"serving {engine.model_name} ({loaded.arch.architecture}, {dtype} on {loaded.device}): "
             f"context length {engine.max_model_len}, KV cache {blocks} blocks x {config.block_size} = "
-            f"{blocks * config.block_size} tokens, CUDA graphs {graphs}; binding http://{address}:{port}")
+            f"{blocks * config.block_size} tokens, CUDA graphs {graphs}{speculation}; binding http://{address}:{port}")
 
 
 def _check_server_args(args: argparse.Namespace) -> Optional[str]:

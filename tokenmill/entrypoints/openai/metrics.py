@@ -4,6 +4,20 @@ Names follow vLLM's conventions with a `tokenmill:` prefix. Engine state (runnin
 KV-cache usage, prefix-cache hit rate, preemptions) is read at scrape time from the snapshot the
 engine thread publishes; latencies and token counts are observed by the engine thread as outputs
 come out (prometheus_client is thread-safe).
+
+Speculative decoding (only when the server runs with a speculative config; a server without one
+exports none of these, as a feature that is off has nothing to count). Read from the same snapshot,
+a frozen copy of the engine's `SpecDecodeStats` (tokenmill/engine/spec_stats.py):
+
+- counters `tokenmill:spec_decode_num_drafts` (request-steps that verified a draft),
+  `tokenmill:spec_decode_num_draft_tokens`, `tokenmill:spec_decode_num_accepted_tokens`, and per
+  draft position (label `position`, 0-based) `tokenmill:spec_decode_num_draft_tokens_per_pos`
+  (drafts that reached that position) and `tokenmill:spec_decode_num_accepted_tokens_per_pos`
+  (drafts accepted up to and including it);
+- gauges over the server's lifetime: `tokenmill:spec_decode_acceptance_rate` (accepted / draft
+  tokens) and `tokenmill:spec_decode_mean_accepted_length` (tokens a verifying request-step emits,
+  1 + accepted tokens / num_drafts). For a window, take the counters' increases instead, e.g.
+  `rate(..._num_accepted_tokens_total[5m]) / rate(..._num_draft_tokens_total[5m])`.
 """
 
 import time
@@ -13,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokenmill.engine.async_engine import AsyncLLMEngine, EngineObserver
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.spec_stats import SpecDecodeCounts
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -65,6 +80,46 @@ class _EngineStateCollector:
                                 "Seconds spent compiling Triton kernels on the step path.", labels=labels)
         c.add_metric([self.model_name], s.kernel_compile_seconds_after_warmup)
         yield c
+        if s.spec_decode is not None:
+            yield from self._spec_decode(s.spec_decode)
+
+    def _spec_decode(self, spec: SpecDecodeCounts):
+        labels = ["model_name"]
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric([self.model_name], value)
+            return c
+
+        def per_position(name, doc, values):
+            c = CounterMetricFamily(name, doc, labels=labels + ["position"])
+            for position, value in enumerate(values):
+                c.add_metric([self.model_name, str(position)], value)
+            return c
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric([self.model_name], value)
+            return g
+
+        yield counter("tokenmill:spec_decode_num_drafts",
+                      "Speculative decoding: request-steps that verified draft tokens.", spec.verify_steps)
+        yield counter("tokenmill:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
+                      spec.drafts)
+        yield counter("tokenmill:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+                      spec.accepted)
+        yield per_position("tokenmill:spec_decode_num_draft_tokens_per_pos",
+                           "Speculative decoding: drafts that had a token at this position (0-based).",
+                           spec.drafted_at)
+        yield per_position("tokenmill:spec_decode_num_accepted_tokens_per_pos",
+                           "Speculative decoding: drafts accepted up to and including this position (0-based).",
+                           spec.accepted_at)
+        yield gauge("tokenmill:spec_decode_acceptance_rate",
+                    "Speculative decoding: accepted / verified draft tokens, since the server started.",
+                    spec.acceptance_rate)
+        yield gauge("tokenmill:spec_decode_mean_accepted_length",
+                    "Speculative decoding: tokens a verifying request-step emitted on average "
+                    "(1 + accepted drafts), since the server started.", spec.mean_accepted_length)
 
 
 class ServerMetrics:
