@@ -14,7 +14,7 @@ a frozen copy of the engine's `SpecDecodeStats` (tokenmill/engine/spec_stats.py)
   draft position (label `position`, 0-based) `tokenmill:spec_decode_num_draft_tokens_per_pos`
   (drafts that reached that position) and `tokenmill:spec_decode_num_accepted_tokens_per_pos`
   (drafts accepted up to and including it);
-- gauges over the server's lifetime: `tokenmill:spec_decode_acceptance_rate` (accepted / draft
+- gauges over the server's lifetime (0 until the first draft is verified): `tokenmill:spec_decode_acceptance_rate` (accepted / draft
   tokens) and `tokenmill:spec_decode_mean_accepted_length` (tokens a verifying request-step emits,
   1 + accepted tokens / num_drafts). For a window, take the counters' increases instead, e.g.
   `rate(..._num_accepted_tokens_total[5m]) / rate(..._num_draft_tokens_total[5m])`.
