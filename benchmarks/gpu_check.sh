@@ -18,6 +18,11 @@
 #             A/B on the same GPU; make it with `mkdir -p build/base && git archive REV tokenmill | tar -x -C
 #             build/base` and carry build/base), tagged base
 #   small-base  offline-small from the tokenmill package in $BASE_TREE, $REPEAT runs, tagged base (see latency-base)
+#   latency-spec  latency-8b with speculation: $SPEC_CONFIG (default n-gram, k = 3, synthetic acceptance
+#             0.7), $LAT_REPEAT runs, tagged spec (side by side with `latency` in the same call)
+#   small-spec  offline-small with n-gram speculation (k = 3, real lookups: random prompts match
+#             nothing), $REPEAT runs, tagged spec-ngram
+#   serve-spec  serve-8b as `serve`, with $SPEC_CONFIG, tagged spec
 #   8b        offline-8b throughput, $REPEAT runs
 #   prefill   prefill-8b throughput, $REPEAT runs
 #   serve     serve-8b through `tokenmill serve` (launched here), Poisson at $SERVE_RATE req/s (default 8)
@@ -32,7 +37,7 @@
 # combined figure), summary.txt (the summary table) and gpu_check.log (everything, tee'd).
 # Scratch results go to a fresh temporary directory outside $OUT.
 #
-# Environment: OUT, PHASES, REPEAT, LAT_REPEAT, SERVE_RATE, BASE_TREE (default build/base), PROFILES (workloads the profile phase
+# Environment: OUT, PHASES, REPEAT, LAT_REPEAT, SERVE_RATE, SPEC_CONFIG, BASE_TREE (default build/base), PROFILES (workloads the profile phase
 # traces, default "latency-8b offline-small"), PYTHON (default python3), BUDGET_S (seconds
 # this script may take in all, default 585: each phase gets what is left, minus a margin for the final
 # merge, and is interrupted with SIGINT when it runs out), BENCH_ARGS (extra flags for every bench).
@@ -52,6 +57,8 @@ BUDGET_S=${BUDGET_S:-585}
 BENCH_ARGS=${BENCH_ARGS:-}
 PROFILES=${PROFILES:-"latency-8b offline-small"}
 BASE_TREE=${BASE_TREE:-build/base}
+SPEC_CONFIG=${SPEC_CONFIG:-'{"method": "ngram", "num_speculative_tokens": 3, "synthetic_acceptance": 0.7}'}
+NGRAM_CONFIG='{"method": "ngram", "num_speculative_tokens": 3}'
 MARGIN_S=25
 
 mkdir -p "$OUT"
@@ -143,6 +150,16 @@ for phase in $PHASES; do
                 --tag no-async --out "$RES" "${EXTRA[@]}" ;;
         latency)
             run_phase latency "${BENCH[@]}" latency --workload latency-8b --repeat "$LAT_REPEAT" --out "$RES" "${EXTRA[@]}" ;;
+        latency-spec)
+            run_phase latency-spec "${BENCH[@]}" latency --workload latency-8b --repeat "$LAT_REPEAT" \
+                --speculative-config "$SPEC_CONFIG" --tag spec --out "$RES" "${EXTRA[@]}" ;;
+        small-spec)
+            run_phase small-spec "${BENCH[@]}" throughput --workload offline-small --repeat "$REPEAT" \
+                --speculative-config "$NGRAM_CONFIG" --tag spec-ngram --out "$RES" "${EXTRA[@]}" ;;
+        serve-spec)
+            run_phase serve-spec "${BENCH[@]}" serve --workload serve-8b --launch --request-rate "$SERVE_RATE" \
+                --speculative-config "$SPEC_CONFIG" --tag spec --out "$RES" "${EXTRA[@]}"
+            grep -h "WARNING\|ERROR" "$RES"/server-*.log 2>/dev/null | tail -40 | tee -a "$LOG" ;;
         latency-unfused)
             run_phase latency-unfused "${BENCH[@]}" latency --workload latency-8b --repeat "$LAT_REPEAT" \
                 --no-fused-small-batch-linear --tag unfused --out "$RES" "${EXTRA[@]}" ;;
@@ -181,7 +198,7 @@ for phase in $PHASES; do
                 --workload offline-small --skip-steps 300 --steps 20 --trace --out "$WORK/profiles" "${EXTRA[@]}"
             [ -d "$WORK/profiles" ] && tar -C "$WORK" -czf "$OUT/profiles.tar.gz" profiles ;;
         *)
-            log "unknown phase '$phase' (tests kernels gemv overhead small eager noasync latency latency-unfused latency-base small-base 8b prefill serve compare profile)"
+            log "unknown phase '$phase' (tests kernels gemv overhead small eager noasync latency latency-spec small-spec serve-spec latency-unfused latency-base small-base 8b prefill serve compare profile)"
             STATUS+=("$phase: unknown") ;;
     esac
 done

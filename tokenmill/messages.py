@@ -75,3 +75,4 @@ class ModelRunnerOutput:
     logprobs: Optional[LogprobsArrays] = None
     num_emitted: Optional[np.ndarray] = None  # [B] tokens each entry emitted (speculation: 1 + accepted)
     num_drafts: Optional[np.ndarray] = None  # [B] drafts each entry verified (speculation)
+    next_num_drafts: Optional[np.ndarray] = None  # [B] drafts proposed for each entry's next step (speculation)

@@ -283,13 +283,17 @@ class LLMEngine:
         for i, entry in enumerate(sched.batch):
             if sampled[i]:
                 tokens = [int(t) for t in out.sampled_token_ids[i, : int(out.num_emitted[i])]]
-                self._take_tokens(out, i, tokens, entry.num_tokens if entry.speculative else 1, changed)
+                request = self._take_tokens(out, i, tokens, entry.num_tokens if entry.speculative else 1, changed)
+                if request is not None:
+                    request.expects_drafts = bool(out.next_num_drafts[i] > 0)
 
-    def _take_tokens(self, out: ModelRunnerOutput, i: int, tokens, scheduled: int, changed: dict) -> None:
-        """Batch entry i's tokens of one step, in order; none after the one that finishes it."""
+    def _take_tokens(self, out: ModelRunnerOutput, i: int, tokens, scheduled: int, changed: dict
+                     ) -> Optional[Request]:
+        """Batch entry i's tokens of one step, in order; none after the one that finishes it.
+        Returns the request if it is still live."""
         request = self.scheduler.take_sampled_token(out.req_ids[i], scheduled, len(tokens))
         if request is None:
-            return
+            return None
         for token in tokens:
             request.output_token_ids.append(token)
             self.generation_tokens += 1
@@ -299,6 +303,7 @@ class LLMEngine:
                 self.outputs.on_finished(request, status)
                 break
         changed[request.parent_id] = None
+        return request
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,

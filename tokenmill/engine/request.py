@@ -41,6 +41,9 @@ class Request:
     num_preemptions: int = 0
     stop_reason: Optional[object] = None
     speculates: bool = False  # its decodes verify draft tokens (speculative decoding)
+    # Whether the latest proposal seen on the CPU had drafts: a decode schedules 1 + k tokens only
+    # then (a request whose lookups find nothing decodes one token, at no extra cost).
+    expects_drafts: bool = True
     parent_id: Optional[str] = None  # the user's request id when n > 1
     index: int = 0  # which of the n samples
 

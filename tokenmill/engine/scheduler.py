@@ -165,10 +165,13 @@ class Scheduler:
 
     def _speculative_tokens(self, request: Request, budget: int) -> int:
         """A speculating decode: its last token and up to k drafts, within the budget, the context
-        length and what max_tokens leaves (counting what in-flight steps may still emit)."""
+        length and what max_tokens leaves (counting what in-flight steps may still emit); just its
+        last token when its latest proposal (one step stale) found no drafts. The step verifies
+        what the device proposed, cut to the slots scheduled here."""
         left = request.max_tokens - len(request.output_token_ids) - request.num_pending
         room = self.limits.max_model_len - request.num_computed_tokens
-        return max(0, min(1 + self.limits.num_speculative_tokens, budget, left, room))
+        wanted = 1 + self.limits.num_speculative_tokens if request.expects_drafts else 1
+        return max(0, min(wanted, budget, left, room))
 
     def _entry(self, request: Request, num_new: int, new_block_ids: list[int],
                speculative: bool = False) -> ScheduledRequest:

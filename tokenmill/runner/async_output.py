@@ -16,22 +16,24 @@ from tokenmill.runner.sample.logprobs import DeviceLogprobs
 class AsyncOutput:
     def __init__(self, req_ids: list[str], sampled: torch.Tensor, sample_mask: np.ndarray,
                  logprobs: Optional[DeviceLogprobs] = None, copy_stream: Optional["torch.cuda.Stream"] = None,
-                 num_emitted: Optional[torch.Tensor] = None, num_drafts: Optional[torch.Tensor] = None):
-        """sampled [B], or [B, 1 + k] with num_emitted and num_drafts [B] (speculative decoding)."""
+                 num_emitted: Optional[torch.Tensor] = None, num_drafts: Optional[torch.Tensor] = None,
+                 next_num_drafts: Optional[torch.Tensor] = None):
+        """sampled [B], or [B, 1 + k] with num_emitted, num_drafts and next_num_drafts [B]
+        (speculative decoding)."""
         self.req_ids = req_ids
         self.sample_mask = sample_mask
         self._event = None
         # on the CPU, already host tensors
-        self._sampled, self._logprobs, self._num_emitted, self._num_drafts = sampled, logprobs, num_emitted, num_drafts
+        self._sampled, self._logprobs = sampled, logprobs
+        self._spec = (num_emitted, num_drafts, next_num_drafts) if num_emitted is not None else None
         if sampled.is_cuda:
             main = torch.cuda.current_stream(sampled.device)
             copy_stream = copy_stream or main
             copy_stream.wait_stream(main)
             with torch.cuda.stream(copy_stream):
                 self._sampled = _to_pinned(sampled, copy_stream)
-                if num_emitted is not None:
-                    self._num_emitted = _to_pinned(num_emitted, copy_stream)
-                    self._num_drafts = _to_pinned(num_drafts, copy_stream)
+                if self._spec is not None:
+                    self._spec = tuple(_to_pinned(t, copy_stream) for t in self._spec)
                 if logprobs is not None:
                     self._logprobs = logprobs.map(lambda t: _to_pinned(t, copy_stream))
                 self._event = torch.cuda.Event()
@@ -46,10 +48,9 @@ class AsyncOutput:
         sampled = self._sampled.numpy().astype(np.int64, copy=True)
         sampled[~self.sample_mask] = -1
         logprobs = self._logprobs.to_arrays() if self._logprobs is not None else None
-        if self._num_emitted is None:
+        if self._spec is None:
             return ModelRunnerOutput(self.req_ids, sampled, logprobs)
-        return ModelRunnerOutput(self.req_ids, sampled, logprobs, self._num_emitted.numpy().astype(np.int64),
-                                 self._num_drafts.numpy().astype(np.int64))
+        return ModelRunnerOutput(self.req_ids, sampled, logprobs, *(t.numpy().astype(np.int64) for t in self._spec))
 
 
 def _to_pinned(t: torch.Tensor, stream: "torch.cuda.Stream") -> torch.Tensor:

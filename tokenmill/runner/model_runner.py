@@ -53,6 +53,7 @@ class ModelRunner:
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.kv_caches: list = []  # per layer (k_cache, v_cache)
         self.graphs = None  # a CudaGraphManager once captured
+        self.verify_graphs = None  # with speculative decoding: one for uniform 1 + k verify steps
         self.piecewise = None  # a PiecewiseGraphManager once captured
         self._step: Optional[StepDescriptor] = None
         self._plan = None  # the step's VerifyPlan with speculative decoding
@@ -96,6 +97,14 @@ class ModelRunner:
         manager = CudaGraphManager(self.model, self.buffers, self.run_model, default_capture_sizes(largest))
         manager.capture()
         self.graphs = manager
+        if self.spec is not None:  # verify steps: 1 + k tokens per request
+            q = 1 + self.spec.k
+            if largest * q > self.max_num_tokens:
+                largest = self.max_num_tokens // q
+            if largest >= 1:
+                verify = CudaGraphManager(self.model, self.buffers, self.run_model, default_capture_sizes(largest), q)
+                verify.capture()
+                self.verify_graphs = verify
 
     def warm_up(self) -> None:
         """Compile the kernels of common step shapes and every attention variant before the first
@@ -146,18 +155,21 @@ class ModelRunner:
         start = np.fromiter((e.start_pos for e in batch), dtype=np.int64, count=len(batch))
         samples = np.fromiter((e.samples for e in batch), dtype=bool, count=len(batch))
         num_tokens = int(q_lens.sum())
-        decode_only = bool((q_lens == 1).all())
-        graph = self.graphs.dispatch(len(batch)) if (self.graphs is not None and decode_only) else None
+        graphs = self._full_graphs(batch, q_lens)
+        graph = graphs.dispatch(len(batch)) if graphs is not None else None
         pieces = self.piecewise.dispatch(num_tokens) if (self.piecewise is not None and graph is None) else None
         padded = graph if graph is not None else len(batch)
-        padded_tokens = pieces if pieces is not None else num_tokens + padded - len(batch)
+        if graph is not None:
+            padded_tokens = graph * graphs.query_len
+        else:
+            padded_tokens = pieces if pieces is not None else num_tokens
         step = StepDescriptor(len(batch), num_tokens, padded, padded_tokens,
                               int(q_lens.max()), int((start + q_lens).max()), rows, samples)
         self.buffers.upload(rows, q_lens, start, samples, padded)
         self.buffers.prepare(step, states)
         self._plan = self.spec.prepare(self.buffers, states, batch, rows, q_lens) if self.spec else None
-        if graph is not None:
-            self._logits = self.graphs.replay(graph)[: len(batch)]  # decode: one logits row per request
+        if graph is not None:  # every token's logits, in the order of the step's logits rows
+            self._logits = graphs.replay(graph)[:num_tokens]
         else:
             if pieces is not None:
                 hidden = self.piecewise.run(pieces, self.buffers.attention_metadata(step))
@@ -169,6 +181,16 @@ class ModelRunner:
             self._logits = self.model.compute_logits(hidden[rows_out])
         self._step = step
         self._req_ids = [e.req_id for e in batch]
+
+    def _full_graphs(self, batch, q_lens: np.ndarray):
+        """The graph manager that covers this step whole, if any: decode graphs when every entry
+        computes one token, verify graphs when every entry speculates with 1 + k tokens."""
+        if self.graphs is not None and bool((q_lens == 1).all()):
+            return self.graphs
+        verify = self.verify_graphs
+        if verify is not None and bool((q_lens == verify.query_len).all()) and all(e.speculative for e in batch):
+            return verify
+        return None
 
     def run_model(self, meta: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
                   splitter: Optional[AttentionSplitter] = None) -> torch.Tensor:
@@ -188,7 +210,7 @@ class ModelRunner:
             out = self.spec.sample_and_update(logits, self._plan, self.buffers, idx, step.rows, self.states)
             self._step = self._logits = self._plan = None
             return AsyncOutput(self._req_ids, out.sampled, step.sample_mask, out.logprobs, self.copy_stream,
-                               out.num_emitted, out.num_drafts)
+                               out.num_emitted, out.num_drafts, out.next_num_drafts)
         out = self.sampler(logits, step.rows, idx, self.buffers.seq_lens[:b])
         post_update(idx, out.sampled, self.buffers.sample_mask[:b], b, self.states.last_sampled, out.output_counts)
         self._step = self._logits = None

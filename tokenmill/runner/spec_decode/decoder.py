@@ -47,6 +47,7 @@ class VerifyOutput:
     sampled: torch.Tensor  # [B, 1 + k] int64: the emitted tokens, then -1
     num_emitted: torch.Tensor  # [B] int32
     num_drafts: torch.Tensor  # [B] int32: the drafts each entry verified
+    next_num_drafts: torch.Tensor  # [B] int32: the drafts proposed for each entry's next step
     logprobs: Optional[DeviceLogprobs]
 
 
@@ -151,7 +152,7 @@ class SpeculativeDecoder(RowState):
         else:
             self.drafts[entry_rows] = drafts.draft_ids.long()
             self.num_drafts[entry_rows] = drafts.num_drafts
-        return VerifyOutput(out.sampled, out.num_emitted, num_drafts, logprobs)
+        return VerifyOutput(out.sampled, out.num_emitted, num_drafts, self.num_drafts[entry_rows], logprobs)
 
     def _append(self, sampled: torch.Tensor, emitted: torch.Tensor, entry_rows: torch.Tensor,
                 states: RequestStates) -> None:
