@@ -22,6 +22,9 @@ class ConfigError(TokenmillError, ValueError):
     """An option (engine, loader or server) is out of range or inconsistent."""
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_truncated")
+
+
 def option(default: Any = dataclasses.MISSING, help: str = "", *, default_help: Optional[str] = None,
            aliases: tuple[str, ...] = (), choices: Optional[tuple] = None, minimum: Optional[float] = None,
            cli_type: Optional[typing.Callable] = None, default_factory: Any = dataclasses.MISSING) -> Any:
@@ -80,13 +83,28 @@ def check_field_types(config: Any) -> None:
 
 @dataclass
 class SpeculativeConfig:
-    """Speculative decoding: a proposer drafts tokens that one target step verifies."""
+    """Speculative decoding: a proposer drafts tokens that one target step verifies.
 
-    method: str = option("ngram", "how drafts are made: ngram (prompt lookup in the request's own tokens)",
-                         choices=("ngram",))
+    Methods: `ngram` (prompt lookup in the request's own tokens), `draft_model` (a smaller model
+    with the target's vocabulary drafts greedily, with a KV cache of its own) and `layer_truncated`
+    (the target's first num_draft_layers decoder layers, its final norm and LM head draft greedily,
+    sharing the target's KV cache: no second model, no extra memory).
+    """
+
+    method: str = option("ngram", "how drafts are made: ngram (prompt lookup in the request's own tokens), "
+                                  "draft_model (a smaller model with the target's vocabulary), layer_truncated "
+                                  "(the target's first num_draft_layers layers)",
+                         choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int = option(3, "draft tokens per request per step", minimum=1)
     prompt_lookup_max: int = option(4, "ngram: the longest n-gram matched", minimum=1)
     prompt_lookup_min: int = option(2, "ngram: the shortest n-gram matched", minimum=1)
+    model: Optional[str] = option(None, "draft_model: the draft's path (HF directory, GGUF file, or a preset "
+                                        "name with load_format dummy)", default_help="none")
+    load_format: str = option("auto", "draft_model: how to read the draft (dummy: random weights, for "
+                                      "benchmarks)", choices=("auto", "hf", "gguf", "dummy"))
+    num_draft_layers: Optional[int] = option(
+        None, "layer_truncated: how many of the target's first decoder layers draft", default_help="none",
+        minimum=1)
     # For benchmarks with random weights, which accept nothing: every step drafts k tokens and the
     # rejection step accepts each with this probability, whatever the tokens (the verify cost is real).
     synthetic_acceptance: Optional[float] = option(
@@ -99,6 +117,26 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
                               f"({self.prompt_lookup_max})")
+        if self.method == "draft_model" and not self.model:
+            raise ConfigError('speculative method draft_model needs "model": the draft model\'s path')
+        if self.method != "draft_model" and self.model is not None:
+            raise ConfigError(f'"model" names a draft model, which only method draft_model uses (method is '
+                              f"{self.method})")
+        if self.method != "draft_model" and self.load_format != "auto":
+            raise ConfigError(f'"load_format" is the draft model\'s, which only method draft_model uses '
+                              f"(method is {self.method})")
+        if self.method == "layer_truncated" and self.num_draft_layers is None:
+            raise ConfigError('speculative method layer_truncated needs "num_draft_layers": how many of the '
+                              "target's first layers draft")
+        if self.method != "layer_truncated" and self.num_draft_layers is not None:
+            raise ConfigError(f'"num_draft_layers" is only for method layer_truncated (method is {self.method})')
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a speculating request needs beyond its scheduled tokens: a draft that runs the
+        target's layers or a model of its own writes K/V for its k draft steps ahead of what the
+        next step verifies; n-gram lookup writes nothing."""
+        return self.num_speculative_tokens if self.method in ("draft_model", "layer_truncated") else 0
 
 
 # On the CPU a step of a few hundred prompt tokens takes about a second for the embedded model:
@@ -141,8 +179,11 @@ class EngineConfig:
     seed: int = option(0, "seeds dummy weights and requests that bring no seed of their own",
                        aliases=("--engine-seed",))
     speculative_config: Optional[SpeculativeConfig] = option(
-        None, 'speculative decoding as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3, '
-              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}; n-gram drafts only, verify steps run without '
+        None, 'speculative decoding as JSON: {"method": "ngram", "num_speculative_tokens": 3, '
+              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}, {"method": "draft_model", "model": PATH, '
+              '"num_speculative_tokens": 4} (a draft with the target\'s vocabulary; "load_format": "dummy" for '
+              'random weights) or {"method": "layer_truncated", "num_draft_layers": N, '
+              '"num_speculative_tokens": 4} (the target\'s first N layers draft); verify steps run without '
               'CUDA graphs, not yet measured on a GPU', default_help="off")
 
     def __post_init__(self) -> None:

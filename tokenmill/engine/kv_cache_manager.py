@@ -64,15 +64,21 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     # ---- allocation -----------------------------------------------------------------------
-    def allocate(self, request: Request, num_new_tokens: int, cached_blocks: Optional[list[int]] = None) -> bool:
-        """Blocks for num_new_tokens more tokens (after any cached prefix). False if they don't fit."""
-        if not cached_blocks and request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * self.block_size:
+    def allocate(self, request: Request, num_new_tokens: int, cached_blocks: Optional[list[int]] = None,
+                 num_lookahead_tokens: int = 0) -> bool:
+        """Blocks for num_new_tokens more tokens (after any cached prefix), and for
+        num_lookahead_tokens slots beyond them (a speculative draft writes K/V ahead of what the
+        step computes; those slots are reserved, never registered in the prefix cache). False if
+        they don't fit."""
+        slots = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        if not cached_blocks and slots <= len(request.block_ids) * self.block_size:
             # The common decode case: the new tokens fit the blocks the request already holds.
             self._cache_full_blocks(request, min(request.num_computed_tokens + num_new_tokens, request.num_tokens))
             return True
         cached_blocks = cached_blocks or []
         computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
-        needed = cdiv(computed + num_new_tokens, self.block_size) - len(request.block_ids) - len(cached_blocks)
+        needed = (cdiv(computed + num_new_tokens + num_lookahead_tokens, self.block_size) - len(request.block_ids)
+                  - len(cached_blocks))
         # Cached blocks nobody holds sit in the free list; taking them makes them unavailable.
         reclaimable = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_cnt == 0)
         if needed > self.pool.num_free - reclaimable:

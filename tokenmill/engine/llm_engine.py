@@ -14,7 +14,7 @@ from typing import Optional, Union
 
 import numpy as np
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.outputs import RequestOutput
@@ -57,7 +57,10 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, model: Optional[str] = None, config: Optional[EngineConfig] = None, *, dtype="auto",
-                 device=None, load_format: str = "auto", loaded: Optional[LoadedModel] = None):
+                 device=None, load_format: str = "auto", loaded: Optional[LoadedModel] = None,
+                 draft_loaded: Optional[LoadedModel] = None):
+        """`loaded` / `draft_loaded`: an already loaded target / draft model (tests share one load);
+        the draft is the one of speculative method draft_model, else loaded from its config."""
         self.config = config or EngineConfig()
         self.config.validate()
         self.loaded = loaded or load_model(model, dtype=dtype, device=device, load_format=load_format,
@@ -65,8 +68,9 @@ class LLMEngine:
         arch = self.loaded.arch
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self.config.resolve_max_model_len(arch.max_position_embeddings)
+        self.draft = self._load_draft(draft_loaded)
         self.runner = ModelRunner(self.loaded.model, self.config, self.max_model_len, self.loaded.device,
-                                  self.loaded.dtype)
+                                  self.loaded.dtype, self.draft.model if self.draft is not None else None)
         # This engine's Triton compiles (counted on CUDA; those after warm-up are warned about).
         self.compile_watch = CompileWatch()
         on_gpu = self.loaded.device.type == "cuda"
@@ -81,7 +85,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerLimits(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                                    self.max_model_len,
                                                    self.config.resolve_prefill_cap(self.loaded.device.type),
-                                                   spec.num_speculative_tokens if spec else 0),
+                                                   spec.num_speculative_tokens if spec else 0,
+                                                   spec.num_lookahead_tokens if spec else 0),
                                    self.kv)
         self.outputs = OutputProcessor(self.tokenizer)
         self._inflight: deque[tuple[SchedulerOutput, AsyncOutput]] = deque()
@@ -95,6 +100,26 @@ class LLMEngine:
         if on_gpu:
             self._warm_up_step_path()
             self.compile_watch.mark_warm()
+
+    def _load_draft(self, draft_loaded: Optional[LoadedModel]) -> Optional[LoadedModel]:
+        """Speculative method draft_model: its draft, loaded like the target (same loader, dtype and
+        device; rotary tables for this engine's context length). None for other methods."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        draft = draft_loaded or load_model(spec.model, dtype=self.loaded.dtype, device=self.loaded.device,
+                                           load_format=spec.load_format, max_positions=self.max_model_len,
+                                           seed=self.config.seed)
+        if draft.arch.vocab_size != self.loaded.arch.vocab_size:
+            raise ConfigError(f"the draft model {spec.model!r} has a vocabulary of {draft.arch.vocab_size} tokens "
+                              f"but the target's has {self.loaded.arch.vocab_size}: a draft model must share "
+                              "the target's vocabulary")
+        if draft.dtype != self.loaded.dtype or draft.device != self.loaded.device:
+            raise ConfigError(f"the draft model runs in {draft.dtype} on {draft.device}, the target in "
+                              f"{self.loaded.dtype} on {self.loaded.device}: they must match")
+        logger.info("speculative decoding: draft model %s (%d layers) drafts %d tokens a step", draft.source.name,
+                    draft.arch.num_layers, spec.num_speculative_tokens)
+        return draft
 
     def _warm_up_step_path(self) -> None:
         """A few tiny requests through the whole step (input preparation, greedy and sampled rows,

@@ -11,6 +11,10 @@ freed and it goes back to the front of the queue, to be recomputed from prompt +
 The scheduler may run one step ahead of the results (async scheduling): a request whose step is
 in flight counts its coming token as `num_pending`, so its next decode can be scheduled before the
 token is known on the CPU; the runner feeds that token from the device.
+
+With a draft that writes K/V (a draft model, the layer-truncated draft), a speculating request also
+holds `num_lookahead_tokens` slots beyond each step's tokens (`_lookahead`): the k draft steps that
+follow a step write positions up to k - 1 past it. The runner never writes past the slots held.
 """
 
 from collections import deque
@@ -30,6 +34,9 @@ class SchedulerLimits:
     max_model_len: int
     max_prefill_tokens_with_decodes: Optional[int] = None
     num_speculative_tokens: int = 0  # drafts a speculating request's decode verifies (0: no speculation)
+    # KV slots a speculating request holds beyond its scheduled tokens, for a draft that writes K/V
+    # ahead (a draft model or the layer-truncated draft: k; n-gram lookup: 0)
+    num_lookahead_tokens: int = 0
 
 
 class Scheduler:
@@ -103,7 +110,8 @@ class Scheduler:
             if num_new == 0:
                 continue
             blocks_before = len(request.block_ids)
-            while not self.kv.allocate(request, num_new):
+            ahead = self._lookahead(request, request.num_computed_tokens + num_new)
+            while not self.kv.allocate(request, num_new, num_lookahead_tokens=ahead):
                 victim = self._pick_victim(scheduled | {request.request_id}) or request
                 self._preempt(victim)
                 preempted_now.add(victim.request_id)
@@ -128,7 +136,7 @@ class Scheduler:
                 break  # wait for its in-flight token / don't re-admit what was just preempted
             cached_blocks, num_cached = self.kv.find_cached_prefix(request)
             num_new = min(request.num_tokens - num_cached, budget, prefill_budget)
-            if not self.kv.allocate(request, num_new, cached_blocks):
+            if not self.kv.allocate(request, num_new, cached_blocks, self._lookahead(request, num_cached + num_new)):
                 break
             self.waiting.popleft()
             if request.num_preemptions == 0:
@@ -172,6 +180,17 @@ class Scheduler:
         room = self.limits.max_model_len - request.num_computed_tokens
         wanted = 1 + self.limits.num_speculative_tokens if request.expects_drafts else 1
         return max(0, min(wanted, budget, left, room))
+
+    def _lookahead(self, request: Request, end: int) -> int:
+        """Slots to hold beyond the first `end` for a speculating request whose draft writes K/V
+        ahead: its k draft steps after a step that ends at `end` write positions up to end + k - 1.
+        Never past the context length or the request's own longest length (prompt + max_tokens,
+        what check_fits admitted), where drafts would be of no use."""
+        ahead = self.limits.num_lookahead_tokens
+        if not ahead or not request.speculates:
+            return 0
+        longest = min(self.limits.max_model_len, request.num_prompt_tokens + request.max_tokens)
+        return max(0, min(end + ahead, longest) - end)
 
     def _entry(self, request: Request, num_new: int, new_block_ids: list[int],
                speculative: bool = False) -> ScheduledRequest:

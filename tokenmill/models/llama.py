@@ -120,10 +120,12 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, i, dtype, device) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                num_layers: Optional[int] = None) -> torch.Tensor:
+        """Embedding, the decoder layers (only the first num_layers if given), the final norm."""
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        for layer in self.layers if num_layers is None else self.layers[:num_layers]:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
@@ -150,6 +152,14 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
+
+    def forward_first_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int) -> torch.Tensor:
+        """The forward pass through the first num_layers decoder layers only, then the final norm:
+        hidden states for compute_logits (a layer-truncated self-draft, runner/spec_decode/).
+        Layer i still uses KV cache i of the forward context, so it shares the full model's cache."""
+        if not 1 <= num_layers <= len(self.model.layers):
+            raise ValueError(f"num_layers must be in 1..{len(self.model.layers)}, got {num_layers}")
+        return self.model(input_ids, positions, num_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> logits [N, vocab] in the model dtype (the sampler computes in float32)."""

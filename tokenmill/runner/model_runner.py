@@ -21,7 +21,7 @@ from tokenmill.runner.input_buffers import InputBuffers, StepDescriptor
 from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_cache, cuda_kv_budget_bytes
 from tokenmill.runner.request_states import RequestStates
 from tokenmill.runner.sample import Sampler
-from tokenmill.runner.spec_decode.decoder import SpeculativeDecoder
+from tokenmill.runner.spec_decode.decoder import ProposerContext, SpeculativeDecoder
 from tokenmill.runner.warmup import warm_up_attention, warm_up_forward
 
 logger = init_logger(__name__)
@@ -29,7 +29,7 @@ logger = init_logger(__name__)
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, max_model_len: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, draft_model: Optional[torch.nn.Module] = None):
         self.model = model
         self.config = config
         self.device = device
@@ -43,8 +43,11 @@ class ModelRunner:
         self.max_num_tokens = config.max_num_batched_tokens
         self.sampler = Sampler(config.max_num_seqs, self.vocab_size, device)
         spec = config.speculative_config
-        # Speculative decoding (runner/spec_decode/decoder.py), only when configured.
-        self.spec = SpeculativeDecoder(spec, self.sampler, config.max_num_seqs, device) if spec else None
+        # Speculative decoding (runner/spec_decode/decoder.py), only when configured; draft_model is
+        # the draft of method draft_model, loaded by the engine like the target.
+        drafting = ProposerContext(model, draft_model, max_model_len, config.block_size,
+                                   config.fused_small_batch_linear)
+        self.spec = SpeculativeDecoder(spec, self.sampler, config.max_num_seqs, device, drafting) if spec else None
         self.states = RequestStates(config.max_num_seqs, max_model_len, config.block_size, device,
                                     (self.sampler,) + ((self.spec,) if self.spec else ()),
                                     spare_columns=1 + spec.num_speculative_tokens if spec else 0)
@@ -69,15 +72,21 @@ class ModelRunner:
         elif self.device.type == "cuda":
             num_blocks = self._blocks_from_cuda_memory()
         else:
-            wanted = cfg.max_num_seqs * self.max_model_len * self.kv_spec.bytes_per_token
+            wanted = cfg.max_num_seqs * self.max_model_len * self.kv_bytes_per_block() // cfg.block_size
             budget = cfg.kv_cache_memory_gb * 2**30 if cfg.kv_cache_memory_gb else min(wanted, 2**30)
-            num_blocks = int(budget // self.kv_spec.bytes_per_block)
+            num_blocks = int(budget // self.kv_bytes_per_block())
         if num_blocks < 1:
             raise RuntimeError("no memory is left for the KV cache; lower max_num_batched_tokens or the model size")
         self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
+        if self.spec is not None:  # a draft model's cache has the same blocks
+            self.spec.bind_kv_cache(num_blocks, self.kv_caches)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, cfg.block_size,
-                    num_blocks * self.kv_spec.bytes_per_block / 2**30)
+                    num_blocks * self.kv_bytes_per_block() / 2**30)
         return num_blocks
+
+    def kv_bytes_per_block(self) -> int:
+        """KV-cache bytes one block takes: the target's, plus a draft model's own cache if any."""
+        return self.kv_spec.bytes_per_block + (self.spec.kv_bytes_per_block() if self.spec is not None else 0)
 
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs and piecewise graphs for prefill / mixed steps (CUDA only, after
@@ -105,6 +114,8 @@ class ModelRunner:
                 verify = CudaGraphManager(self.model, self.buffers, self.run_model, default_capture_sizes(largest), q)
                 verify.capture()
                 self.verify_graphs = verify
+        if self.spec is not None:  # the draft steps of a draft model or the layer-truncated draft
+            self.spec.capture_cuda_graphs(min(self.config.max_num_seqs, self.config.cuda_graph_max_batch))
 
     def warm_up(self) -> None:
         """Compile the kernels of common step shapes and every attention variant before the first
@@ -122,12 +133,15 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        self.dummy_run(self.max_num_tokens, min(self.config.max_num_seqs, self.max_num_tokens), sample=True)
+        num_reqs = min(self.config.max_num_seqs, self.max_num_tokens)
+        self.dummy_run(self.max_num_tokens, num_reqs, sample=True)
+        if self.spec is not None:  # a draft model replays the step's tokens
+            self.spec.profile_run(self.buffers, self.max_num_tokens, num_reqs)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         torch.cuda.empty_cache()
         budget = cuda_kv_budget_bytes(self.config.gpu_memory_utilization, peak, self.device)
-        return int(budget // self.kv_spec.bytes_per_block)
+        return int(budget // self.kv_bytes_per_block())
 
     def speculates(self, params) -> bool:
         """Whether a request with these sampling parameters verifies drafts in its decodes."""

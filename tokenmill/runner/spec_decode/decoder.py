@@ -12,6 +12,13 @@ proposer drafts the next tokens from that table. Nothing here reads a device val
 Requests that do not speculate share the path: one logits row each, no drafts, which the rejection
 sampler turns into exactly the plain sampler's token. The module exists only when the engine was
 started with a speculative_config, so an engine without one pays nothing.
+
+The proposer follows the config's method (`build_proposer`): n-gram lookup reads only the token
+table; a draft model (draft_model.py) and the target's first layers (layer_truncated.py) also get
+the step's inputs, the block table, each entry's slot limit (the KV slots its row holds, a host
+count uploaded with the step's plan) and which entries' drafts will be verified, and write K/V; the
+runner sizes, allocates and captures for them through `kv_bytes_per_block`, `bind_kv_cache`,
+`profile_run` and `capture_cuda_graphs`.
 """
 
 from dataclasses import dataclass
@@ -26,9 +33,47 @@ from tokenmill.messages import NewRequestData
 from tokenmill.runner.request_states import RequestStates, RowState
 from tokenmill.runner.sample import RejectionSampler, Sampler
 from tokenmill.runner.sample.logprobs import DeviceLogprobs
+from tokenmill.layers.forward_context import AttentionMetadata
+from tokenmill.logger import init_logger
 from tokenmill.runner.spec_decode.ngram import NgramProposer
-from tokenmill.runner.spec_decode.proposer import ProposerInputs
+from tokenmill.runner.spec_decode.proposer import Proposer, ProposerInputs
 from tokenmill.runner.staged_write import to_device
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ProposerContext:
+    """What proposers other than n-gram need to be built: the target model, a draft model (method
+    draft_model) and the runner's shapes."""
+
+    target: torch.nn.Module
+    draft: Optional[torch.nn.Module]
+    max_model_len: int
+    block_size: int
+    small_batch_fusion: bool = True
+
+
+def build_proposer(config: SpeculativeConfig, max_num_reqs: int, device: torch.device,
+                   context: Optional[ProposerContext]) -> Proposer:
+    """The proposer of config.method (ngram, draft_model or layer_truncated)."""
+    k = config.num_speculative_tokens
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, max_num_reqs, k, device)
+    if context is None:
+        raise ValueError(f"speculative method {config.method} needs the target model (a ProposerContext)")
+    shapes = (k, max_num_reqs, context.max_model_len, context.block_size, device, context.small_batch_fusion)
+    if config.method == "draft_model":
+        from tokenmill.runner.spec_decode.draft_model import DraftModelProposer
+
+        if context.draft is None:
+            raise ValueError("speculative method draft_model needs the loaded draft model")
+        return DraftModelProposer(context.draft, context.target.config.vocab_size, *shapes)
+    if config.method == "layer_truncated":
+        from tokenmill.runner.spec_decode.layer_truncated import LayerTruncatedProposer
+
+        return LayerTruncatedProposer(context.target, config.num_draft_layers, *shapes)
+    raise ValueError(f"unknown speculative method {config.method!r}")
 
 
 @dataclass(frozen=True)
@@ -40,6 +85,11 @@ class VerifyPlan:
     logit_index: torch.Tensor  # [num_logits] token index within the step of each logits row
     expanded_idx: torch.Tensor  # [num_logits] expanded_rows on the device
     cu_num_logits: torch.Tensor  # [B + 1]
+    # For proposers that write K/V (Proposer.needs_step_inputs); None / 0 otherwise:
+    slot_limit: Optional[torch.Tensor] = None  # [B] KV slots each entry's row holds
+    num_tokens: int = 0  # the step's tokens
+    max_query_len: int = 0
+    max_seq_len: int = 0  # host upper bound (speculating entries' positions come from the device)
 
 
 @dataclass
@@ -52,30 +102,47 @@ class VerifyOutput:
 
 
 class SpeculativeDecoder(RowState):
-    def __init__(self, config: SpeculativeConfig, sampler: Sampler, max_num_reqs: int, device: torch.device):
+    def __init__(self, config: SpeculativeConfig, sampler: Sampler, max_num_reqs: int, device: torch.device,
+                 context: Optional[ProposerContext] = None):
         self.k = config.num_speculative_tokens
         self.device = device
         self.sampler = sampler
         self.rejection = RejectionSampler(sampler.gumbel, config.synthetic_acceptance)
         self.synthetic = config.synthetic_acceptance is not None  # then every step drafts k tokens
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, max_num_reqs, self.k,
-                                      device)
+        self.proposer = build_proposer(config, max_num_reqs, device, context)
         self.known = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self.drafts = torch.full((max_num_reqs, self.k), -1, dtype=torch.int64, device=device)
         self.num_drafts = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
-        self._admitted: list[tuple[int, int]] = []  # (row, known tokens) staged for the device
+        self.speculating = torch.zeros(max_num_reqs, dtype=torch.bool, device=device)  # per row: eligible()
+        self._admitted: list[tuple[int, int, int]] = []  # (row, known tokens, speculates) staged for the device
 
     # ---- rows ------------------------------------------------------------------------------
     def add_request(self, row: int, new: NewRequestData) -> None:
-        self._admitted.append((row, len(new.token_ids)))
+        self._admitted.append((row, len(new.token_ids), int(self.eligible(new.params))))
         self.proposer.add_request(row, new)
 
     def apply_staged(self) -> None:
         if self._admitted:
-            pairs = to_device(np.asarray(self._admitted, dtype=np.int64), self.device)
-            self.known[pairs[:, 0]] = pairs[:, 1].to(torch.int32)
-            self.num_drafts[pairs[:, 0]] = 0
+            rows = to_device(np.asarray(self._admitted, dtype=np.int64), self.device)
+            self.known[rows[:, 0]] = rows[:, 1].to(torch.int32)
+            self.num_drafts[rows[:, 0]] = 0
+            self.speculating[rows[:, 0]] = rows[:, 2].bool()
             self._admitted = []
+
+    # ---- the proposer's KV cache and graphs (the runner's set-up calls these) ---------------
+    def kv_bytes_per_block(self) -> int:
+        """The proposer's own KV bytes per block (a draft model's cache), beside the target's."""
+        return self.proposer.kv_bytes_per_block()
+
+    def bind_kv_cache(self, num_blocks: int, target_kv_caches) -> None:
+        self.proposer.bind_kv_cache(num_blocks, target_kv_caches)
+
+    def profile_run(self, buffers, num_tokens: int, num_reqs: int) -> None:
+        self.proposer.profile_run(buffers, num_tokens, num_reqs)
+
+    def capture_cuda_graphs(self, max_batch: int) -> None:
+        """CUDA graphs of the proposer's draft steps, if it has any (after the KV cache exists)."""
+        self.proposer.capture_cuda_graphs(max_batch)
 
     # ---- the step: inputs ------------------------------------------------------------------
     @staticmethod
@@ -97,9 +164,17 @@ class SpeculativeDecoder(RowState):
         first = np.where(speculative, qsl[:-1], qsl[1:] - 1)  # each entry's first logits row
         logit_rows = np.repeat(first - cu[:-1], counts) + np.arange(cu[-1])
         expanded = np.repeat(rows, counts)
-        n = len(logit_rows)
-        packed = to_device(np.concatenate([logit_rows, expanded, cu]).astype(np.int64), self.device)
-        return VerifyPlan(expanded, packed[:n], packed[n:2 * n], packed[2 * n:])
+        n, b = len(logit_rows), len(rows)
+        parts = [logit_rows, expanded, cu]
+        if not self.proposer.needs_step_inputs:
+            packed = to_device(np.concatenate(parts).astype(np.int64), self.device)
+            return VerifyPlan(expanded, packed[:n], packed[n:2 * n], packed[2 * n:])
+        # Blocks were appended for this step already, and the draft writes after its sampling.
+        parts.append(states.num_blocks[rows] * states.block_size)
+        packed = to_device(np.concatenate(parts).astype(np.int64), self.device)
+        start = np.fromiter((e.start_pos for e in batch), dtype=np.int64, count=b)
+        return VerifyPlan(expanded, packed[:n], packed[n:2 * n], packed[2 * n:2 * n + b + 1],
+                          packed[2 * n + b + 1:], int(q_lens.sum()), int(q_lens.max()), int((start + q_lens).max()))
 
     def prepare_inputs(self, buffers, states: RequestStates, rows: np.ndarray, q_lens: np.ndarray,
                        speculative: np.ndarray) -> None:
@@ -145,7 +220,7 @@ class SpeculativeDecoder(RowState):
         sample_mask = buffers.sample_mask[:b]
         post_update(idx, last, sample_mask, b, states.last_sampled, processed.output_counts)
         self._append(out.sampled, emitted * sample_mask.long(), entry_rows, states)
-        drafts = self.proposer.propose(ProposerInputs(idx, b, states.token_table.gpu, self.known, self.k))
+        drafts = self.proposer.propose(self._proposer_inputs(plan, buffers, idx, b, states, entry_rows))
         if self.synthetic:  # k drafts every step: those not found are token 0 (any token will do)
             self.drafts[entry_rows] = drafts.draft_ids.long().clamp(min=0)
             self.num_drafts[entry_rows] = self.k
@@ -153,6 +228,19 @@ class SpeculativeDecoder(RowState):
             self.drafts[entry_rows] = drafts.draft_ids.long()
             self.num_drafts[entry_rows] = drafts.num_drafts
         return VerifyOutput(out.sampled, out.num_emitted, num_drafts, self.num_drafts[entry_rows], logprobs)
+
+    def _proposer_inputs(self, plan: VerifyPlan, buffers, idx: torch.Tensor, b: int, states: RequestStates,
+                         entry_rows: torch.Tensor) -> ProposerInputs:
+        if not self.proposer.needs_step_inputs:
+            return ProposerInputs(idx, b, states.token_table.gpu, self.known, self.k)
+        t = plan.num_tokens
+        meta = AttentionMetadata(buffers.query_start_loc[: b + 1], buffers.seq_lens[:b], buffers.block_tables[:b],
+                                 buffers.slot_mapping[:t], max_query_len=plan.max_query_len,
+                                 max_seq_len=plan.max_seq_len)
+        wants = buffers.sample_mask[:b].bool() & self.speculating[entry_rows]
+        return ProposerInputs(idx, b, states.token_table.gpu, self.known, self.k, positions=buffers.positions[:t],
+                              input_ids=buffers.input_ids[:t], attn_metadata=meta, block_table=states.block_table.gpu,
+                              block_size=states.block_size, slot_limit=plan.slot_limit, draft_mask=wants)
 
     def _append(self, sampled: torch.Tensor, emitted: torch.Tensor, entry_rows: torch.Tensor,
                 states: RequestStates) -> None:
