@@ -68,8 +68,9 @@ def test_llm_keywords_reach_the_configs(monkeypatch):
                    block_size=32, num_kv_blocks=9, gpu_memory_utilization=0.5, kv_cache_memory_gb=0.25,
                    enable_prefix_caching=False, async_scheduling=False, enforce_eager=True, cuda_graph_max_batch=8,
                    piecewise_cuda_graph_max_tokens=0, fused_small_batch_linear=False, seed=7,
-                   speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
-                                       "prompt_lookup_min": 1, "synthetic_acceptance": 0.5})
+                   speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+                                       "prompt_lookup_min": 1, "model": "/models/draft", "load_format": "dummy",
+                                       "num_draft_layers": None, "synthetic_acceptance": 0.5})
     assert set(changed) == {f.name for f in dataclasses.fields(EngineConfig)}, "a new field: add it here"
     engine = LLM("tiny-llama", load_format="dummy", dtype="float32", device="cpu", **changed).engine
     assert dataclasses.asdict(engine.config) == changed
@@ -98,6 +99,36 @@ def test_unknown_llm_keyword_names_it(monkeypatch):
 def test_bad_values_are_config_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         EngineConfig(**kwargs)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ({"method": "draft_model"}, 'method draft_model needs "model"'),
+    ({"method": "draft_model", "model": ""}, 'method draft_model needs "model"'),
+    ({"method": "layer_truncated"}, 'method layer_truncated needs "num_draft_layers"'),
+    ({"method": "layer_truncated", "num_draft_layers": 0}, "num_draft_layers must be >= 1, got 0"),
+    ({"method": "ngram", "model": "/m"}, '"model" names a draft model, which only method draft_model uses'),
+    ({"method": "layer_truncated", "num_draft_layers": 2, "load_format": "dummy"},
+     '"load_format" is the draft model\'s'),
+    ({"method": "draft_model", "model": "/m", "num_draft_layers": 2}, '"num_draft_layers" is only for method '
+                                                                      "layer_truncated"),
+    ({"method": "draft_model", "model": "/m", "load_format": "pt"}, "load_format must be one of auto, hf, gguf, dummy"),
+    ({"method": "eagle"}, "method must be one of ngram, draft_model, layer_truncated; got 'eagle'"),
+])
+def test_bad_speculative_configs_say_what_is_wrong(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(speculative_config=spec)
+
+
+def test_speculative_methods_and_their_lookahead():
+    from tokenmill.config import SpeculativeConfig
+
+    assert SpeculativeConfig(num_speculative_tokens=3).num_lookahead_tokens == 0  # n-gram writes no K/V
+    draft = SpeculativeConfig(method="draft_model", model="/m", load_format="dummy", num_speculative_tokens=4)
+    assert (draft.model, draft.load_format, draft.num_lookahead_tokens) == ("/m", "dummy", 4)
+    truncated = SpeculativeConfig(method="layer_truncated", num_draft_layers=6, num_speculative_tokens=2)
+    assert truncated.num_lookahead_tokens == 2
+    assert "draft_model" in EngineConfig.__dataclass_fields__["speculative_config"].metadata["help"]
+    assert "n-gram drafts only" not in EngineConfig.__dataclass_fields__["speculative_config"].metadata["help"]
 
 
 def test_load_config_checks_its_choices():
