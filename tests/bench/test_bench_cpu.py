@@ -352,7 +352,7 @@ def _check_spec(spec, rate: float, k: int = 3) -> None:
 
 
 @pytest.mark.parametrize("rate", [1.0, 0.0])
-def test_latency_with_synthetic_acceptance(tmp_path, rate):
+def test_latency_with_synthetic_acceptance(tmp_path, rate, capsys):
     rc = main(["bench", "latency", "--workload", "latency-tiny", "--device", "cpu", "--out", str(tmp_path),
                "--repeat", "1", "--output-len", "13", "--warmup-requests", "1", "--no-plot",
                "--synthetic-acceptance", str(rate)])
@@ -369,6 +369,9 @@ def test_latency_with_synthetic_acceptance(tmp_path, rate):
     assert s["decode_steps"] == (3 if rate == 1.0 else 12)  # verify steps count as decode steps
     assert r["roofline"]["by_kind"]["decode"]["steps"] == s["decode_steps"]
     assert 0 < s["bandwidth_pct"] <= 100
+    out = capsys.readouterr().out
+    assert "ms per output token" in out and "ms per decode step" in out
+    assert f"acceptance {100 * rate:.1f}%" in out and f"{s['speculative']['mean_accepted_length']:.2f} tokens per verifying step" in out
 
 
 def test_latency_without_speculation_has_no_spec_figures(tmp_path):
@@ -471,3 +474,26 @@ def test_spec_counters_parsed_from_a_scrape():
     assert spec["acceptance_rate"] == pytest.approx(36 / 60) and spec["mean_accepted_length"] == pytest.approx(1 + 36 / 20)
     assert spec["acceptance_by_position"] == pytest.approx([18 / 20, 12 / 20, 6 / 20])
     assert server_side("", "")["speculative"] is None
+
+
+def test_spec_counts_snapshot_since_and_summary():
+    from tokenmill.bench.common import format_spec, spec_summary
+    from tokenmill.engine.spec_stats import SpecDecodeCounts, SpecDecodeStats
+
+    stats = SpecDecodeStats(3)
+    # three entries: 3 drafts all accepted, 2 drafts none accepted, no drafts (a plain decode)
+    stats.record(np.array([3, 2, 0]), np.array([4, 1, 1]))
+    first = stats.snapshot()
+    assert first == SpecDecodeCounts(3, verify_steps=2, drafts=5, accepted=3, drafted_at=(2, 2, 1),
+                                     accepted_at=(1, 1, 1))
+    stats.record(np.array([3]), np.array([2]))  # one of three accepted
+    assert first.verify_steps == 2  # a snapshot does not move with the tally
+    run = stats.snapshot().since(first)
+    assert run == SpecDecodeCounts(3, 1, 3, 1, (1, 1, 1), (1, 0, 0))
+    s = spec_summary(run)
+    assert (s["acceptance_rate"], s["mean_accepted_length"], s["acceptance_by_position"]) == (1 / 3, 2.0, [1.0, 0.0, 0.0])
+    assert "33.3%" in format_spec(s) and "2.00 tokens per verifying step" in format_spec(s)
+    empty = spec_summary(SpecDecodeCounts(3))
+    assert empty["acceptance_rate"] is None and empty["mean_accepted_length"] is None
+    assert empty["acceptance_by_position"] == [None] * 3 and "no draft verified" in format_spec(empty)
+    assert spec_summary(None) is None and format_spec(None) == ""

@@ -74,7 +74,6 @@ def _spec_metrics(server: ServerProcess) -> dict[str, float]:
     return _samples(httpx.get(server.url + "/metrics", timeout=10).text)
 
 
-@pytest.mark.slow  # two servers with the embedded model: some 40 s on a 2-core CPU
 def test_streams_equal_those_without_speculation_and_metrics_count_drafts(servers):
     plain, spec = servers["plain"], servers["spec"]
     assert _spec_metrics(plain) == {}  # a server without speculation exports no speculative metrics

@@ -112,13 +112,16 @@ def spec_summary(counts) -> Optional[dict]:
     """The JSON form of a run's SpecDecodeCounts (None: no speculation). acceptance_rate: accepted
     / draft tokens; mean_accepted_length: tokens per verifying request-step (1 + accepted drafts);
     acceptance_by_position[i]: of the drafts that reached position i, the fraction accepted up to
-    and including it."""
+    and including it. With no draft verified (nothing matched) the ratios are None."""
     if counts is None:
         return None
+    verified = counts.verify_steps > 0
     return {"num_speculative_tokens": counts.num_speculative_tokens, "num_drafts": counts.verify_steps,
             "num_draft_tokens": counts.drafts, "num_accepted_tokens": counts.accepted,
-            "acceptance_rate": counts.acceptance_rate, "mean_accepted_length": counts.mean_accepted_length,
-            "acceptance_by_position": counts.acceptance_by_position,
+            "acceptance_rate": counts.acceptance_rate if verified else None,
+            "mean_accepted_length": counts.mean_accepted_length if verified else None,
+            "acceptance_by_position": [r if d else None for r, d in zip(counts.acceptance_by_position,
+                                                                      counts.drafted_at)],
             "num_draft_tokens_by_position": list(counts.drafted_at),
             "num_accepted_tokens_by_position": list(counts.accepted_at)}
 
@@ -127,7 +130,9 @@ def format_spec(spec: Optional[dict]) -> str:
     """One line of a run's speculative-decoding figures ("" when off)."""
     if not spec:
         return ""
-    by_position = ", ".join(f"{r:.2f}" for r in spec["acceptance_by_position"])
+    if not spec["num_drafts"]:
+        return f"speculative decoding (k={spec['num_speculative_tokens']}): no draft verified (nothing matched)"
+    by_position = ", ".join("-" if r is None else f"{r:.2f}" for r in spec["acceptance_by_position"])
     return (f"speculative decoding (k={spec['num_speculative_tokens']}): acceptance "
             f"{100 * spec['acceptance_rate']:.1f}% ({spec['num_accepted_tokens']}/{spec['num_draft_tokens']} draft "
             f"tokens), {spec['mean_accepted_length']:.2f} tokens per verifying step, by position [{by_position}]")

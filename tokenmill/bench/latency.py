@@ -120,8 +120,7 @@ def run(args, log=None) -> dict:
         log(f"run {i + 1}/{args.repeat}: TTFT {run_['ttft_ms']:.2f} ms, TPOT {run_['tpot_ms']:.3f} ms "
             f"({run_['decode_tok_per_s']:.1f} tok/s), {run_['decode_step_ms']:.3f} ms per decode step, "
             f"bandwidth {run_['bandwidth_pct']:.1f}% of copy, roofline {roof['roofline_pct']:.1f}%"
-            + (f"; acceptance {100 * spec['acceptance_rate']:.1f}%, {spec['mean_accepted_length']:.2f} tokens per "
-               f"verifying step" if spec else ""))
+            + (f"; {format_spec(spec)}" if spec else ""))
     mid = median_index([r["tpot_ms"] for r in runs])
     med = runs[mid]
     for j, r in enumerate(runs):
@@ -148,7 +147,8 @@ def run(args, log=None) -> dict:
     return result
 
 
-def print_summary(result: dict, out=sys.stdout) -> None:
+def print_summary(result: dict, out=None) -> None:
+    out = out or sys.stdout  # looked up per call (a test may have replaced it)
     s = result["summary"]
     step = s.get("decode_step_ms")
     per_step = "" if step is None else (f", {step:.3f} ms per decode step "

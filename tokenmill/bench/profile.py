@@ -180,7 +180,8 @@ def run(args, log=None) -> dict:
     return result
 
 
-def print_summary(result: dict, out=sys.stdout) -> None:
+def print_summary(result: dict, out=None) -> None:
+    out = out or sys.stdout  # looked up per call (a test may have replaced it)
     s, win = result["summary"], result["window"]
     print(f"profile of {result['workload']['name']} on {result['device_name']}: steps {win['skip_steps']}.."
           f"{win['skip_steps'] + win['steps']} (batch {win['batch_min']}..{win['batch_max']}): "

@@ -121,7 +121,8 @@ def _spec_note(spec: Optional[dict]) -> str:
     """The speculative-decoding figures of a result for the table's "other" column ("" when off)."""
     if not spec:
         return ""
-    return (f", spec accept {_fmt(100 * spec.get('acceptance_rate', 0), '.0f')}%, "
+    rate = spec.get("acceptance_rate")
+    return (f", spec accept {_fmt(None if rate is None else 100 * rate, '.0f')}%, "
             f"{_fmt(spec.get('mean_accepted_length'), '.2f')} tok/verify")
 
 

@@ -538,7 +538,8 @@ def run(args, log=None) -> dict:
     return result
 
 
-def print_summary(result: dict, out=sys.stdout) -> None:
+def print_summary(result: dict, out=None) -> None:
+    out = out or sys.stdout  # looked up per call (a test may have replaced it)
     from tokenmill.bench.report import format_table, summary_rows
 
     print(format_table(summary_rows({"results": [result]})), file=out)

@@ -88,8 +88,7 @@ def _run_tokenmill(args, w, log) -> dict:
         log(f"run {i + 1}/{args.repeat}: {run['output_tok_per_s']:.0f} output tok/s, "
             f"{run['total_tok_per_s']:.0f} total tok/s, {len(requests) / elapsed:.2f} req/s, {elapsed:.2f} s, "
             f"{out_tokens} output tokens, {len(step_log)} steps, roofline {roof['roofline_pct']:.1f}%"
-            + (f"; acceptance {100 * spec['acceptance_rate']:.1f}%, {spec['mean_accepted_length']:.2f} tokens per "
-               f"verifying step" if spec else ""))
+            + (f"; {format_spec(spec)}" if spec else ""))
         if out_tokens != expected["output_tokens"]:
             log(f"WARNING: {out_tokens} output tokens generated, {expected['output_tokens']} requested")
     engine_info = {"num_kv_blocks": engine.kv.num_blocks, "block_size": engine.config.block_size,
@@ -165,7 +164,8 @@ def run(args, log=None) -> dict:
     return result
 
 
-def print_summary(result: dict, out=sys.stdout) -> None:
+def print_summary(result: dict, out=None) -> None:
+    out = out or sys.stdout  # looked up per call (a test may have replaced it)
     s = result["summary"]
     w = result["workload"]
     print(f"{w['name']} on {result['device_name']} ({result['dtype']}): {s['output_tok_per_s']:.0f} output tok/s "

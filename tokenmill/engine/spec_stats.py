@@ -47,6 +47,13 @@ class SpecDecodeCounts:
     drafted_at: tuple[int, ...] = ()
     accepted_at: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        for name in ("drafted_at", "accepted_at"):  # one entry per draft position, zeros if not given
+            values = tuple(getattr(self, name))
+            if len(values) > self.num_speculative_tokens:
+                raise ValueError(f"{name} has {len(values)} positions, more than {self.num_speculative_tokens}")
+            object.__setattr__(self, name, values + (0,) * (self.num_speculative_tokens - len(values)))
+
     @property
     def acceptance_rate(self) -> float:
         return _acceptance_rate(self.accepted, self.drafts)
