@@ -16,6 +16,7 @@ from tests.gpu.test_warmup_real_weights import _gguf_path
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.llm import LLM
+from tokenmill.loader.load import load_model
 from tokenmill.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -44,7 +45,9 @@ def generate(loaded, prompts, params, **overrides):
 
 @pytest.fixture(scope="module")
 def smollm_fp32():
-    cpu = cpu_model("smollm2-135m")
+    # The loader's own dummy initialisation (not cpu_model's): its greedy outputs repeat tokens, so
+    # the lookup finds n-grams in them (with cpu_model's weights nothing ever matched).
+    cpu = load_model("smollm2-135m", load_format="dummy", device="cpu", dtype="float32", max_positions=2048)
     gpu = to_cuda(cpu, torch.float32)
     prompts = repeating_prompts(cpu.arch.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)

@@ -17,7 +17,9 @@ records it.
 """
 
 import bisect
+import contextlib
 import dataclasses
+import gc
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -28,6 +30,20 @@ from tokenmill.logger import init_logger
 from tokenmill.runner.dummy_batch import fill_dummy_batch
 
 logger = init_logger(__name__)
+
+
+@contextlib.contextmanager
+def no_garbage_collection():
+    """No garbage collection while graphs are captured: a collection could free an earlier engine's
+    CUDA graph, whose reset is not allowed while a stream captures, and the capture would fail."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def default_capture_sizes(max_batch: int) -> list[int]:

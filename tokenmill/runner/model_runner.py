@@ -15,6 +15,7 @@ from tokenmill.kernels.input_prep import post_update
 from tokenmill.layers.forward_context import AttentionMetadata, AttentionSplitter, forward_context
 from tokenmill.logger import init_logger
 from tokenmill.runner.async_output import AsyncOutput
+from tokenmill.runner.cuda_graphs import no_garbage_collection
 from tokenmill.messages import SchedulerOutput
 from tokenmill.runner.dummy_batch import fill_dummy_batch, split_tokens
 from tokenmill.runner.input_buffers import InputBuffers, StepDescriptor
@@ -91,11 +92,15 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs and piecewise graphs for prefill / mixed steps (CUDA only, after
         the KV cache exists; skipped with enforce_eager)."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        with no_garbage_collection():
+            self._capture_cuda_graphs()
+
+    def _capture_cuda_graphs(self) -> None:
         from tokenmill.runner.cuda_graphs import CudaGraphManager, default_capture_sizes
         from tokenmill.runner.piecewise_graphs import PiecewiseGraphManager, piecewise_sizes
 
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return
         max_piecewise = min(self.config.piecewise_cuda_graph_max_tokens, self.max_num_tokens)
         if max_piecewise >= 16:
             piecewise = PiecewiseGraphManager(self.attn_spec, self.buffers, self.kv_caches, self.run_model,

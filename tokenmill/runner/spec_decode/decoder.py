@@ -114,6 +114,7 @@ class SpeculativeDecoder(RowState):
         self.drafts = torch.full((max_num_reqs, self.k), -1, dtype=torch.int64, device=device)
         self.num_drafts = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self.speculating = torch.zeros(max_num_reqs, dtype=torch.bool, device=device)  # per row: eligible()
+        self._all_k = torch.full((max_num_reqs,), self.k, dtype=torch.int32, device=device)
         self._admitted: list[tuple[int, int, int]] = []  # (row, known tokens, speculates) staged for the device
 
     # ---- rows ------------------------------------------------------------------------------
@@ -125,7 +126,7 @@ class SpeculativeDecoder(RowState):
         if self._admitted:
             rows = to_device(np.asarray(self._admitted, dtype=np.int64), self.device)
             self.known[rows[:, 0]] = rows[:, 1].to(torch.int32)
-            self.num_drafts[rows[:, 0]] = 0
+            self.num_drafts[rows[:, 0]] = (rows[:, 1] * 0).to(torch.int32)  # a tensor: a scalar here would sync
             self.speculating[rows[:, 0]] = rows[:, 2].bool()
             self._admitted = []
 
@@ -223,7 +224,7 @@ class SpeculativeDecoder(RowState):
         drafts = self.proposer.propose(self._proposer_inputs(plan, buffers, idx, b, states, entry_rows))
         if self.synthetic:  # k drafts every step: those not found are token 0 (any token will do)
             self.drafts[entry_rows] = drafts.draft_ids.long().clamp(min=0)
-            self.num_drafts[entry_rows] = self.k
+            self.num_drafts[entry_rows] = self._all_k[:b]  # (a device tensor: a Python scalar here syncs)
         else:
             self.drafts[entry_rows] = drafts.draft_ids.long()
             self.num_drafts[entry_rows] = drafts.num_drafts
