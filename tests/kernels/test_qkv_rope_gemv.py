@@ -83,3 +83,16 @@ def test_fusable_and_errors():
     with pytest.raises(AssertionError, match="at most 1 row"):
         skinny_qkv_rope_triton(**{**inputs, "x": torch.randn(2, 64), "residual": None}, k_cache=kc, v_cache=vc,
                                num_q_heads=4, num_kv_heads=2)
+
+
+def test_only_one_token_takes_the_fused_path(monkeypatch):
+    """QKVParallelLinear.fuses_rope: a step of 2 to MAX_ROWS tokens takes the several-row GEMV and
+    qkv_prep after it, never this one-token kernel (its programs compute one row)."""
+    from tokenmill.kernels.skinny_gemm import MAX_ROWS
+    from tokenmill.layers.linear import LinearBase, QKVParallelLinear
+
+    layer = QKVParallelLinear(64, 16, 4, 2, dtype=torch.float32)
+    monkeypatch.setattr(LinearBase, "_use_skinny", lambda self, x: True)  # as on CUDA
+    assert layer.fuses_rope(torch.zeros(1, 64))
+    for tokens in range(2, MAX_ROWS + 1):
+        assert not layer.fuses_rope(torch.zeros(tokens, 64)), tokens

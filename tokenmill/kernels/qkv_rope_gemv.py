@@ -16,7 +16,12 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.qkv_prep import qkv_prep_ref
-from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, MAX_ROWS, _gemv_rows, skinny_gemm_config, skinny_linear_ref
+from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, _gemv_rows, skinny_gemm_config, skinny_linear_ref
+
+# One token: its programs are the one-row GEMV's. Steps of 2 to 8 tokens (small decode batches,
+# speculative verify steps) take the several-row GEMV for q/k/v and then qkv_prep
+# (QKVParallelLinear.fuses_rope checks this).
+MAX_TOKENS = 1
 
 
 def skinny_qkv_rope_ref(x, weight, residual, norm_weight, eps, positions, cos_sin_cache, slot_mapping,
@@ -84,7 +89,7 @@ def _qkv_rope_gemv_kernel(
 def fusable(n: int, k: int, head_dim: int, dtype: torch.dtype, config: Optional[dict] = None) -> bool:
     """Whether the tile config of an [n, k] q/k/v weight splits a head into whole pairs of rotary
     partners."""
-    block_n = {**skinny_gemm_config(n, k, dtype, ADD_RMSNORM), **(config or {})}["block_n"]
+    block_n = {**skinny_gemm_config(n, k, dtype, ADD_RMSNORM, 1), **(config or {})}["block_n"]
     return head_dim % 2 == 0 and block_n % 2 == 0 and (head_dim // 2) % (block_n // 2) == 0
 
 
@@ -97,11 +102,11 @@ def skinny_qkv_rope_triton(x, weight, residual, norm_weight, eps, positions, cos
     tokens, K = x.shape
     N = weight.shape[0]
     head_dim = N // (num_q_heads + 2 * num_kv_heads)
-    assert tokens <= MAX_ROWS, f"skinny_qkv_rope takes at most {MAX_ROWS} row, got {tokens}"
+    assert tokens <= MAX_TOKENS, f"skinny_qkv_rope takes at most {MAX_TOKENS} row, got {tokens}"
     assert head_dim * (num_q_heads + 2 * num_kv_heads) == N and weight.shape[1] == K
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and cos_sin_cache.shape[1] == head_dim
-    cfg = {**skinny_gemm_config(N, K, x.dtype, ADD_RMSNORM), **(config or {})}
+    cfg = {**skinny_gemm_config(N, K, x.dtype, ADD_RMSNORM, 1), **(config or {})}
     assert fusable(N, K, head_dim, x.dtype, cfg), \
         f"BLOCK_N {cfg['block_n']} does not split head_dim {head_dim} into rotary pairs"
     if q_out is None:

@@ -1,9 +1,10 @@
-"""Linear layers at one token (batch-1 decode), with the op before them fused in.
+"""Linear layers at a few tokens (batch-1 decode, speculative verify steps, small decode
+batches), with the op before them fused in.
 
 At a handful of tokens a linear layer only streams its weight matrix, and the small ops around it
 (RMSNorm before q/k/v and gate/up, SiLU-and-mul before down, cuBLAS's split-K reduction after o and
-down) cost more in launches and gaps than in bytes. This kernel computes y = a(x) W^T for one row
-(batch-1 decode), where the prologue a() is one of:
+down) cost more in launches and gaps than in bytes. These kernels compute y = a(x) W^T for
+M <= MAX_ROWS rows, where the prologue a() is one of:
 
     PLAIN        a(x) = x
     SILU_MUL     a(x) = silu(x[:, :K]) * x[:, K:]            (x is the gate|up projection output)
@@ -17,6 +18,13 @@ accumulates beside the products and the division comes last, so the weight loads
 instead of after a pass over the row (in a one-wave grid such as q/k/v's, every program would wait
 for that pass with the memory idle). It skips the separate kernel's rounding of the normalised row
 to the input dtype, so it agrees with the unfused path to that rounding, not bit for bit.
+
+One row takes _gemv_kernel. Two to eight rows take _gemv_multi_kernel, compiled for 2, 4 or 8 rows
+(padded_rows; the rows past M are masked off): it loads each weight tile once per K step and
+applies it to every row, so a 4-token step reads the weights once, as a 1-token step does. The
+arithmetic per row is the one-row kernel's (the same roundings, the sum of squares and the rsqrt
+per row); only the order in which fp32 products are summed differs, so a row's result agrees with
+the one-row kernel's to fp32 rounding, not bit for bit (the residual stream is bit-equal).
 """
 
 from typing import Optional
@@ -30,7 +38,11 @@ from tokenmill.kernels.activation import silu_and_mul_ref
 from tokenmill.kernels.norm import rms_norm_ref
 
 PLAIN, SILU_MUL, ADD_RMSNORM = 0, 1, 2
-MAX_ROWS = 1  # batch-1 decode; more tokens go to cuBLAS
+# Speculative verify steps (1 + k tokens, k <= 7) and small decode batches. Each row adds one FMA
+# per weight element, and at 8 rows the FMAs alone take over half of the issue slots an H200 SM
+# has at the HBM rate; beyond that the layer stops being bound by the weight stream on CUDA cores,
+# and cuBLAS (tensor cores) takes it.
+MAX_ROWS = 8
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, prologue: int = PLAIN,
@@ -116,38 +128,191 @@ def _gemv_kernel(
     tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def skinny_gemm_config(n: int, k: int, dtype: torch.dtype, prologue: int = PLAIN) -> dict:
-    """BLOCK_N output features per program, BLOCK_K per step, warps, stages. Tune here.
+@triton.jit
+def _load_prologue_rows(x_ptr, r_ptr, nw_ptr, m, m_ok, kk, k_ok, K, stride_xm, stride_rm,
+                        PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """_load_prologue for rows m (masked by m_ok) at the K offsets kk ([KB, VEC]): a(x) and x + r
+    as [ROWS, KB, VEC] tiles, with the one-row kernel's arithmetic and rounding, row by row."""
+    mask = m_ok[:, None, None] & k_ok[None, :, :]
+    x_row = x_ptr + m[:, None, None] * stride_xm + kk[None, :, :]
+    x = tl.load(x_row, mask=mask, other=0.0)
+    summed = x
+    if PROLOGUE == 1:  # SILU_MUL: each row holds [gate | up]
+        gate = x.to(tl.float32)
+        up = tl.load(x_row + K, mask=mask, other=0.0)
+        act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+        a = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+    elif PROLOGUE == 2:  # ADD_RMSNORM
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + m[:, None, None] * stride_rm + kk[None, :, :], mask=mask, other=0.0)
+            summed = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        w = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        a = summed.to(tl.float32) * w[None, :, :]
+    else:
+        a = x
+    return a, summed
 
-    From the H200 sweep in CUDA graphs (kernel_bench, Llama-3.1-8B shapes): with ADD_RMSNORM every
-    program re-reads the row (and residual) from L2, so programs own 16 output features, and the
-    narrower q/k/v projection takes 8 warps; o and down take 8 features, 4 warps."""
-    if prologue == ADD_RMSNORM:
-        return dict(block_n=16, block_k=256, num_warps=4, num_stages=3) if n >= 16384 else \
-            dict(block_n=16, block_k=512, num_warps=8, num_stages=3)
-    return dict(block_n=8, block_k=512, num_warps=4, num_stages=3)
 
+@triton.jit
+def _computed_once(a, PIN: tl.constexpr):
+    """a, unchanged. With PIN, through an opaque register move, so that the compiler computes a
+    where it is loaded, each element by one thread, and hands it to the threads that multiply it
+    through shared memory. Without it, Triton recomputes the prologue in the layout of the product,
+    where every element is held by all the threads that share its K (4 to 8 copies at 4 warps: at
+    8 rows that doubled the instructions per weight of the loop). PTX, so not in the interpreter."""
+    if PIN:
+        a = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [a], dtype=tl.float32, is_pure=False, pack=1)
+    return a
+
+
+@triton.jit
+def _add_lanes(acc, p, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr):
+    """acc [ROWS, BLOCK_N, KB] + p [ROWS, BLOCK_N, KB, 8] summed over its last axis, one lane
+    after another (split, not tl.sum: the lanes sit in one thread, and a chain of adds onto acc
+    compiles to a chain of FMAs where tl.sum's tree would add a multiply and an add per pair)."""
+    p_even, p_odd = tl.split(tl.reshape(p, (ROWS, BLOCK_N, KB, 4, 2)))
+    p0, p1 = tl.split(tl.reshape(p_even, (ROWS, BLOCK_N, KB, 2, 2)))
+    p2, p3 = tl.split(tl.reshape(p_odd, (ROWS, BLOCK_N, KB, 2, 2)))
+    q0, q1 = tl.split(p0)
+    q2, q3 = tl.split(p1)
+    q4, q5 = tl.split(p2)
+    q6, q7 = tl.split(p3)
+    return acc + q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7
+
+
+@triton.jit
+def _gemv_multi_kernel(
+    x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr,
+    M, N, K, eps, stride_xm, stride_rm, stride_wn,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    PIN_PROLOGUE: tl.constexpr,
+):
+    """_gemv_kernel for M <= ROWS rows (ROWS a power of two; rows M.. are masked off): grid
+    (cdiv(N, BLOCK_N),), program p computes out[:M, p*BLOCK_N : (p+1)*BLOCK_N]; program 0 writes
+    the M rows of the residual stream.
+
+    Each K step loads the weight tile once, as [BLOCK_N, KB, 8] (8 consecutive K per thread: 16-byte
+    loads in bf16), and applies it to every row: the products [ROWS, BLOCK_N, KB, 8] are added lane
+    by lane into a [ROWS, BLOCK_N, KB] fp32 accumulator, reduced over KB once at the end. So the
+    loop body is loads and FMA chains, and the accumulator holds an eighth of the products of a
+    step (the one-row kernel keeps one per product: at 4 or 8 rows that would not fit in the
+    registers). LOOP_STAGES > 1 pipelines the loop's loads through shared memory (tl.range's
+    num_stages), keeping several tiles in flight without holding them in registers."""
+    VEC: tl.constexpr = 8
+    KB: tl.constexpr = BLOCK_K // VEC
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    m = tl.arange(0, ROWS)
+    m_ok = m < M
+    koff = tl.arange(0, KB)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [KB, VEC]
+    acc = tl.zeros([ROWS, BLOCK_N, KB], tl.float32)
+    sq = tl.zeros([ROWS, KB, VEC], tl.float32)  # ADD_RMSNORM: per-row squares of the (rounded) x + r
+    sum_rows = m < tl.where(pid == 0, M, 0)  # program 0 writes the residual stream
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+        kk = k0 + koff
+        k_ok = kk < K
+        a, summed = _load_prologue_rows(x_ptr, r_ptr, nw_ptr, m, m_ok, kk, k_ok, K, stride_xm, stride_rm,
+                                        PROLOGUE, HAS_RESIDUAL)
+        if PROLOGUE == 2:
+            h = summed.to(tl.float32)
+            sq += h * h
+            if HAS_RESIDUAL:
+                tl.store(sum_ptr + m[:, None, None] * K + kk[None, :, :], summed,
+                         mask=sum_rows[:, None, None] & k_ok[None, :, :])
+        w = tl.load(w_ptr + n[:, None, None] * stride_wn + kk[None, :, :], mask=n_ok[:, None, None] & k_ok[None, :, :],
+                    other=0.0)
+        a = _computed_once(a.to(tl.float32), PIN_PROLOGUE)
+        acc = _add_lanes(acc, w.to(tl.float32)[None, :, :, :] * a[:, None, :, :], ROWS, BLOCK_N, KB)
+    y = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
+    if PROLOGUE == 2:
+        y = y * tl.rsqrt(tl.sum(tl.sum(sq, axis=2), axis=1) / K + eps)[:, None]
+    tl.store(out_ptr + m[:, None] * N + n[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def padded_rows(m: int) -> int:
+    """The row count a launch for m rows is compiled for: 1 (the one-row kernel), else the power
+    of two >= m (2, 4 or 8; the rows past m are masked off)."""
+    return 1 if m <= 1 else triton.next_power_of_2(m)
+
+
+def skinny_gemm_config(n: int, k: int, dtype: torch.dtype, prologue: int = PLAIN, rows: int = 1) -> dict:
+    """BLOCK_N output features per program, BLOCK_K per step, warps, stages, for `rows` rows (keyed
+    by padded_rows(rows)). Tune here.
+
+    One row, from the H200 sweep in CUDA graphs (kernel_bench, Llama-3.1-8B shapes): with
+    ADD_RMSNORM every program re-reads the row (and residual) from L2, so programs own 16 output
+    features, and the narrower q/k/v projection takes 8 warps; o and down take 8 features, 4 warps.
+    num_stages is only the launch option there (Triton pipelines this loop's loads only for dots).
+
+    Several rows (_gemv_multi_kernel), not yet measured on the GPU: chosen from the compiled sm_90
+    code (registers, spills, instructions per weight element in the loop) and a grid of at least
+    about one program per SM. num_stages is the depth of the loop's load pipeline (tl.range's
+    num_stages; 1 = none): a pipelined program keeps num_stages - 1 weight tiles in flight without
+    registers for them, so 1-2 programs per SM still have 32 KB or more in flight, about what
+    the one-row kernel needs for full bandwidth (5 programs of 8 KB tiles per SM). Every row costs
+    one FMA per weight element and the SM issues about 14 instructions per element at the copy
+    bandwidth, so at 8 rows the loop is close to issue-bound: those configs take the widest tiles
+    that fit without spills (32 features: the prologue and the row broadcast are shared by more
+    weights). Sweep: benchmarks/kernel_bench.py --skinny-rows 2,4,8."""
+    rows = padded_rows(rows)
+    if rows == 1:
+        if prologue == ADD_RMSNORM:
+            return dict(block_n=16, block_k=256, num_warps=4, num_stages=3) if n >= 16384 else \
+                dict(block_n=16, block_k=512, num_warps=8, num_stages=3)
+        return dict(block_n=8, block_k=512, num_warps=4, num_stages=3)
+    wide = n >= 16384  # gate/up: enough programs for 32-feature tiles
+    if rows == 2:
+        # 96-128 registers, 4.8-6.6 instructions per weight element.
+        if prologue == ADD_RMSNORM and wide:
+            return dict(block_n=32, block_k=256, num_warps=4, num_stages=3)
+        return dict(block_n=16, block_k=512, num_warps=4, num_stages=3)
+    if rows == 4:
+        # 96-166 registers, 7.8-9.8 instructions per weight element.
+        if prologue == SILU_MUL:  # the SiLU per element is dear: 32 features share it
+            return dict(block_n=32, block_k=256, num_warps=8, num_stages=4)
+        if prologue == ADD_RMSNORM and wide:
+            return dict(block_n=32, block_k=256, num_warps=4, num_stages=3)
+        return dict(block_n=16, block_k=256, num_warps=4, num_stages=4)
+    # 8 rows: 124-143 registers, 12-16 instructions per weight element.
+    return dict(block_n=32, block_k=128, num_warps=4, num_stages=4)
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, prologue: int = PLAIN,
                          residual: Optional[torch.Tensor] = None, norm_weight: Optional[torch.Tensor] = None,
                          eps: float = 1e-6, config: Optional[dict] = None):
-    """Triton path of skinny_linear_ref for one row x [1, K] (or [1, 2K] for SILU_MUL), contiguous."""
+    """Triton path of skinny_linear_ref for M <= MAX_ROWS rows x [M, K] (or [M, 2K] for SILU_MUL),
+    each row contiguous (any row stride); residual [M, K] likewise. One row takes the one-row
+    kernel, more rows _gemv_multi_kernel (one launch either way)."""
     M = x.shape[0]
     N, K = weight.shape
-    assert M <= MAX_ROWS, f"skinny_linear takes at most {MAX_ROWS} row, got {M}"
-    assert x.stride(-1) == 1 and weight.stride(-1) == 1
+    assert M <= MAX_ROWS, f"skinny_linear takes at most {MAX_ROWS} rows, got {M}"
+    assert x.dim() == 2 and x.stride(-1) == 1 and weight.stride(-1) == 1
     assert x.shape[1] == (2 * K if prologue == SILU_MUL else K), "x does not match the weight's K"
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     has_residual = prologue == ADD_RMSNORM and residual is not None
     summed = torch.empty((M, K), dtype=x.dtype, device=x.device) if has_residual else out
     if has_residual:
         assert residual.shape == (M, K) and residual.stride(-1) == 1
-    cfg = {**skinny_gemm_config(N, K, x.dtype, prologue), **(config or {})}
-    if M > 0:
-        _gemv_kernel[(triton.cdiv(N, cfg["block_n"]),)](
-            x, residual if has_residual else x, norm_weight if prologue == ADD_RMSNORM else x, weight, out, summed,
+    cfg = {**skinny_gemm_config(N, K, x.dtype, prologue, M), **(config or {})}
+    r_arg = residual if has_residual else x
+    nw_arg = norm_weight if prologue == ADD_RMSNORM else x
+    grid = (triton.cdiv(N, cfg["block_n"]),)
+    if M == 1:
+        _gemv_kernel[grid](
+            x, r_arg, nw_arg, weight, out, summed,
             N, K, eps, weight.stride(0),
             PROLOGUE=prologue, HAS_RESIDUAL=has_residual, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    elif M > 1:
+        assert cfg["block_k"] >= 8, "the several-row kernel takes K in groups of 8"
+        _gemv_multi_kernel[grid](
+            x, r_arg, nw_arg, weight, out, summed,
+            M, N, K, eps, x.stride(0), residual.stride(0) if has_residual else 0, weight.stride(0),
+            PROLOGUE=prologue, HAS_RESIDUAL=has_residual, ROWS=padded_rows(M), BLOCK_N=cfg["block_n"],
+            BLOCK_K=cfg["block_k"], LOOP_STAGES=cfg["num_stages"], PIN_PROLOGUE=x.is_cuda,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     return (out, summed) if has_residual else out

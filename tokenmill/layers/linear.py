@@ -72,8 +72,9 @@ class LinearBase(nn.Module):
         return y if summed is None else (y, summed)
 
     def _use_skinny(self, x: torch.Tensor) -> bool:
-        """One-token steps (batch-1 decode) on CUDA take the skinny GEMV with the op before the layer
-        fused in, unless the step's engine turned that off (its forward context says)."""
+        """Steps of 1 to skinny_gemm.MAX_ROWS tokens on CUDA (batch-1 decode, speculative verify
+        steps, small decode batches) take the skinny GEMV with the op before the layer fused in,
+        unless the step's engine turned that off (its forward context says)."""
         if not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= skinny_gemm.MAX_ROWS and self.bias is None
                 and x.stride(-1) == 1):
             return False
@@ -144,9 +145,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def fuses_rope(self, x: torch.Tensor) -> bool:
         """Whether x takes the batch-1 GEMV that also does rotary and the KV-cache write
-        (forward_rope_into_cache)."""
-        return self._use_skinny(x) and qkv_rope_gemv.fusable(self.out_features, self.in_features, self.head_dim,
-                                                             x.dtype)
+        (forward_rope_into_cache): one token only; 2 to MAX_ROWS tokens take the several-row GEMV
+        and qkv_prep after it."""
+        return (x.dim() == 2 and x.shape[0] <= qkv_rope_gemv.MAX_TOKENS and self._use_skinny(x)
+                and qkv_rope_gemv.fusable(self.out_features, self.in_features, self.head_dim, x.dtype))
 
     def forward_rope_into_cache(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: nn.Module,
                                 positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
