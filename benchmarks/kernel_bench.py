@@ -7,6 +7,12 @@ config against the torch reference, and writes everything to a JSON file.
 
     python benchmarks/kernel_bench.py [--out PATH] [--quick] [--models qwen3-0.6b,llama3.1-8b]
 
+The linear layers at 1, 2, 4 and 8 rows (batch-1 decode and speculative verify steps: the fused
+GEMV against the norm / SiLU-and-mul kernel + cuBLAS at the same row count, tile-config sweeps,
+achieved bandwidth, each row count's time over one row's):
+
+    python benchmarks/kernel_bench.py --skip-attention --skip-small-ops --models llama3.1-8b [--skinny-rows 1,4]
+
 --out defaults to $OUT/kernel_bench.json when $OUT is set, else ./kernel_bench.json.
 """
 
@@ -306,6 +312,10 @@ def print_table(rec: Recorder, best_rows: list[dict]) -> None:
 # (block_n, block_k, num_warps, num_stages) for the batch-1 GEMV
 SKINNY_CONFIGS = [(8, 512, 4, 3), (16, 256, 4, 3), (32, 128, 4, 3), (4, 1024, 4, 3), (16, 512, 8, 3),
                   (32, 256, 8, 3), (64, 64, 4, 3), (8, 256, 4, 3)]
+# ... and for 2 to 8 rows (_gemv_multi_kernel; num_stages is the depth of its load pipeline, 1 = none)
+SKINNY_MULTI_CONFIGS = [(16, 512, 4, 3), (16, 256, 4, 4), (32, 256, 4, 3), (32, 256, 8, 4), (32, 128, 4, 4),
+                        (16, 128, 4, 4), (64, 128, 4, 3), (32, 256, 4, 1)]
+SKINNY_ROWS = [1, 2, 4, 8]
 
 
 def _linear_shapes(m: Model) -> list[tuple[str, int, int]]:
@@ -323,55 +333,113 @@ def graph_ms(fn: Callable[[], object]) -> float:
     return float(do_bench_cudagraph(fn, rep=50, return_mode="median"))
 
 
-def bench_skinny(rec: Recorder, m: Model) -> list[dict]:
-    """Batch-1 linear layers inside CUDA graphs: the unfused chain (norm or SiLU-and-mul kernel, then
-    cuBLAS) against the skinny GEMV with the op fused in, over a sweep of tile configs."""
+def _config_label(cfg: dict) -> str:
+    return "n{block_n}k{block_k}w{num_warps}s{num_stages}".format(**cfg)
+
+
+def bench_skinny(rec: Recorder, m: Model, rows_list: Optional[list[int]] = None) -> list[dict]:
+    """Linear layers at 1 to 8 rows (batch-1 decode, speculative verify steps) inside CUDA graphs:
+    the unfused chain (norm or SiLU-and-mul kernel, then cuBLAS) against the skinny GEMV with the
+    op fused in, at the same row count, over a sweep of tile configs. Bandwidth counts the weight
+    bytes (read once whatever the row count)."""
     import torch.nn.functional as F
 
     best = []
     esz = torch.tensor([], dtype=DTYPE).element_size()
-    for name, n, k in _linear_shapes(m):
-        w = torch.randn(n, k, device=DEVICE, dtype=DTYPE) / k ** 0.5
-        nbytes = n * k * esz
-        prologue = {"qkv": skinny_gemm.ADD_RMSNORM, "gate_up": skinny_gemm.ADD_RMSNORM,
-                    "down": skinny_gemm.SILU_MUL}.get(name, skinny_gemm.PLAIN)
-        norm_w = torch.ones(k, device=DEVICE, dtype=DTYPE)
-        x = torch.randn(1, 2 * k if prologue == skinny_gemm.SILU_MUL else k, device=DEVICE, dtype=DTYPE)
-        r = torch.randn(1, k, device=DEVICE, dtype=DTYPE)
-        if prologue == skinny_gemm.SILU_MUL:
-            unfused = graph_ms(lambda: F.linear(activation.silu_and_mul(x), w))
-        elif prologue == skinny_gemm.ADD_RMSNORM:
-            unfused = graph_ms(lambda: F.linear(norm.rms_norm(x, norm_w, 1e-5, r)[0], w))
-        else:
-            unfused = graph_ms(lambda: F.linear(x, w))
-        rec.add("cublas_chain", m.name, f"{name} M=1 N={n} K={k}", unfused, nbytes=nbytes, config="-")
-        timings = {}
-        for cfg in SKINNY_CONFIGS:
-            conf = dict(block_n=cfg[0], block_k=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
-            label = "n{}k{}w{}s{}".format(*cfg)
-            try:
-                ms = graph_ms(lambda: skinny_gemm.skinny_linear_triton(x, w, prologue, r, norm_w, 1e-5, config=conf))
-            except Exception as e:  # a config that does not compile (e.g. out of registers)
-                print(f"skinny {m.name} {name} {label}: {type(e).__name__}: {e}", file=sys.stderr)
+    one_row_ms: dict[str, float] = {}  # linear -> the 1-row kernel's time at its default config
+    for rows in sorted(rows_list or SKINNY_ROWS):  # one row first: the others are compared to it
+        assert 1 <= rows <= skinny_gemm.MAX_ROWS, f"--skinny-rows: 1 to {skinny_gemm.MAX_ROWS}"
+        for name, n, k in _linear_shapes(m):
+            w = torch.randn(n, k, device=DEVICE, dtype=DTYPE) / k ** 0.5
+            nbytes = n * k * esz
+            prologue = {"qkv": skinny_gemm.ADD_RMSNORM, "gate_up": skinny_gemm.ADD_RMSNORM,
+                        "down": skinny_gemm.SILU_MUL}.get(name, skinny_gemm.PLAIN)
+            norm_w = torch.ones(k, device=DEVICE, dtype=DTYPE)
+            x = torch.randn(rows, 2 * k if prologue == skinny_gemm.SILU_MUL else k, device=DEVICE, dtype=DTYPE)
+            r = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
+            r_chain = r.clone()  # the norm kernel writes x + r into it, replay after replay
+            if prologue == skinny_gemm.SILU_MUL:
+                chain = lambda: F.linear(activation.silu_and_mul(x), w)  # noqa: E731
+            elif prologue == skinny_gemm.ADD_RMSNORM:
+                chain = lambda: F.linear(norm.rms_norm(x, norm_w, 1e-5, r_chain)[0], w)  # noqa: E731
+            else:
+                chain = lambda: F.linear(x, w)  # noqa: E731
+            ref = skinny_gemm.skinny_linear_ref(x, w, prologue, r, norm_w, 1e-5)
+            ref = (ref[0] if isinstance(ref, tuple) else ref).float()
+            unfused = graph_ms(chain)
+            shape = f"{name} M={rows} N={n} K={k}"
+            rec.add("cublas_chain", m.name, shape, unfused, nbytes=nbytes, config="-", rows=rows)
+            default = skinny_gemm.skinny_gemm_config(n, k, DTYPE, prologue, rows)
+            default_label = _config_label(default)
+            sweep = [dict(block_n=c[0], block_k=c[1], num_warps=c[2], num_stages=c[3])
+                     for c in (SKINNY_CONFIGS if rows == 1 else SKINNY_MULTI_CONFIGS)]
+            if default_label not in {_config_label(c) for c in sweep}:
+                sweep.append(default)
+            timings, errs = {}, {}
+            for conf in sweep:
+                label = _config_label(conf)
+                fn = lambda: skinny_gemm.skinny_linear_triton(x, w, prologue, r, norm_w, 1e-5, config=conf)  # noqa: E731
+                try:
+                    out = fn()
+                    out = (out[0] if isinstance(out, tuple) else out).float()
+                    errs[label] = ((out - ref).norm() / ref.norm()).item()
+                    ms = graph_ms(fn)
+                except Exception as e:  # a config that does not compile (e.g. out of registers or shared memory)
+                    print(f"skinny {m.name} {name} M={rows} {label}: {type(e).__name__}: {e}", file=sys.stderr)
+                    continue
+                timings[label] = ms
+                rec.add("skinny_fused", m.name, shape, ms, nbytes=nbytes, config=label, rows=rows,
+                        rel_err=float(f"{errs[label]:.2e}"))
+            if not timings:
                 continue
-            timings[label] = ms
-            rec.add("skinny_fused", m.name, f"{name} M=1 N={n} K={k}", ms, nbytes=nbytes, config=label)
-        best_label, best_ms = min(timings.items(), key=lambda kv: kv[1])
-        default = skinny_gemm.skinny_gemm_config(n, k, DTYPE, prologue)
-        default_label = "n{block_n}k{block_k}w{num_warps}s{num_stages}".format(**default)
-        default_ms = timings.get(default_label)
-        best.append(dict(model=m.name, linear=name, n=n, k=k, prologue=prologue, unfused_chain_ms=round(unfused, 5),
-                         best_config=best_label, best_ms=round(best_ms, 5), default_config=default_label,
-                         default_ms=None if default_ms is None else round(default_ms, 5),
-                         unfused_pct_of_copy=round(100 * nbytes / (unfused * 1e-3) / 1e9 / rec.copy_gbps, 1),
-                         best_pct_of_copy=round(100 * nbytes / (best_ms * 1e-3) / 1e9 / rec.copy_gbps, 1)))
-        del w
+            best_label, best_ms = min(timings.items(), key=lambda kv: kv[1])
+            default_ms = timings.get(default_label)
+            if rows == 1 and default_ms is not None:
+                one_row_ms[name] = default_ms
+            base = one_row_ms.get(name)
+            pct = lambda ms: round(100 * nbytes / (ms * 1e-3) / 1e9 / rec.copy_gbps, 1)  # noqa: E731
+            best.append(dict(model=m.name, linear=name, n=n, k=k, prologue=prologue, unfused_chain_ms=round(unfused, 5),
+                             best_config=best_label, best_ms=round(best_ms, 5), default_config=default_label,
+                             default_ms=None if default_ms is None else round(default_ms, 5),
+                             unfused_pct_of_copy=pct(unfused), best_pct_of_copy=pct(best_ms),
+                             # added with the several-row kernel (older files lack these; rows=1 there)
+                             rows=rows, bytes=nbytes, unfused_gbps=round(nbytes / (unfused * 1e-3) / 1e9, 1),
+                             best_gbps=round(nbytes / (best_ms * 1e-3) / 1e9, 1),
+                             default_pct_of_copy=None if default_ms is None else pct(default_ms),
+                             default_rel_err=None if default_label not in errs else float(f"{errs[default_label]:.2e}"),
+                             # this row count's time over one row's, both at the default config (the
+                             # verify-step target: <= 1.1 at 4 rows)
+                             default_vs_one_row=None if base is None or default_ms is None else round(default_ms / base, 3),
+                             best_vs_one_row=None if base is None else round(best_ms / base, 3)))
+            del w
     return best
+
+
+def skinny_layer_totals(rows: list[dict]) -> list[dict]:
+    """Per model and row count: the four linear layers of one decoder layer summed (unfused chain,
+    fused best and fused default), and the fused default against one row's."""
+    out = []
+    keys = sorted({(r["model"], r["rows"]) for r in rows})
+    for model, m_rows in keys:
+        layer = [r for r in rows if r["model"] == model and r["rows"] == m_rows]
+        if len(layer) != 4:
+            continue
+        total = {f: (None if any(r[f] is None for r in layer) else round(sum(r[f] for r in layer), 5))
+                 for f in ("unfused_chain_ms", "best_ms", "default_ms")}
+        out.append(dict(model=model, rows=m_rows, **total))
+    for t in out:
+        one = next((o for o in out if o["model"] == t["model"] and o["rows"] == 1), None)
+        t["default_vs_one_row"] = None if one is None or one["default_ms"] is None or t["default_ms"] is None \
+            else round(t["default_ms"] / one["default_ms"], 3)
+        t["unfused_vs_one_row_fused"] = None if one is None or one["default_ms"] is None \
+            else round(t["unfused_chain_ms"] / one["default_ms"], 3)
+    return out
 
 
 def _enter_smoke_mode() -> None:
     """Toy shapes on CPU through the Triton interpreter: exercises every code path of this script."""
-    global DEVICE, DTYPE, PREFILL_CONFIGS, DECODE_CONFIGS, DECODE_SPLITS, SKINNY_CONFIGS, attention_cases
+    global DEVICE, DTYPE, PREFILL_CONFIGS, DECODE_CONFIGS, DECODE_SPLITS, SKINNY_CONFIGS, SKINNY_MULTI_CONFIGS
+    global SKINNY_ROWS, attention_cases
     assert os.environ.get("TRITON_INTERPRET") == "1", "--smoke needs TRITON_INTERPRET=1"
     DEVICE, DTYPE = "cpu", torch.float16
     MODELS["smoke"] = Model("smoke", 64, 96, 4, 2, 32)
@@ -379,6 +447,8 @@ def _enter_smoke_mode() -> None:
     DECODE_CONFIGS = [None, (16, 32, 4, 3)]
     DECODE_SPLITS = [2]
     SKINNY_CONFIGS = [(8, 32, 4, 2)]
+    SKINNY_MULTI_CONFIGS = [(8, 32, 4, 2)]
+    SKINNY_ROWS = [1, 3]
     attention_cases = lambda quick: [  # noqa: E731
         AttnCase("decode B=3", [(1, 40), (1, 7), (1, 33)]),
         AttnCase("prefill 2x24", [(24, 24)] * 2),
@@ -395,6 +465,9 @@ def main() -> None:
     parser.add_argument("--skip-small-ops", action="store_true")
     parser.add_argument("--skip-attention", action="store_true")
     parser.add_argument("--skip-skinny", action="store_true", help="no batch-1 GEMV (skinny_gemm) sweep")
+    parser.add_argument("--skinny-rows", default=None,
+                        help="row counts of the GEMV sweep, comma-separated (default 1,2,4,8; at most "
+                             f"{skinny_gemm.MAX_ROWS}); 1 is the batch-1 decode, 4 a verify step of 3 drafts")
     parser.add_argument("--smoke", action="store_true",
                         help="check the script on CPU with TRITON_INTERPRET=1 at toy shapes (numbers meaningless)")
     args = parser.parse_args()
@@ -409,6 +482,7 @@ def main() -> None:
     token_counts = [1, 256, 4096] if args.quick else [1, 32, 256, 2048, 8192]
     if args.smoke:
         token_counts = [1, 5]
+    rows_list = [int(v) for v in args.skinny_rows.split(",")] if args.skinny_rows else SKINNY_ROWS
     best_rows: list[dict] = []
     skinny_rows: list[dict] = []
     for name in ("smoke",) if args.smoke else args.models.split(","):
@@ -416,7 +490,7 @@ def main() -> None:
         if not args.skip_small_ops:
             bench_small_ops(rec, m, token_counts)
         if not args.skip_skinny:
-            skinny_rows += bench_skinny(rec, m)
+            skinny_rows += bench_skinny(rec, m, rows_list)
         if not args.skip_attention:
             best_rows += bench_attention(rec, m, args.quick)
 
@@ -427,16 +501,22 @@ def main() -> None:
         torch=torch.__version__, triton=triton.__version__, dtype=str(DTYPE),
         copy_bandwidth_gbps=round(rec.copy_gbps, 1), seconds=round(time.time() - t0, 1),
         results=rec.rows, attention_best=best_rows, skinny_linear=skinny_rows,
+        skinny_layer=skinny_layer_totals(skinny_rows),
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print_table(rec, best_rows)
     if skinny_rows:
-        print("\nbatch-1 linear in a CUDA graph: op + cuBLAS (unfused) vs the fused GEMV (ms, % of copy bandwidth)")
+        print("\nlinear layers at M rows in a CUDA graph: op + cuBLAS (unfused) vs the fused GEMV "
+              "(ms, % of copy bandwidth; x1: against one row's fused default)")
         for r in skinny_rows:
-            print(f"  {r['model']:12s} {r['linear']:8s} unfused {r['unfused_chain_ms']:.4f} ({r['unfused_pct_of_copy']}%)"
-                  f"  fused best {r['best_config']:12s} {r['best_ms']:.4f} ({r['best_pct_of_copy']}%)"
-                  f"  default {r['default_config']} {r['default_ms']}")
+            print(f"  {r['model']:12s} {r['linear']:8s} M={r['rows']} unfused {r['unfused_chain_ms']:.4f} "
+                  f"({r['unfused_pct_of_copy']}%)  fused best {r['best_config']:12s} {r['best_ms']:.4f} "
+                  f"({r['best_pct_of_copy']}%)  default {r['default_config']} {r['default_ms']} "
+                  f"({r['default_pct_of_copy']}%, x1 {r['default_vs_one_row']}, err {r['default_rel_err']})")
+        for t in result["skinny_layer"]:
+            print(f"  {t['model']:12s} layer    M={t['rows']} unfused {t['unfused_chain_ms']}  fused best {t['best_ms']}"
+                  f"  default {t['default_ms']} (x1 {t['default_vs_one_row']})")
     print(f"\nwrote {args.out} ({result['seconds']} s)")
 
 
