@@ -1,8 +1,11 @@
-"""Speculative decoding with n-gram drafts on a prompt-copying workload, against plain decoding,
-side by side in one process: the embedded model (fp32, CPU by default), one request at a time,
-greedy. Reports acceptance rate, tokens per verifying step and ms per output token for both.
+"""Speculative decoding on a prompt-copying workload, against plain decoding, side by side in one
+process: the embedded model (or --model), one request at a time, greedy. For each method (n-gram
+prompt lookup, the layer-truncated self-draft, the target as its own draft model) reports
+acceptance rate, tokens per verifying step, steps, ms per output token and whether the tokens equal
+plain decoding's.
 
-    python benchmarks/spec_decode_cpu.py [--max-tokens 64] [--k 3] [--device cpu] [--out FILE]
+    python benchmarks/spec_decode_copying.py [--model PATH] [--device cpu|cuda] [--dtype float32]
+        [--max-tokens 64] [--k 3] [--draft-layers 8] [--methods ngram,layer_truncated,draft_model] [--out FILE]
 """
 
 import argparse
@@ -13,6 +16,7 @@ from _report import emit
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.llm import LLM
+from tokenmill.loader.resolve import embedded_model_path
 from tokenmill.sampling_params import SamplingParams
 
 PASSAGE = ("The river rises in the northern hills, runs south through three market towns, and reaches the "
@@ -49,30 +53,53 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
     return result
 
 
+def spec_config(method: str, args) -> dict:
+    cfg = {"method": method, "num_speculative_tokens": args.k}
+    if method == "ngram":
+        cfg.update(prompt_lookup_max=4, prompt_lookup_min=2)
+    elif method == "layer_truncated":
+        cfg["num_draft_layers"] = args.draft_layers
+    elif method == "draft_model":
+        cfg["model"] = args.model or embedded_model_path()  # the target as its own draft
+    return cfg
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="target model (default: the embedded one)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--draft-layers", type=int, default=8, help="layer_truncated: the target's first N layers")
+    ap.add_argument("--methods", default="ngram,layer_truncated", help="comma-separated: ngram, layer_truncated, "
+                                                                       "draft_model (the target drafting itself)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    base = LLMEngine(None, EngineConfig(max_num_seqs=1), dtype=args.dtype, device=args.device)
-    spec_cfg = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    spec = LLMEngine(config=EngineConfig(max_num_seqs=1, speculative_config=spec_cfg), loaded=base.loaded)
+    engine_args = dict(max_num_seqs=1, max_model_len=2048)
+    base = LLMEngine(args.model, EngineConfig(**engine_args), dtype=args.dtype, device=args.device)
     tok = base.tokenizer
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                            add_generation_prompt=True), add_special_tokens=False)["input_ids"]
                for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    plain_llm, spec_llm = LLM.from_engine(base), LLM.from_engine(spec)
-    run(plain_llm, prompts[:1], params)  # warm both up
-    run(spec_llm, prompts[:1], params)
-    spec.spec_stats = type(spec.spec_stats)(args.k)
+    plain_llm = LLM.from_engine(base)
+    run(plain_llm, prompts[:1], params)  # warm-up
+    plain = run(plain_llm, prompts, params)
     result = {"device": args.device, "dtype": args.dtype, "k": args.k, "max_tokens": args.max_tokens,
-              "prompts": len(prompts), "plain": run(plain_llm, prompts, params), "ngram": run(spec_llm, prompts, params)}
-    result["speedup"] = round(result["plain"]["ms_per_output_token"] / result["ngram"]["ms_per_output_token"], 2)
-    result["same_tokens"] = result["plain"].pop("token_ids") == result["ngram"].pop("token_ids")
+              "prompts": len(prompts), "plain": plain}
+    for method in args.methods.split(","):
+        spec = LLMEngine(config=EngineConfig(**engine_args, speculative_config=spec_config(method, args)),
+                         loaded=base.loaded)
+        spec_llm = LLM.from_engine(spec)
+        run(spec_llm, prompts[:1], params)  # warm-up
+        spec.spec_stats = type(spec.spec_stats)(args.k)
+        r = run(spec_llm, prompts, params)
+        r["speedup"] = round(plain["ms_per_output_token"] / r["ms_per_output_token"], 2)
+        r["same_tokens"] = r.pop("token_ids") == plain["token_ids"]
+        result[method] = r
+        del spec_llm, spec
+    plain.pop("token_ids")
     emit(result, args.out)
 
 
