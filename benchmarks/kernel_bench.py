@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from tokenmill.kernels import activation, attention, norm, rotary, skinny_gemm  # noqa: E402
+from tokenmill.kernels import activation, attention, norm, qkv_prep, qkv_rope_gemv, rotary, skinny_gemm  # noqa: E402
 
 DTYPE = torch.bfloat16
 DEVICE = "cuda"  # --smoke switches to "cpu" (Triton interpreter) to check the script itself
@@ -378,7 +378,8 @@ def bench_skinny(rec: Recorder, m: Model, rows_list: Optional[list[int]] = None)
             timings, errs = {}, {}
             for conf in sweep:
                 label = _config_label(conf)
-                fn = lambda: skinny_gemm.skinny_linear_triton(x, w, prologue, r, norm_w, 1e-5, config=conf)  # noqa: E731
+                def fn(conf=conf):
+                    return skinny_gemm.skinny_linear_triton(x, w, prologue, r, norm_w, 1e-5, config=conf)
                 try:
                     out = fn()
                     out = (out[0] if isinstance(out, tuple) else out).float()
@@ -409,11 +410,59 @@ def bench_skinny(rec: Recorder, m: Model, rows_list: Optional[list[int]] = None)
                              default_rel_err=None if default_label not in errs else float(f"{errs[default_label]:.2e}"),
                              # this row count's time over one row's, both at the default config (the
                              # verify-step target: <= 1.1 at 4 rows)
-                             default_vs_one_row=None if base is None or default_ms is None else round(default_ms / base, 3),
+                             default_vs_one_row=(None if base is None or default_ms is None
+                                                 else round(default_ms / base, 3)),
                              best_vs_one_row=None if base is None else round(best_ms / base, 3)))
             del w
     return best
 
+
+def bench_qkv_rope(rec: Recorder, m: Model, rows_list: Optional[list[int]] = None) -> list[dict]:
+    """The q/k/v projection with rotary and the KV-cache write at 1 to 8 tokens, in CUDA graphs:
+    one kernel (kernels/qkv_rope_gemv.py) against the skinny GEMV followed by qkv_prep, as the
+    model runs it when the rotary is not fused."""
+    out = []
+    n, k = (m.num_q_heads + 2 * m.num_kv_heads) * m.head_dim, m.hidden
+    esz = torch.tensor([], dtype=DTYPE).element_size()
+    w = torch.randn(n, k, device=DEVICE, dtype=DTYPE) / k ** 0.5
+    norm_w = torch.ones(k, device=DEVICE, dtype=DTYPE)
+    page = 16
+    cache = _cos_sin_cache(8192 if DEVICE == "cuda" else 64, m.head_dim)
+    k_cache = torch.zeros(64, page, m.num_kv_heads, m.head_dim, device=DEVICE, dtype=DTYPE)
+    v_cache = torch.zeros_like(k_cache)
+    q_size, kv_size = m.num_q_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    for rows in sorted(rows_list or SKINNY_ROWS):
+        if not qkv_rope_gemv.fusable(n, k, m.head_dim, DTYPE, tokens=rows):
+            continue
+        x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
+        r = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
+        positions = torch.randint(0, cache.shape[0], (rows,), device=DEVICE)
+        slots = torch.randperm(64 * page, device=DEVICE)[:rows]
+
+        def fused():
+            return qkv_rope_gemv.skinny_qkv_rope_triton(x, w, r, norm_w, 1e-5, positions, cache, slots, k_cache,
+                                                        v_cache, m.num_q_heads, m.num_kv_heads)
+
+        def separate():
+            qkv, _ = skinny_gemm.skinny_linear_triton(x, w, skinny_gemm.ADD_RMSNORM, r, norm_w, 1e-5)
+            q, kk, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            return qkv_prep.qkv_prep(positions, q.view(rows, m.num_q_heads, m.head_dim),
+                                     kk.view(rows, m.num_kv_heads, m.head_dim), v.view(rows, m.num_kv_heads, m.head_dim),
+                                     cache, k_cache, v_cache, slots)
+
+        err = rel_err_of(fused()[0], separate())
+        fused_ms, separate_ms = graph_ms(fused), graph_ms(separate)
+        shape = f"qkv+rope M={rows} N={n} K={k}"
+        rec.add("qkv_rope_fused", m.name, shape, fused_ms, nbytes=n * k * esz, rows=rows, rel_err=float(f"{err:.2e}"))
+        rec.add("skinny+qkv_prep", m.name, shape, separate_ms, nbytes=n * k * esz, rows=rows)
+        out.append(dict(model=m.name, rows=rows, fused_ms=round(fused_ms, 5), separate_ms=round(separate_ms, 5),
+                        rel_err=float(f"{err:.2e}")))
+    return out
+
+
+def rel_err_of(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    return ((out - ref).norm() / ref.norm()).item()
 
 def skinny_layer_totals(rows: list[dict]) -> list[dict]:
     """Per model and row count: the four linear layers of one decoder layer summed (unfused chain,
@@ -485,12 +534,14 @@ def main() -> None:
     rows_list = [int(v) for v in args.skinny_rows.split(",")] if args.skinny_rows else SKINNY_ROWS
     best_rows: list[dict] = []
     skinny_rows: list[dict] = []
+    qkv_rope_rows: list[dict] = []
     for name in ("smoke",) if args.smoke else args.models.split(","):
         m = MODELS[name]
         if not args.skip_small_ops:
             bench_small_ops(rec, m, token_counts)
         if not args.skip_skinny:
             skinny_rows += bench_skinny(rec, m, rows_list)
+            qkv_rope_rows += bench_qkv_rope(rec, m, rows_list)
         if not args.skip_attention:
             best_rows += bench_attention(rec, m, args.quick)
 
@@ -501,7 +552,7 @@ def main() -> None:
         torch=torch.__version__, triton=triton.__version__, dtype=str(DTYPE),
         copy_bandwidth_gbps=round(rec.copy_gbps, 1), seconds=round(time.time() - t0, 1),
         results=rec.rows, attention_best=best_rows, skinny_linear=skinny_rows,
-        skinny_layer=skinny_layer_totals(skinny_rows),
+        skinny_layer=skinny_layer_totals(skinny_rows), qkv_rope=qkv_rope_rows,
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
@@ -517,6 +568,9 @@ def main() -> None:
         for t in result["skinny_layer"]:
             print(f"  {t['model']:12s} layer    M={t['rows']} unfused {t['unfused_chain_ms']}  fused best {t['best_ms']}"
                   f"  default {t['default_ms']} (x1 {t['default_vs_one_row']})")
+    for t in qkv_rope_rows:
+        print(f"  {t['model']:12s} qkv+rope M={t['rows']} one kernel {t['fused_ms']}  GEMV + qkv_prep {t['separate_ms']}"
+              f"  (err {t['rel_err']})")
     print(f"\nwrote {args.out} ({result['seconds']} s)")
 
 

@@ -100,7 +100,8 @@ def test_rows_toy_shapes(device, rows, prologue, with_residual, nan_empty):
     for n, k, dtype, row_pad in ((37, 203, torch.float32, 0), (21, 75, torch.float32, 5), (37, 203, torch.float16, 3)):
         x, w, residual, norm_w = _prologue_inputs(n, k, dtype, device, prologue, with_residual, rows, row_pad)
         for config in CPU_CONFIGS if rows > 1 else [None]:
-            _check(x, w, prologue, residual, norm_w, dtype, (rows, prologue, with_residual, n, k, dtype, config), config)
+            what = (rows, prologue, with_residual, n, k, dtype, config)
+            _check(x, w, prologue, residual, norm_w, dtype, what, config)
 
 
 @pytest.mark.parametrize("device", [CPU])

@@ -181,16 +181,13 @@ def _add_lanes(acc, p, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constex
 
 
 @triton.jit
-def _gemv_multi_kernel(
-    x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr,
-    M, N, K, eps, stride_xm, stride_rm, stride_wn,
-    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    PIN_PROLOGUE: tl.constexpr,
-):
-    """_gemv_kernel for M <= ROWS rows (ROWS a power of two; rows M.. are masked off): grid
-    (cdiv(N, BLOCK_N),), program p computes out[:M, p*BLOCK_N : (p+1)*BLOCK_N]; program 0 writes
-    the M rows of the residual stream.
+def _gemv_multi_rows(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, m, m_ok, sum_rows, n, n_ok, K, eps,
+                     stride_xm, stride_rm, stride_wn,
+                     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr, PIN_PROLOGUE: tl.constexpr):
+    """y[i, j] = a(x[m[i]]) . W[n[j]] in fp32, [ROWS, BLOCK_N], for the rows m (masked by m_ok) and
+    any BLOCK_N weight rows n; the rows sum_rows of the residual stream x + r are written too
+    (ADD_RMSNORM with a residual: program 0 passes m_ok, the others none).
 
     Each K step loads the weight tile once, as [BLOCK_N, KB, 8] (8 consecutive K per thread: 16-byte
     loads in bf16), and applies it to every row: the products [ROWS, BLOCK_N, KB, 8] are added lane
@@ -201,15 +198,9 @@ def _gemv_multi_kernel(
     num_stages), keeping several tiles in flight without holding them in registers."""
     VEC: tl.constexpr = 8
     KB: tl.constexpr = BLOCK_K // VEC
-    pid = tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    m = tl.arange(0, ROWS)
-    m_ok = m < M
     koff = tl.arange(0, KB)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [KB, VEC]
     acc = tl.zeros([ROWS, BLOCK_N, KB], tl.float32)
     sq = tl.zeros([ROWS, KB, VEC], tl.float32)  # ADD_RMSNORM: per-row squares of the (rounded) x + r
-    sum_rows = m < tl.where(pid == 0, M, 0)  # program 0 writes the residual stream
     for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
         kk = k0 + koff
         k_ok = kk < K
@@ -228,9 +219,31 @@ def _gemv_multi_kernel(
     y = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
     if PROLOGUE == 2:
         y = y * tl.rsqrt(tl.sum(tl.sum(sq, axis=2), axis=1) / K + eps)[:, None]
+    return y
+
+
+@triton.jit
+def _gemv_multi_kernel(
+    x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr,
+    M, N, K, eps, stride_xm, stride_rm, stride_wn,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    PIN_PROLOGUE: tl.constexpr,
+):
+    """_gemv_kernel for M <= ROWS rows (ROWS a power of two; rows M.. are masked off): grid
+    (cdiv(N, BLOCK_N),), program p computes out[:M, p*BLOCK_N : (p+1)*BLOCK_N]; program 0 writes
+    the M rows of the residual stream."""
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    m = tl.arange(0, ROWS)
+    m_ok = m < M
+    sum_rows = m < tl.where(pid == 0, M, 0)
+    y = _gemv_multi_rows(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, m, m_ok, sum_rows, n, n_ok, K, eps,
+                         stride_xm, stride_rm, stride_wn, PROLOGUE, HAS_RESIDUAL, ROWS, BLOCK_N, BLOCK_K, LOOP_STAGES,
+                         PIN_PROLOGUE)
     tl.store(out_ptr + m[:, None] * N + n[None, :], y.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
-
 
 def padded_rows(m: int) -> int:
     """The row count a launch for m rows is compiled for: 1 (the one-row kernel), else the power

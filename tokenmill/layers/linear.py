@@ -144,17 +144,21 @@ class QKVParallelLinear(ColumnParallelLinear):
         _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size), f"{shard_id}_proj")
 
     def fuses_rope(self, x: torch.Tensor) -> bool:
-        """Whether x takes the batch-1 GEMV that also does rotary and the KV-cache write
-        (forward_rope_into_cache): one token only; 2 to MAX_ROWS tokens take the several-row GEMV
-        and qkv_prep after it."""
-        return (x.dim() == 2 and x.shape[0] <= qkv_rope_gemv.MAX_TOKENS and self._use_skinny(x)
-                and qkv_rope_gemv.fusable(self.out_features, self.in_features, self.head_dim, x.dtype))
+        """Whether x (1 to skinny_gemm.MAX_ROWS tokens) takes the GEMV that also does rotary and the
+        KV-cache write (forward_rope_into_cache). Not while piecewise graphs are captured: there
+        attention runs between the pieces (Attention.forward), after qkv_prep."""
+        ctx = current_forward_context()
+        if ctx is not None and ctx.splitter is not None:
+            return False
+        return self._use_skinny(x) and qkv_rope_gemv.fusable(self.out_features, self.in_features, self.head_dim,
+                                                             x.dtype, tokens=x.shape[0])
 
     def forward_rope_into_cache(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: nn.Module,
                                 positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
                                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batch 1: q/k/v of norm(x + residual), with q and k rotated and k/v stored at the slot, in one
-        kernel (kernels/qkv_rope_gemv.py). Returns (rotated q [1, Hq, D], the residual stream)."""
+        """1 to MAX_ROWS tokens: q/k/v of norm(x + residual), with q and k rotated and k/v stored at
+        each token's slot, in one kernel (kernels/qkv_rope_gemv.py). Returns (rotated q [T, Hq, D],
+        the residual stream)."""
         return qkv_rope_gemv.skinny_qkv_rope_triton(x, self.weight, residual, norm.weight, norm.eps, positions,
                                                     cos_sin_cache, slot_mapping, k_cache, v_cache,
                                                     self.num_heads, self.num_kv_heads)
