@@ -5,7 +5,7 @@ acceptance rate, tokens per verifying step, steps, ms per output token and wheth
 plain decoding's.
 
     python benchmarks/spec_decode_copying.py [--model PATH] [--device cpu|cuda] [--dtype float32]
-        [--max-tokens 64] [--k 3] [--draft-layers 8] [--methods ngram,layer_truncated,draft_model] [--out FILE]
+        [--max-tokens 64] [--k 3] [--draft-layers 8,16] [--methods ngram,layer_truncated,draft_model] [--out FILE]
 """
 
 import argparse
@@ -57,8 +57,8 @@ def spec_config(method: str, args) -> dict:
     cfg = {"method": method, "num_speculative_tokens": args.k}
     if method == "ngram":
         cfg.update(prompt_lookup_max=4, prompt_lookup_min=2)
-    elif method == "layer_truncated":
-        cfg["num_draft_layers"] = args.draft_layers
+    elif method.startswith("layer_truncated"):
+        cfg.update(method="layer_truncated", num_draft_layers=int(method.split(":")[1]))
     elif method == "draft_model":
         cfg["model"] = args.model or embedded_model_path()  # the target as its own draft
     return cfg
@@ -69,7 +69,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="target model (default: the embedded one)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--draft-layers", type=int, default=8, help="layer_truncated: the target's first N layers")
+    ap.add_argument("--draft-layers", default="8", help="layer_truncated: the target's first N layers (a comma-"
+                                                         "separated list runs each)")
     ap.add_argument("--methods", default="ngram,layer_truncated", help="comma-separated: ngram, layer_truncated, "
                                                                        "draft_model (the target drafting itself)")
     ap.add_argument("--device", default="cpu")
@@ -88,7 +89,10 @@ def main() -> None:
     plain = run(plain_llm, prompts, params)
     result = {"device": args.device, "dtype": args.dtype, "k": args.k, "max_tokens": args.max_tokens,
               "prompts": len(prompts), "plain": plain}
+    methods = []
     for method in args.methods.split(","):
+        methods += [f"{method}:{n}" for n in args.draft_layers.split(",")] if method == "layer_truncated" else [method]
+    for method in methods:
         spec = LLMEngine(config=EngineConfig(**engine_args, speculative_config=spec_config(method, args)),
                          loaded=base.loaded)
         spec_llm = LLM.from_engine(spec)

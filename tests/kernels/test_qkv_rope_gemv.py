@@ -152,9 +152,14 @@ def test_tokens_match_reference(device, tokens, with_residual, nan_empty):
 
 
 def test_fused_path_is_taken_up_to_max_rows(monkeypatch):
-    """QKVParallelLinear.fuses_rope: 1 to MAX_ROWS tokens (as on CUDA) take the fused kernel, more
-    take the projection and qkv_prep."""
+    """QKVParallelLinear.fuses_rope: 1 to FUSED_MAX_ROWS tokens (as on CUDA) take the fused kernel
+    (the kernel takes up to MAX_ROWS; here the dispatch limit is raised to that), more take the
+    projection and qkv_prep."""
+    from tokenmill.layers import linear
     from tokenmill.layers.linear import LinearBase, QKVParallelLinear
+
+    assert linear.FUSED_MAX_ROWS == 1  # the H200 default (layers/linear.py)
+    monkeypatch.setattr(linear, "FUSED_MAX_ROWS", MAX_ROWS)
 
     layer = QKVParallelLinear(64, 64, 2, 1, dtype=torch.float32)
     real = LinearBase._use_skinny

@@ -167,7 +167,10 @@ class Scheduler:
     def _running_tokens(self, request: Request, prefilling: bool, budget: int, prefill_budget: int
                         ) -> tuple[int, bool]:
         """Tokens to schedule for a running request, and whether they verify drafts."""
-        if request.speculates and not prefilling:
+        # A speculating request whose lookups found nothing, with no verify step in flight, knows its
+        # position on the host and decodes exactly as without speculation (no device-side fix-up,
+        # one logits row); its step still drafts, so the next may verify.
+        if request.speculates and not prefilling and (request.expects_drafts or request.num_uncertain):
             return self._speculative_tokens(request, budget), True
         return self._tokens_to_schedule(request, min(budget, prefill_budget) if prefilling else budget), False
 
@@ -199,6 +202,7 @@ class Scheduler:
         request.num_computed_tokens += num_new
         if speculative:  # counts are upper bounds until the step's emitted tokens come back
             request.num_pending += num_new
+            request.num_uncertain += num_new > 1
             return ScheduledRequest(request.request_id, num_new, start, new_block_ids, True, True)
         samples = request.num_computed_tokens == request.num_tokens_scheduled_ahead
         if samples:
@@ -237,6 +241,7 @@ class Scheduler:
         if request is None:
             return None  # finished or aborted while its step was in flight
         request.num_pending -= scheduled
+        request.num_uncertain -= scheduled > 1
         if request.status == RequestStatus.RUNNING and request.num_computed_tokens:
             request.num_computed_tokens -= scheduled - emitted
         return request

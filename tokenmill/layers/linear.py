@@ -29,6 +29,13 @@ def _check_full_shape(loaded: torch.Tensor, expected: tuple, what: str) -> None:
         raise ValueError(f"shape mismatch loading {what}: checkpoint {tuple(loaded.shape)}, model {tuple(expected)}")
 
 
+# The kernels take up to skinny_gemm.MAX_ROWS rows, but at 2 to 8 rows (verify steps, small decode
+# batches) they lose to cuBLAS on the H200 (2026-12-01, kernel_bench --skinny-rows 1,2,4,8 at
+# Llama-3.1-8B shapes: 26-69 % of copy bandwidth against cuBLAS's 72-96 %; a decoder layer at 4 rows
+# 0.173 ms at the best config against 0.118 ms unfused), so only one-row steps take them.
+FUSED_MAX_ROWS = 1
+
+
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype=None, device=None):
         super().__init__()
@@ -72,10 +79,10 @@ class LinearBase(nn.Module):
         return y if summed is None else (y, summed)
 
     def _use_skinny(self, x: torch.Tensor) -> bool:
-        """Steps of 1 to skinny_gemm.MAX_ROWS tokens on CUDA (batch-1 decode, speculative verify
-        steps, small decode batches) take the skinny GEMV with the op before the layer fused in,
-        unless the step's engine turned that off (its forward context says)."""
-        if not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= skinny_gemm.MAX_ROWS and self.bias is None
+        """Steps of 1 to FUSED_MAX_ROWS tokens on CUDA (batch-1 decode) take the skinny GEMV with the
+        op before the layer fused in, unless the step's engine turned that off (its forward context
+        says)."""
+        if not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FUSED_MAX_ROWS and self.bias is None
                 and x.stride(-1) == 1):
             return False
         ctx = current_forward_context()
