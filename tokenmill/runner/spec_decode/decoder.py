@@ -63,6 +63,7 @@ def build_proposer(config: SpeculativeConfig, max_num_reqs: int, device: torch.d
     if context is None:
         raise ValueError(f"speculative method {config.method} needs the target model (a ProposerContext)")
     shapes = (k, max_num_reqs, context.max_model_len, context.block_size, device, context.small_batch_fusion)
+    logger.info("speculative decoding: %s drafts of %d tokens", config.method, k)
     if config.method == "draft_model":
         from tokenmill.runner.spec_decode.draft_model import DraftModelProposer
 
