@@ -11,8 +11,15 @@ ProposerInputs carries the batch's rows (idx_mapping), the token table, each row
 count and k, and, for heads that read the target model's hidden states, optional hidden states and
 positions.
 
-Proposers: NgramProposer (`ngram.py`), prompt lookup in the request's own history, on the device
-(`kernels/ngram_propose.py`).
+Proposers (built from the config's method by `decoder.build_proposer`):
+- NgramProposer (`ngram.py`), prompt lookup in the request's own history, on the device
+  (`kernels/ngram_propose.py`);
+- DraftModelProposer (`draft_model.py`), a smaller model with the target's vocabulary and a KV cache
+  of its own on the target's blocks, which replays each step and then drafts greedily;
+- LayerTruncatedProposer (`layer_truncated.py`), the target's first N layers drafting greedily in
+  the target's own KV cache.
+The last two share the k-step greedy loop of `draft_loop.py` (CUDA graphs per padded batch size)
+and get the step's inputs, block table and slot limits through ProposerInputs' optional fields.
 """
 
 from tokenmill.runner.spec_decode.ngram import NgramProposer
