@@ -139,7 +139,8 @@ def _tiny_proposer(kind: str):
 @pytest.mark.parametrize("kind", ["draft_model", "layer_truncated"])
 def test_graph_replay_equals_eager_draft_steps(kind):
     """The k draft steps of a padded batch as a CUDA graph: the same drafts and the same K/V writes
-    as the same steps run eagerly (the same kernels over the same buffers and metadata)."""
+    as the same steps of the same padded batch run eagerly (the same kernels over the same buffers
+    and metadata); the padding entry writes nothing."""
     proposer, caches, states = _tiny_proposer(kind)
     loop = proposer.loop
     loop.capture([1, 2, 4, 8])
@@ -153,8 +154,8 @@ def test_graph_replay_equals_eager_draft_steps(kind):
     for (k, v), (k0, v0) in zip(caches, before):
         k.copy_(k0)
         v.copy_(v0)
-    loop._load(idx, 3, 3, *args)
-    loop._steps(3)
+    loop._load(idx, 3, 4, *args)  # the graph's padded size: the same shapes, so the same kernels
+    loop._steps(4)
     torch.cuda.synchronize()
     assert torch.equal(loop._drafts[:3], graphed)
     for (k, v), (kg, vg) in zip(caches, after_graph):
