@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    engine_args = dict(max_num_seqs=1, max_model_len=2048)
+    engine_args = dict(max_num_seqs=1, max_model_len=2048, num_kv_blocks=512)  # several engines share a GPU
     base = LLMEngine(args.model, EngineConfig(**engine_args), dtype=args.dtype, device=args.device)
     tok = base.tokenizer
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,

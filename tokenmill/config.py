@@ -183,8 +183,7 @@ class EngineConfig:
               '"prompt_lookup_max": 4, "prompt_lookup_min": 2}, {"method": "draft_model", "model": PATH, '
               '"num_speculative_tokens": 4} (a draft with the target\'s vocabulary; "load_format": "dummy" for '
               'random weights) or {"method": "layer_truncated", "num_draft_layers": N, '
-              '"num_speculative_tokens": 4} (the target\'s first N layers draft); verify steps run without '
-              'CUDA graphs, not yet measured on a GPU', default_help="off")
+              '"num_speculative_tokens": 4} (the target\'s first N layers draft)', default_help="off")
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):
