@@ -18,6 +18,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.loader.load import load_model
+from tokenmill.runner.cuda_graphs import no_garbage_collection
 from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_cache
 from tokenmill.runner.request_states import RequestStates
 from tokenmill.messages import NewRequestData
@@ -143,7 +144,8 @@ def test_graph_replay_equals_eager_draft_steps(kind):
     and metadata); the padding entry writes nothing."""
     proposer, caches, states = _tiny_proposer(kind)
     loop = proposer.loop
-    loop.capture([1, 2, 4, 8])
+    with no_garbage_collection():  # as the runner captures: a collection must not free a graph mid-capture
+        loop.capture([1, 2, 4, 8])
     idx = torch.tensor([states.row_of[f"r{i}"] for i in (3, 0, 4)], dtype=torch.int64, device="cuda")
     limit = torch.full((3,), 64, dtype=torch.int64, device="cuda")
     mask = torch.tensor([True, False, True], device="cuda")
