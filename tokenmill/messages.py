@@ -39,11 +39,22 @@ class ScheduledRequest:
 
 
 @dataclass
+class GrammarBitmask:
+    """Structured output: the packed token masks of a step's entries that have a grammar (the engine
+    fills them; the runner applies them). Row i belongs to req_ids[i]; bit j of int32 word w allows
+    token 32 w + j."""
+
+    req_ids: list[str]
+    mask: np.ndarray  # [len(req_ids), ceil(vocab / 32)] int32
+
+
+@dataclass
 class SchedulerOutput:
     batch: list[ScheduledRequest]
     new_requests: list[NewRequestData] = field(default_factory=list)
     freed_req_ids: list[str] = field(default_factory=list)  # rows to release before this step
     num_decodes: int = 0  # entries whose prompt was already done (the rest prefill a chunk)
+    grammar_bitmask: Optional[GrammarBitmask] = None  # set only when some entry has a grammar
 
     @property
     def kind(self) -> str:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional, Union
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.structured_outputs import StructuredOutputsParams
 
 # Bounds that keep per-request device tables small.
 MAX_LOGPROBS = 20
@@ -35,6 +36,7 @@ class SamplingParams:
     logprobs: Optional[int] = None  # number of top alternatives to return beside the sampled token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: Optional[StructuredOutputsParams] = None  # constrain the output (JSON, regex, ...)
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -47,6 +49,8 @@ class SamplingParams:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError):
                 raise InvalidRequestError("logit_bias must map token ids to numbers") from None
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:

@@ -123,7 +123,10 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs needs logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**9}, "context length"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}, "json_schema"),
+    ({"messages": [{"role": "user", "content": "x"}], "guided_regex": "(open"}, "regex"),
+    ({"messages": [{"role": "user", "content": "x"}], "guided_choice": ["a"], "guided_regex": "a"}, "only one"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tool"),
     ({"messages": [{"role": "user", "content": "word " * 60}]}, "context length"),
 ]

@@ -261,3 +261,44 @@ def test_load_64_streams_with_10_disconnects(server):
     r = httpx.post(server.base_url + "/completions", json={"prompt": PROMPT, "max_tokens": 3}, timeout=60)
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) >= 1
     assert "Traceback" not in server.log()
+
+
+# ---- structured output ------------------------------------------------------------------------
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_response_format_json_schema(client):
+    import json
+
+    import jsonschema
+
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Give me a person as JSON."}], max_tokens=60,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), PERSON)
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=20, temperature=0,
+                                       extra_body={"guided_choice": ["Paris", "Rome"]})
+    assert r.choices[0].message.content in ("Paris", "Rome")
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0.7, seed=3,
+                                  extra_body={"structured_outputs": {"regex": " [A-Z][a-z]{2,8}\\."}})
+    import re
+
+    assert re.fullmatch(" [A-Z][a-z]{2,8}\\.", r.choices[0].text)
+
+
+def test_invalid_schema_is_a_400_and_the_server_keeps_serving(client):
+    bad = {"type": "object", "properties": {"a": {"type": "intger"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "x", "schema": bad}})
+    assert "json" in str(e.value)
+    with pytest.raises(openai.BadRequestError, match="regex"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, extra_body={"guided_regex": "(a"})
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=20, temperature=0,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason in ("stop", "length")

@@ -21,6 +21,7 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerLimits
 from tokenmill.engine.spec_stats import SpecDecodeStats
+from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.errors import InvalidRequestError
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.logger import init_logger
@@ -89,6 +90,8 @@ class LLMEngine:
                                                    spec.num_lookahead_tokens if spec else 0),
                                    self.kv)
         self.outputs = OutputProcessor(self.tokenizer)
+        # Structured output: grammars compiled (and cached) on validation, a matcher per request.
+        self.structured = StructuredOutputManager(self.tokenizer, arch.vocab_size, list(self.loaded.eos_token_ids))
         self._inflight: deque[tuple[SchedulerOutput, AsyncOutput]] = deque()
         self._rng = random.Random(self.config.seed)
         self._ids = itertools.count()
@@ -195,6 +198,8 @@ class LLMEngine:
             raise InvalidRequestError(f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens the "
                                       "context leaves for output")
         self.scheduler.check_fits(len(prompt_ids), max_tokens)
+        if params.structured_outputs is not None:  # compiled here: on a prepare thread under the server
+            self.structured.compile(params.structured_outputs)
         return max_tokens
 
     def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
@@ -220,6 +225,9 @@ class LLMEngine:
         for child in children:
             # Penalties and logprobs read each emitted token's own step: such requests decode plainly.
             child.speculates = self.runner.speculates(params)
+            if params.structured_outputs is not None:
+                child.structured = True
+                self.structured.add(child.request_id, params.structured_outputs)
             self.scheduler.add_request(child)
         return request_id
 
@@ -233,6 +241,7 @@ class LLMEngine:
             req = state.request
             if not req.status.finished:
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+            self.structured.remove(req.request_id)
             self.outputs.on_finished(req, RequestStatus.FINISHED_ABORTED)
         out = self.outputs.make_output(request_id)
         if out.finished:
@@ -255,6 +264,8 @@ class LLMEngine:
         if self.scheduler.has_unfinished:
             sched = self.scheduler.schedule()
             if sched.batch:
+                # Structured output: the step's grammar masks, filled while the previous step runs.
+                sched.grammar_bitmask = self.structured.bitmask(sched)
                 if self.step_log is not None:
                     q = np.fromiter((e.num_tokens for e in sched.batch), np.int64, len(sched.batch))
                     start = np.fromiter((e.start_pos for e in sched.batch), np.int64, len(sched.batch))
@@ -319,16 +330,29 @@ class LLMEngine:
         request = self.scheduler.take_sampled_token(out.req_ids[i], scheduled, len(tokens))
         if request is None:
             return None
+        grammar = request.structured
         for token in tokens:
+            if grammar and not self.structured.accept(request.request_id, token):
+                # The mask allowed it, so this should not happen; never emit a refused token.
+                logger.warning("request %s: the grammar refused token %d; finishing it", request.request_id, token)
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                break
             request.output_token_ids.append(token)
             self.generation_tokens += 1
             status = self.outputs.on_token(request, token, i, out.logprobs)
+            if status is None and grammar and self.structured.terminated(request.request_id):
+                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
             if status is not None:
-                self.scheduler.finish_request(request, status)
-                self.outputs.on_finished(request, status)
+                self._finish(request, status)
                 break
         changed[request.parent_id] = None
         return request
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish_request(request, status)
+        self.outputs.on_finished(request, status)
+        if request.structured:
+            self.structured.remove(request.request_id)
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,

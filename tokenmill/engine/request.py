@@ -44,6 +44,8 @@ class Request:
     # Whether the latest proposal seen on the CPU had drafts: a decode schedules 1 + k tokens only
     # then (a request whose lookups find nothing decodes one token, at no extra cost).
     expects_drafts: bool = True
+    # Structured output: its decodes wait for the previous token (the grammar mask needs it on the host)
+    structured: bool = False
     num_uncertain: int = 0  # in-flight steps that verify drafts (how many of their tokens stand is not known yet)
     parent_id: Optional[str] = None  # the user's request id when n > 1
     index: int = 0  # which of the n samples

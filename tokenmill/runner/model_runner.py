@@ -171,6 +171,10 @@ class ModelRunner:
             if e.new_block_ids:
                 states.append_blocks(int(row), e.new_block_ids)
         states.apply_staged()
+        if out.grammar_bitmask is not None:  # structured output: the engine's masks for this step
+            masks = out.grammar_bitmask
+            self.sampler.grammar.set_masks(np.fromiter((states.row_of[r] for r in masks.req_ids), np.int64,
+                                                       len(masks.req_ids)), masks.mask)
         q_lens = np.fromiter((e.num_tokens for e in batch), dtype=np.int64, count=len(batch))
         start = np.fromiter((e.start_pos for e in batch), dtype=np.int64, count=len(batch))
         samples = np.fromiter((e.samples for e in batch), dtype=bool, count=len(batch))

@@ -52,6 +52,12 @@ class _SamplingFields(OpenAIModel):
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured output (vLLM's names; entrypoints/openai/structured.py reads them).
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
 
 class CompletionRequest(_SamplingFields):

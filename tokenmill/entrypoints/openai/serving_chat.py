@@ -67,9 +67,6 @@ class OpenAIServingChat(OpenAIServing):
         model = self.model_name(req.model)
         if req.tools and req.tool_choice != "none":
             raise APIError(400, "tool calling is not supported", param="tools")
-        fmt = (req.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise APIError(400, f"response_format {fmt!r} is not supported (only 'text')", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
         conversation = [message_dict(i, m) for i, m in enumerate(req.messages)]

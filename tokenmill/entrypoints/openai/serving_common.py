@@ -17,6 +17,7 @@ from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.protocol import _SamplingFields
 from tokenmill.errors import InvalidRequestError
+from tokenmill.entrypoints.openai.structured import structured_outputs_of
 from tokenmill.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 32
@@ -85,6 +86,7 @@ class OpenAIServing:
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            structured_outputs=structured_outputs_of(req),
         )
 
     async def submit(self, prepare: PrepareFn, params: SamplingParams, request_id: str

@@ -1,6 +1,7 @@
 """The sampler: logits [B, V] -> one token per batch entry, plus logprobs when asked.
 
-It composes the stages some request of the batch uses, in this order: logit bias, min_tokens
+It composes the stages some request of the batch uses, in this order: the grammar mask of
+structured output (grammar.py), logit bias, min_tokens
 masking, penalties, temperature + min-p/top-k/top-p masking; then Gumbel-max sampling (plain argmax
 for an all-greedy batch). Which stages run is decided on the CPU from their numpy mirrors, so no
 device value is read; a stage no row uses is never called. Logprobs are taken from the raw logits.
@@ -21,6 +22,7 @@ import torch
 
 from tokenmill.messages import NewRequestData
 from tokenmill.runner.request_states import RowState
+from tokenmill.runner.sample.grammar import GrammarStage
 from tokenmill.runner.sample.gumbel import GumbelSampler
 from tokenmill.runner.sample.logit_bias import LogitBiasStage
 from tokenmill.runner.sample.logprobs import DeviceLogprobs, LogprobsReader
@@ -55,9 +57,10 @@ class Sampler(RowState):
     def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device):
         self.temperature = TemperatureStage(max_num_reqs, device)
         self.penalties = PenaltyStage(max_num_reqs, vocab_size, device)
+        self.grammar = GrammarStage(max_num_reqs, vocab_size, device)
         # The logit-modifying stages, in the order they run.
         self.stages: tuple[SamplingStage, ...] = (
-            LogitBiasStage(max_num_reqs, device), MinTokensStage(max_num_reqs, device), self.penalties,
+            self.grammar, LogitBiasStage(max_num_reqs, device), MinTokensStage(max_num_reqs, device), self.penalties,
             self.temperature,
         )
         self.gumbel = GumbelSampler(max_num_reqs, device)
@@ -80,7 +83,7 @@ class Sampler(RowState):
     # ---- the step -------------------------------------------------------------------------
     def process(self, logits: torch.Tensor, rows: np.ndarray, idx_mapping: torch.Tensor,
                 positions: torch.Tensor) -> ProcessedLogits:
-        """The logit stages some row uses (logit bias, min_tokens, penalties, temperature + filters),
+        """The logit stages some row uses (grammar mask, logit bias, min_tokens, penalties, temperature + filters),
         without sampling. logits [B, V] float32, bfloat16 or float16, never modified; rows [B] the
         batch's request rows on the host and idx_mapping the same on the device (a request may
         occupy several rows, e.g. its draft and bonus positions); positions [B]: the position each

@@ -149,10 +149,12 @@ class SpeculativeDecoder(RowState):
     # ---- the step: inputs ------------------------------------------------------------------
     @staticmethod
     def eligible(params) -> bool:
-        """Penalties and logprobs read each emitted token's own step, so such requests decode plainly."""
+        """Penalties and logprobs read each emitted token's own step, and a grammar's mask needs the
+        matcher to have seen every earlier token (the engine fills it on the host), so such requests
+        decode plainly."""
         penalised = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
                      or params.presence_penalty != 0.0)
-        return not penalised and params.logprobs is None
+        return not penalised and params.logprobs is None and params.structured_outputs is None
 
     def prepare(self, buffers, states: RequestStates, batch, rows: np.ndarray, q_lens: np.ndarray) -> VerifyPlan:
         """After the plain input preparation: the speculating entries' inputs, and the step's logits rows."""

@@ -1,0 +1,154 @@
+"""Structured output on the engine side: grammars compiled once per spec, one xgrammar matcher per
+request, and the packed token masks the runner applies.
+
+- `StructuredOutputManager.compile(spec)` turns a StructuredOutputsParams into an xgrammar
+  CompiledGrammar through a bounded LRU cache keyed by the spec's canonical string. It is
+  thread-safe: the async engine calls it from its prepare workers (through LLMEngine.validate), so
+  compiling never runs on the step loop; add_request then finds the grammar in the cache. The
+  xgrammar TokenizerInfo is built once, on the first grammar, from the engine's tokenizer with the
+  model's vocabulary size (the logits' width; ids past the tokenizer's own vocabulary are never
+  allowed).
+- Each live request with a grammar owns a GrammarMatcher (`add`), advanced with every token the
+  request emits (`accept`); a token the matcher refuses is never emitted, and a request whose
+  matcher has terminated (the grammar is complete and a stop token came) finishes with "stop".
+- `bitmask(sched)`: right after scheduling step N+1 (while step N runs on the device) the matchers
+  of the step's grammar entries fill one int32 row each ([B, ceil(V / 32)], bit j of word w allows
+  token 32 w + j; entries without a grammar or that do not sample get all ones). The scheduler never
+  schedules a grammar request's decode while its previous token is still in flight, so the matcher
+  has seen every earlier token. A step without grammar entries gets no mask at all.
+"""
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Optional
+
+import numpy as np
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.logger import init_logger
+from tokenmill.messages import GrammarBitmask, SchedulerOutput
+from tokenmill.structured_outputs import StructuredOutputsParams
+
+logger = init_logger(__name__)
+
+DEFAULT_CACHE_SIZE = 128  # compiled grammars kept
+
+
+def choice_grammar(choices: list) -> str:
+    """An EBNF grammar whose language is exactly the given strings."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_size: int = DEFAULT_CACHE_SIZE,
+                 max_threads: int = 2):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self.cache_size = cache_size
+        self.max_threads = max_threads
+        self._lock = threading.Lock()
+        self._compiler = None  # an xgrammar GrammarCompiler, built with the first grammar
+        self._cache: "OrderedDict[str, object]" = OrderedDict()
+        self.num_compiled = 0  # compilations (cache misses), for tests and logs
+        self.matchers: dict[str, object] = {}  # request id -> GrammarMatcher (engine thread only)
+        self._bitmask = None  # a torch int32 [rows, W] scratch that the matchers fill
+
+    @property
+    def num_words(self) -> int:
+        return -(-self.vocab_size // 32)
+
+    # ---- compiling (any thread) ---------------------------------------------------------------
+    def _get_compiler(self):
+        with self._lock:
+            if self._compiler is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError("structured outputs need the model's tokenizer, and this model has none")
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids or None)
+                # Our own cache keeps what is compiled; xgrammar's would hold a second copy.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads, cache_enabled=False)
+                logger.info("structured outputs: xgrammar tokenizer info built (%d tokens)", self.vocab_size)
+            return self._compiler
+
+    def compile(self, spec: StructuredOutputsParams):
+        """The CompiledGrammar of `spec` (from the cache when it was compiled before); an invalid
+        schema, regex or grammar raises InvalidRequestError naming the problem."""
+        key = spec.key()
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled
+        compiler = self._get_compiler()
+        try:
+            compiled = self._compile(compiler, spec)
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # xgrammar reports bad input as RuntimeError / ValueError / its own types
+            message = " ".join(str(e).split())[:400] or type(e).__name__
+            raise InvalidRequestError(f"structured_outputs.{spec.kind} could not be compiled: {message}") from None
+        with self._lock:
+            self.num_compiled += 1
+            self._cache[key] = compiled
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    @staticmethod
+    def _compile(compiler, spec: StructuredOutputsParams):
+        kind = spec.kind
+        if kind == "json":
+            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+            # Compact JSON (no free whitespace): a small model cannot pad its output with blank lines.
+            return compiler.compile_json_schema(schema, any_whitespace=False)
+        if kind == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if kind == "regex":
+            return compiler.compile_regex(spec.regex)
+        if kind == "choice":
+            return compiler.compile_grammar(choice_grammar(spec.choice))
+        return compiler.compile_grammar(spec.grammar)
+
+    # ---- matchers (the engine thread) -----------------------------------------------------------
+    def add(self, request_id: str, spec: StructuredOutputsParams) -> None:
+        import xgrammar as xgr
+
+        self.matchers[request_id] = xgr.GrammarMatcher(self.compile(spec))
+
+    def remove(self, request_id: str) -> None:
+        self.matchers.pop(request_id, None)
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self.matchers
+
+    def accept(self, request_id: str, token: int) -> bool:
+        """Advance the request's matcher by `token`; False if the grammar refuses it."""
+        return bool(self.matchers[request_id].accept_token(int(token)))
+
+    def terminated(self, request_id: str) -> bool:
+        return bool(self.matchers[request_id].is_terminated())
+
+    def bitmask(self, sched: SchedulerOutput) -> Optional[GrammarBitmask]:
+        """The step's packed masks, one row per batch entry with a grammar; None when it has none."""
+        if not self.matchers:
+            return None
+        entries = [(i, e) for i, e in enumerate(sched.batch) if e.req_id in self.matchers]
+        if not entries:
+            return None
+        import torch
+        import xgrammar as xgr
+
+        if self._bitmask is None or self._bitmask.shape[0] < len(entries):
+            self._bitmask = xgr.allocate_token_bitmask(max(len(entries), 8), self.vocab_size)
+        mask = self._bitmask[: len(entries)]
+        mask.fill_(-1)
+        for j, (_, entry) in enumerate(entries):
+            if entry.samples:
+                self.matchers[entry.req_id].fill_next_token_bitmask(mask, j)
+        assert mask.dtype == torch.int32
+        return GrammarBitmask([e.req_id for _, e in entries], mask.numpy().copy())
