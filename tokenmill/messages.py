@@ -80,6 +80,25 @@ class LogprobsArrays:
 
 
 @dataclass
+class PromptLogprobsSpan:
+    """Prompt positions [start, start + count) of one request, rows [offset, offset + count) of the
+    step's PromptLogprobsArrays.rows: row j holds the logprob of prompt token start + j + 1."""
+
+    req_id: str
+    start: int
+    count: int
+    offset: int
+
+
+@dataclass
+class PromptLogprobsArrays:
+    """A prefill step's prompt logprobs on the host, for the requests that asked."""
+
+    spans: list[PromptLogprobsSpan]
+    rows: LogprobsArrays  # token_logprobs / token_ranks: the actual next prompt token's
+
+
+@dataclass
 class ModelRunnerOutput:
     req_ids: list[str]  # batch order
     sampled_token_ids: np.ndarray  # [B] int64, or [B, 1 + k] with speculation; -1 where nothing was sampled
@@ -87,3 +106,4 @@ class ModelRunnerOutput:
     num_emitted: Optional[np.ndarray] = None  # [B] tokens each entry emitted (speculation: 1 + accepted)
     num_drafts: Optional[np.ndarray] = None  # [B] drafts each entry verified (speculation)
     next_num_drafts: Optional[np.ndarray] = None  # [B] drafts proposed for each entry's next step (speculation)
+    prompt_logprobs: Optional[PromptLogprobsArrays] = None  # prefill steps where a request asked

@@ -34,6 +34,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: Optional[dict[int, float]] = None
     logprobs: Optional[int] = None  # number of top alternatives to return beside the sampled token
+    prompt_logprobs: Optional[int] = None  # the same for every prompt token after the first
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: Optional[StructuredOutputsParams] = None  # constrain the output (JSON, regex, ...)
@@ -104,6 +105,9 @@ class SamplingParams:
                 bad("logit_bias keys must be token ids >= 0 and values in [-100, 100]")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -101,7 +101,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
     ({"prompt": "x", "stop": 7}, 400, "stop: must be a string or a list of strings"),
     ({"prompt": "x", "min_tokens": 30, "max_tokens": 5}, 400, "min_tokens"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ({"prompt": "x", "echo": True, "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "does not exist"),
 ]

@@ -293,6 +293,8 @@ class LLMEngine:
 
     def _process(self, sched: SchedulerOutput, out: ModelRunnerOutput, emit_unfinished: bool) -> list[RequestOutput]:
         changed: dict[str, None] = {}
+        if out.prompt_logprobs is not None:  # before the step's tokens: a finishing output has them all
+            self.outputs.on_prompt_logprobs(out.prompt_logprobs)
         if out.num_emitted is None:  # one token per entry (no speculation): the plain loop
             tokens = out.sampled_token_ids
             for i in range(len(out.req_ids)):

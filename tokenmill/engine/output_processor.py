@@ -13,7 +13,7 @@ from typing import Optional
 from tokenmill.engine.detokenizer import SampleText, token_piece
 from tokenmill.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.messages import LogprobsArrays
+from tokenmill.messages import LogprobsArrays, PromptLogprobsArrays
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -36,6 +36,7 @@ class UserRequestState:
     samples: list[SampleState]
     metrics: RequestMetrics
     finished_samples: int = 0
+    prompt_logprobs: Optional[list] = None  # [None, then one dict per prompt token so far] if asked
 
     @property
     def finished(self) -> bool:
@@ -58,7 +59,33 @@ class OutputProcessor:
             samples.append(SampleState(child, text, [] if wants_logprobs else None, 0.0 if wants_logprobs else None))
             self.parent_of[child.request_id] = request_id
         self.states[request_id] = UserRequestState(request_id, prompt, prompt_ids, samples,
-                                                   RequestMetrics(arrival_time=children[0].arrival_time))
+                                                   RequestMetrics(arrival_time=children[0].arrival_time),
+                                                   prompt_logprobs=[None] if children[0].params.prompt_logprobs
+                                                   is not None else None)
+
+    def on_prompt_logprobs(self, lp: PromptLogprobsArrays) -> None:
+        """Record a step's prompt logprobs. Positions come in order; one already recorded (computed
+        again after a preemption, or by another of the n samples) keeps its first value."""
+        rows = lp.rows
+        for span in lp.spans:
+            user = self.states.get(self.parent_of.get(span.req_id, ""))
+            if user is None or user.prompt_logprobs is None:
+                continue  # finished or aborted while its step was in flight
+            recorded = user.prompt_logprobs
+            k = user.samples[0].request.params.prompt_logprobs
+            ids = user.prompt_token_ids
+            first = len(recorded) - 1 - span.start  # the span's first position not yet recorded
+            if first < 0:
+                raise RuntimeError(f"prompt logprobs of {span.req_id} skipped positions (this is a bug)")
+            for j in range(first, span.count):
+                i = span.offset + j
+                token = ids[span.start + j + 1]
+                entry = {token: Logprob(float(rows.token_logprobs[i]), int(rows.token_ranks[i]), self._piece(token))}
+                for rank, (tid, value) in enumerate(zip(rows.top_ids[i][:k].tolist(),
+                                                        rows.top_logprobs[i][:k].tolist()), 1):
+                    if tid not in entry:
+                        entry[tid] = Logprob(float(value), rank, self._piece(tid))
+                recorded.append(entry)
 
     def on_token(self, request: Request, token: int, batch_index: int, logprobs: Optional[LogprobsArrays]
                  ) -> Optional[RequestStatus]:
@@ -120,7 +147,9 @@ class OutputProcessor:
                 finish_reason=sample.finish_reason, stop_reason=req.stop_reason if done else None,
             ))
         user.metrics.num_cached_prompt_tokens = user.samples[0].request.num_cached_tokens
-        return RequestOutput(request_id, user.prompt, user.prompt_token_ids, outputs, user.finished, user.metrics)
+        prompt_lp = list(user.prompt_logprobs) if user.prompt_logprobs is not None else None
+        return RequestOutput(request_id, user.prompt, user.prompt_token_ids, outputs, user.finished, user.metrics,
+                             prompt_lp)
 
     def release(self, request_id: str) -> None:
         user = self.states.pop(request_id, None)
@@ -158,6 +187,7 @@ class RequestDetokenizer:
                                      [] if wants_logprobs else None, 0.0 if wants_logprobs else None)
                         for _ in range(params.n)]
         self.done = False  # a finished output has been returned
+        self.prompt_logprobs: Optional[list] = None  # with their pieces, as far as they have come
 
     def process(self, out: RequestOutput) -> tuple[Optional[RequestOutput], list[int]]:
         """The output to show (None once a finished one was shown) and the indexes of the samples a
@@ -171,7 +201,18 @@ class RequestDetokenizer:
             if ended_by_stop:
                 stopped.append(c.index)
         self.done = all(s.final is not None for s in self.samples)
-        return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, outputs, self.done, out.metrics), stopped
+        return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, outputs, self.done, out.metrics,
+                             self._prompt_logprobs(out.prompt_logprobs)), stopped
+
+    def _prompt_logprobs(self, engine_lp: Optional[list]) -> Optional[list]:
+        """The engine's prompt logprobs with their pieces (each position converted once)."""
+        if engine_lp is None:
+            return None
+        shown = self.prompt_logprobs = self.prompt_logprobs or []
+        for entry in engine_lp[len(shown):]:
+            shown.append(None if entry is None else
+                         {tid: Logprob(lp.logprob, lp.rank, token_piece(self.tokenizer, tid)) for tid, lp in entry.items()})
+        return list(shown)
 
     def _advance(self, sample: _ShownSample, c: CompletionOutput) -> tuple[CompletionOutput, bool]:
         if sample.final is not None:

@@ -13,6 +13,8 @@ class Logprob:
 
 # For each generated token: {token_id: Logprob} for the sampled token and the top alternatives.
 SampleLogprobs = list[dict[int, Logprob]]
+# For each prompt token: None for the first, then {token_id: Logprob} for the token and the top-k.
+PromptLogprobs = list[Optional[dict[int, Logprob]]]
 
 
 @dataclass
@@ -46,3 +48,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: Optional[RequestMetrics] = field(default=None, repr=False)
+    prompt_logprobs: Optional[PromptLogprobs] = None  # with SamplingParams.prompt_logprobs

@@ -134,7 +134,10 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_pending or request.request_id in preempted_now:
                 break  # wait for its in-flight token / don't re-admit what was just preempted
-            cached_blocks, num_cached = self.kv.find_cached_prefix(request)
+            # Prompt logprobs need the logits of every prompt position: no cached prefix (the
+            # request's blocks still enter the cache).
+            cached_blocks, num_cached = (self.kv.find_cached_prefix(request) if request.params.prompt_logprobs is None
+                                         else ([], 0))
             num_new = min(request.num_tokens - num_cached, budget, prefill_budget)
             if not self.kv.allocate(request, num_new, cached_blocks, self._lookahead(request, num_cached + num_new)):
                 break

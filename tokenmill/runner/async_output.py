@@ -9,7 +9,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from tokenmill.messages import ModelRunnerOutput
+from tokenmill.messages import ModelRunnerOutput, PromptLogprobsArrays
+from tokenmill.runner.prompt_logprobs import StepPromptLogprobs
 from tokenmill.runner.sample.logprobs import DeviceLogprobs
 
 
@@ -17,15 +18,17 @@ class AsyncOutput:
     def __init__(self, req_ids: list[str], sampled: torch.Tensor, sample_mask: np.ndarray,
                  logprobs: Optional[DeviceLogprobs] = None, copy_stream: Optional["torch.cuda.Stream"] = None,
                  num_emitted: Optional[torch.Tensor] = None, num_drafts: Optional[torch.Tensor] = None,
-                 next_num_drafts: Optional[torch.Tensor] = None):
+                 next_num_drafts: Optional[torch.Tensor] = None,
+                 prompt_logprobs: Optional[StepPromptLogprobs] = None):
         """sampled [B], or [B, 1 + k] with num_emitted, num_drafts and next_num_drafts [B]
-        (speculative decoding)."""
+        (speculative decoding); prompt_logprobs: the step's, where a request asked."""
         self.req_ids = req_ids
         self.sample_mask = sample_mask
         self._event = None
         # on the CPU, already host tensors
         self._sampled, self._logprobs = sampled, logprobs
         self._spec = (num_emitted, num_drafts, next_num_drafts) if num_emitted is not None else None
+        self._prompt_lp = prompt_logprobs
         if sampled.is_cuda:
             main = torch.cuda.current_stream(sampled.device)
             copy_stream = copy_stream or main
@@ -36,6 +39,9 @@ class AsyncOutput:
                     self._spec = tuple(_to_pinned(t, copy_stream) for t in self._spec)
                 if logprobs is not None:
                     self._logprobs = logprobs.map(lambda t: _to_pinned(t, copy_stream))
+                if prompt_logprobs is not None:
+                    rows = prompt_logprobs.rows.map(lambda t: _to_pinned(t, copy_stream))
+                    self._prompt_lp = StepPromptLogprobs(prompt_logprobs.spans, rows)
                 self._event = torch.cuda.Event()
                 self._event.record(copy_stream)
 
@@ -48,9 +54,12 @@ class AsyncOutput:
         sampled = self._sampled.numpy().astype(np.int64, copy=True)
         sampled[~self.sample_mask] = -1
         logprobs = self._logprobs.to_arrays() if self._logprobs is not None else None
+        lp = self._prompt_lp
+        prompt_lp = PromptLogprobsArrays(lp.spans, lp.rows.to_arrays()) if lp is not None else None
         if self._spec is None:
-            return ModelRunnerOutput(self.req_ids, sampled, logprobs)
-        return ModelRunnerOutput(self.req_ids, sampled, logprobs, *(t.numpy().astype(np.int64) for t in self._spec))
+            return ModelRunnerOutput(self.req_ids, sampled, logprobs, prompt_logprobs=prompt_lp)
+        return ModelRunnerOutput(self.req_ids, sampled, logprobs, *(t.numpy().astype(np.int64) for t in self._spec),
+                                 prompt_logprobs=prompt_lp)
 
 
 def _to_pinned(t: torch.Tensor, stream: "torch.cuda.Stream") -> torch.Tensor:

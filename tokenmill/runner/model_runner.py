@@ -20,6 +20,7 @@ from tokenmill.messages import SchedulerOutput
 from tokenmill.runner.dummy_batch import fill_dummy_batch, split_tokens
 from tokenmill.runner.input_buffers import InputBuffers, StepDescriptor
 from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_cache, cuda_kv_budget_bytes
+from tokenmill.runner.prompt_logprobs import PromptLogprobsComputer
 from tokenmill.runner.request_states import RequestStates
 from tokenmill.runner.sample import Sampler
 from tokenmill.runner.spec_decode.decoder import ProposerContext, SpeculativeDecoder
@@ -50,8 +51,9 @@ class ModelRunner:
         drafting = ProposerContext(model, draft_model, max_model_len, config.block_size,
                                    config.fused_small_batch_linear)
         self.spec = SpeculativeDecoder(spec, self.sampler, config.max_num_seqs, device, drafting) if spec else None
+        self.prompt_logprobs = PromptLogprobsComputer(config.max_num_seqs, device)
         self.states = RequestStates(config.max_num_seqs, max_model_len, config.block_size, device,
-                                    (self.sampler,) + ((self.spec,) if self.spec else ()),
+                                    (self.sampler, self.prompt_logprobs) + ((self.spec,) if self.spec else ()),
                                     spare_columns=1 + spec.num_speculative_tokens if spec else 0)
         max_blocks = -(-max_model_len // config.block_size)
         self.buffers = InputBuffers(self.max_num_tokens, config.max_num_seqs, max_blocks, device)
@@ -64,6 +66,7 @@ class ModelRunner:
         self._plan = None  # the step's VerifyPlan with speculative decoding
         self._logits: Optional[torch.Tensor] = None
         self._req_ids: list[str] = []
+        self._prompt_lp = None  # the step's prompt logprobs (runner/prompt_logprobs.py), if any asked
 
     # ---- set-up ---------------------------------------------------------------------------
     def initialize_kv_cache(self) -> int:
@@ -179,7 +182,9 @@ class ModelRunner:
         start = np.fromiter((e.start_pos for e in batch), dtype=np.int64, count=len(batch))
         samples = np.fromiter((e.samples for e in batch), dtype=bool, count=len(batch))
         num_tokens = int(q_lens.sum())
-        graphs = self._full_graphs(batch, q_lens)
+        self._req_ids = [e.req_id for e in batch]
+        lp_plan = self.prompt_logprobs.plan(self._req_ids, rows, q_lens, start)  # reads every token's hidden
+        graphs = self._full_graphs(batch, q_lens) if lp_plan is None else None
         graph = graphs.dispatch(len(batch)) if graphs is not None else None
         pieces = self.piecewise.dispatch(num_tokens) if (self.piecewise is not None and graph is None) else None
         padded = graph if graph is not None else len(batch)
@@ -203,8 +208,9 @@ class ModelRunner:
                                         self.buffers.positions[:t])
             rows_out = self._plan.logit_index if self._plan else self.buffers.logits_indices[: len(batch)]
             self._logits = self.model.compute_logits(hidden[rows_out])
+            if lp_plan is not None:
+                self._prompt_lp = self.prompt_logprobs.compute(hidden, lp_plan, self.model.compute_logits)
         self._step = step
-        self._req_ids = [e.req_id for e in batch]
 
     def _full_graphs(self, batch, q_lens: np.ndarray):
         """The graph manager that covers this step whole, if any: decode graphs when every entry
@@ -230,15 +236,17 @@ class ModelRunner:
             raise RuntimeError("sample_tokens() needs an execute_model() first")
         b = step.num_reqs
         idx = self.buffers.idx_mapping[:b]
+        prompt_lp, self._prompt_lp = self._prompt_lp, None
         if self.spec is not None:
             out = self.spec.sample_and_update(logits, self._plan, self.buffers, idx, step.rows, self.states)
             self._step = self._logits = self._plan = None
             return AsyncOutput(self._req_ids, out.sampled, step.sample_mask, out.logprobs, self.copy_stream,
-                               out.num_emitted, out.num_drafts, out.next_num_drafts)
+                               out.num_emitted, out.num_drafts, out.next_num_drafts, prompt_lp)
         out = self.sampler(logits, step.rows, idx, self.buffers.seq_lens[:b])
         post_update(idx, out.sampled, self.buffers.sample_mask[:b], b, self.states.last_sampled, out.output_counts)
         self._step = self._logits = None
-        return AsyncOutput(self._req_ids, out.sampled, step.sample_mask, out.logprobs, self.copy_stream)
+        return AsyncOutput(self._req_ids, out.sampled, step.sample_mask, out.logprobs, self.copy_stream,
+                           prompt_logprobs=prompt_lp)
 
     # ---- dummy runs (profiling, warm-up): never touch request state ------------------------
     @torch.inference_mode()

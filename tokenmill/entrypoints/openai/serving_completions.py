@@ -6,8 +6,14 @@ text may be empty while a possible stop string or an incomplete character is hel
 model has no tokenizer), so clients can time every token. Each choice carries the extension field
 `token_ids` (the tokens of that chunk, or all of them), which is the only output of a model
 without a tokenizer.
+
+`echo` with `logprobs: N` returns the prompt's logprobs first (SamplingParams.prompt_logprobs = N):
+the legacy object then covers the prompt tokens (the first with null logprobs) and the generated
+ones, and `text` is prompt + completion. `max_tokens: 0` with `echo` returns only the prompt (the
+engine generates one token, which is dropped).
 """
 
+from dataclasses import replace
 from typing import Optional, Union
 
 from fastapi import Request
@@ -46,6 +52,37 @@ def completion_logprobs(c: CompletionOutput, start: int, end: int, text_offset: 
     return lp, text_offset
 
 
+def prompt_logprobs_part(token_ids: list[int], first_piece: Optional[str], prompt_lp: Optional[list]
+                         ) -> tuple[dict, int]:
+    """The legacy logprobs object of an echoed prompt (null logprobs for its first token); returns
+    it and the text offset after it."""
+    tokens, token_logprobs, top, offsets, text_offset = [], [], [], [], 0
+    for i, tid in enumerate(token_ids):
+        entry = prompt_lp[i] if prompt_lp is not None and i < len(prompt_lp) else None
+        chosen = entry.get(tid) if entry is not None else None
+        if chosen is not None:
+            text = token_str(tid, chosen)
+        else:
+            text = first_piece if (i == 0 and first_piece is not None) else f"token_id:{tid}"
+        tokens.append(text)
+        token_logprobs.append(clamp_logprob(chosen.logprob) if chosen is not None else None)
+        top.append({token_str(t, lp): clamp_logprob(lp.logprob) for t, lp in entry.items()} if entry else None)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}, text_offset
+
+
+def join_logprobs(first: dict, second: dict) -> dict:
+    return {key: first[key] + second[key] for key in first}
+
+
+def without_tokens(c: CompletionOutput) -> CompletionOutput:
+    """An echo-only choice (max_tokens 0): the generated token dropped."""
+    return replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                   cumulative_logprob=0.0 if c.cumulative_logprob is not None else None,
+                   finish_reason="length" if c.finish_reason is not None else None, stop_reason=None)
+
+
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw_request: Request):
         model = self.model_name(req.model)
@@ -54,18 +91,22 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of is not supported (leave it unset or equal to n)", param="best_of")
         echo = bool(req.echo)
-        if echo and req.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs prompt logprobs, which this server does not compute",
-                           param="echo")
+        echo_only = echo and req.max_tokens == 0  # the prompt alone (the engine makes one token, dropped)
         prompts = normalize_prompts(req.prompt)
         self.check_sequences(len(prompts), req.n, "prompt" if len(prompts) > 1 else "n")
-        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        params = self.sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs)
+        echo_logprobs = echo and req.logprobs is not None
+        if echo_logprobs:
+            params = replace(params, prompt_logprobs=req.logprobs)
+        first_pieces: list[Optional[str]] = []  # each prompt's first token as text (it has no logprob)
 
         def prepare(tools: PromptTools) -> list[tuple[Optional[str], list[int]]]:  # on a prepare worker
             out = []
             for p in prompts:
                 ids = tools.tokenize(p)
                 out.append((p if isinstance(p, str) else tools.decode(ids) if echo else None, ids))
+                if echo_logprobs:
+                    first_pieces.append(tools.decode(ids[:1]))
             return out
 
         request_id = self.new_id("cmpl")
@@ -74,19 +115,26 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = self._stream(stream, infos, request_id, created, model, req.n, echo, include_usage,
-                                  req.logprobs is not None)
+                                  req.logprobs is not None, echo_only, first_pieces)
             return EventStreamResponse(events, on_close=stream.abort)
         finals = await self.collect(stream, raw_request)
         return JSONResponse(self._response(finals, infos, request_id, created, model, req.n, echo,
-                                           req.logprobs is not None))
+                                           req.logprobs is not None, echo_only, first_pieces))
 
     def _response(self, finals: dict[int, RequestOutput], infos: list[PromptInfo], request_id: str, created: int,
-                  model: str, n: int, echo: bool, want_logprobs: bool) -> dict:
+                  model: str, n: int, echo: bool, want_logprobs: bool, echo_only: bool = False,
+                  first_pieces: Optional[list] = None) -> dict:
         choices, completion_tokens = [], 0
         for pi, info in enumerate(infos):
             for c in finals[pi].outputs:
+                c = without_tokens(c) if echo_only else c
                 prefix = (info.text or "") if echo else ""
-                logprobs = completion_logprobs(c, 0, len(c.token_ids), 0)[0] if want_logprobs else None
+                logprobs = None
+                if want_logprobs and echo:
+                    head, offset = prompt_logprobs_part(info.token_ids, first_pieces[pi], finals[pi].prompt_logprobs)
+                    logprobs = join_logprobs(head, completion_logprobs(c, 0, len(c.token_ids), offset)[0])
+                elif want_logprobs:
+                    logprobs = completion_logprobs(c, 0, len(c.token_ids), 0)[0]
                 choices.append({"index": pi * n + c.index, "text": prefix + c.text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                                 "token_ids": c.token_ids})
@@ -97,13 +145,15 @@ class OpenAIServingCompletion(OpenAIServing):
                 "choices": choices, "usage": usage(prompt_tokens, completion_tokens), "system_fingerprint": None}
 
     async def _stream(self, stream: RequestStream, infos: list[PromptInfo], request_id: str, created: int,
-                      model: str, n: int, echo: bool, include_usage: bool, want_logprobs: bool):
+                      model: str, n: int, echo: bool, include_usage: bool, want_logprobs: bool,
+                      echo_only: bool = False, first_pieces: Optional[list] = None):
         progress = ChoiceProgress(len(infos) * n)
         offsets = [0] * (len(infos) * n)
         base = {"id": request_id, "object": "text_completion", "created": created, "model": model}
         try:
             async for pi, out in stream:
                 for c in out.outputs:
+                    c = without_tokens(c) if echo_only else c
                     i = pi * n + c.index
                     new = progress.advance(i, c)
                     if new is None:
@@ -112,7 +162,12 @@ class OpenAIServingCompletion(OpenAIServing):
                     if echo and start == 0:
                         text = (infos[pi].text or "") + text
                     logprobs: Optional[dict] = None
-                    if want_logprobs:
+                    if want_logprobs and echo and start == 0:
+                        head, offsets[i] = prompt_logprobs_part(infos[pi].token_ids, first_pieces[pi],
+                                                                out.prompt_logprobs)
+                        logprobs, offsets[i] = completion_logprobs(c, start, end, offsets[i])
+                        logprobs = join_logprobs(head, logprobs)
+                    elif want_logprobs:
                         logprobs, offsets[i] = completion_logprobs(c, start, end, offsets[i])
                     chunk = dict(base, choices=[{"index": i, "text": text, "logprobs": logprobs,
                                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
