@@ -38,6 +38,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: Optional[StructuredOutputsParams] = None  # constrain the output (JSON, regex, ...)
+    bad_words: Optional[list[str]] = None  # words never generated
+    allowed_token_ids: Optional[list[int]] = None  # sample only among these
+    # bad_words as token-id sequences (resolve_bad_words, with the engine's tokenizer)
+    bad_words_token_ids: list[list[int]] = field(init=False, repr=False, default_factory=list)
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -108,6 +112,15 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             bad(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+
+    def resolve_bad_words(self, tokenizer) -> None:
+        """Tokenize bad_words into bad_words_token_ids (the engine calls it on validation)."""
+        # TODO(bad_words): implemented with the runner's token-mask stage.
+
+    @property
+    def multi_token_bad_words(self) -> bool:
+        """Whether some bad word takes several tokens (its ban depends on the tokens before it)."""
+        return any(len(w) > 1 for w in self.bad_words_token_ids)
 
     @property
     def greedy(self) -> bool:

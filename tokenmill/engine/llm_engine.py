@@ -189,6 +189,7 @@ class LLMEngine:
             raise InvalidRequestError(f"sampling parameters must be SamplingParams, got {type(params).__name__}")
         params.validate()
         params.check_vocab(self.loaded.arch.vocab_size)
+        params.resolve_bad_words(self.tokenizer)
         self._check_prompt_ids(prompt_ids)
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidRequestError(

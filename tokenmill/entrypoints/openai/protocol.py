@@ -52,6 +52,8 @@ class _SamplingFields(OpenAIModel):
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    bad_words: Optional[list[str]] = Field(None, description="words never generated (each as its tokens)")
+    allowed_token_ids: Optional[list[int]] = Field(None, description="sample only among these token ids")
     # Structured output (vLLM's names; entrypoints/openai/structured.py reads them).
     structured_outputs: Optional[dict[str, Any]] = None
     guided_json: Optional[Union[str, dict[str, Any]]] = None

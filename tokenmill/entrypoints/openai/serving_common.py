@@ -86,6 +86,8 @@ class OpenAIServing:
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            bad_words=req.bad_words,
+            allowed_token_ids=req.allowed_token_ids,
             structured_outputs=structured_outputs_of(req),
         )
 

@@ -82,15 +82,16 @@ class Sampler(RowState):
 
     # ---- the step -------------------------------------------------------------------------
     def process(self, logits: torch.Tensor, rows: np.ndarray, idx_mapping: torch.Tensor,
-                positions: torch.Tensor) -> ProcessedLogits:
+                positions: torch.Tensor, offsets: Optional[torch.Tensor] = None) -> ProcessedLogits:
         """The logit stages some row uses (grammar mask, logit bias, min_tokens, penalties, temperature + filters),
         without sampling. logits [B, V] float32, bfloat16 or float16, never modified; rows [B] the
         batch's request rows on the host and idx_mapping the same on the device (a request may
         occupy several rows, e.g. its draft and bonus positions); positions [B]: the position each
-        row's token takes (its index in the sequence). No device value is read on the host."""
+        row's token takes (its index in the sequence); offsets [B] (optional): each row's index among
+        its request's rows (SampleBatch.offsets). No device value is read on the host."""
         active = [stage for stage in self.stages if stage.needed(rows)]
         idx = idx_mapping.long()
-        batch = SampleBatch(rows, idx, positions, self.temperature.temperature_gpu[idx])
+        batch = SampleBatch(rows, idx, positions, self.temperature.temperature_gpu[idx], offsets)
         # Stages write into the logits: a float32 copy, which also leaves the raw logits for
         # logprobs. Plain temperature / greedy sampling reads the model's logits directly.
         work = logits.to(torch.float32, copy=True) if active else logits

@@ -2,6 +2,7 @@
 
 from abc import abstractmethod
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -17,6 +18,9 @@ class SampleBatch:
     idx: torch.Tensor  # [B] int64 on the device: the same rows, for gathering a stage's columns
     positions: torch.Tensor  # [B]: the position the sampled token will take in its sequence
     temperature: torch.Tensor  # [B] float32 on the device (0: greedy)
+    # [B] int64 on the device: each row's index within its request's rows of the step (a verify
+    # step's draft positions 0..k); None when every request has one row. Only grammar masks read it.
+    offsets: Optional[torch.Tensor] = None
 
 
 class SamplingStage(RowState):
