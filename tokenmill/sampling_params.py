@@ -14,6 +14,8 @@ from tokenmill.structured_outputs import StructuredOutputsParams
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
 MAX_STOP_TOKEN_IDS = 32
+MAX_BAD_WORDS = 100
+MAX_BAD_WORD_TOKENS = 16  # tokens of one bad word (each of its two spellings)
 
 
 @dataclass
@@ -112,10 +114,42 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             bad(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or any(not isinstance(w, str) or not w
+                                                                     for w in self.bad_words):
+                bad("bad_words must be a list of non-empty strings")
+            if len(self.bad_words) > MAX_BAD_WORDS:
+                bad(f"at most {MAX_BAD_WORDS} bad_words are supported, got {len(self.bad_words)}")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or any(
+                    not is_int(t) or t < 0 for t in self.allowed_token_ids):
+                bad("allowed_token_ids must be a list of token ids (integers >= 0)")
+            if not self.allowed_token_ids:
+                bad("allowed_token_ids must not be empty: no token could be sampled")
 
     def resolve_bad_words(self, tokenizer) -> None:
-        """Tokenize bad_words into bad_words_token_ids (the engine calls it on validation)."""
-        # TODO(bad_words): implemented with the runner's token-mask stage.
+        """Tokenize bad_words into bad_words_token_ids (the engine calls it on validation).
+
+        As vLLM does, each word is tokenized without special tokens both as given and with one
+        leading space (" " + word.lstrip()), since most tokenizers spell a word differently at the
+        start of a text and after a space; the sequences are deduplicated. It recomputes from
+        bad_words every time, so validating the same parameters again changes nothing."""
+        if not self.bad_words:
+            self.bad_words_token_ids = []
+            return
+        if tokenizer is None:
+            raise InvalidRequestError("bad_words needs the model's tokenizer, and this model has none; "
+                                      "ban token ids with logit_bias instead")
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            for text in (word, " " + word.lstrip()):
+                ids = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+                if len(ids) > MAX_BAD_WORD_TOKENS:
+                    raise InvalidRequestError(f"bad word {word!r} takes {len(ids)} tokens; at most "
+                                              f"{MAX_BAD_WORD_TOKENS} are supported")
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        self.bad_words_token_ids = sequences
 
     @property
     def multi_token_bad_words(self) -> bool:
@@ -140,3 +174,11 @@ class SamplingParams:
         for t in list(self.stop_token_ids) + list(self.logit_bias or {}):
             if t >= vocab_size:
                 raise InvalidRequestError(f"token id {t} is outside the vocabulary (size {vocab_size})")
+        if self.allowed_token_ids is not None:
+            outside = [t for t in self.allowed_token_ids if t >= vocab_size]
+            if outside:
+                raise InvalidRequestError(f"allowed_token_ids holds {outside[0]}, outside the vocabulary "
+                                          f"(size {vocab_size})")
+            if len(self.allowed_token_ids) > vocab_size:
+                raise InvalidRequestError(f"allowed_token_ids holds {len(self.allowed_token_ids)} ids, more than "
+                                          f"the vocabulary's {vocab_size}")

@@ -1,9 +1,9 @@
 """The sampler: logits [B, V] -> one token per batch entry, plus logprobs when asked.
 
 It composes the stages some request of the batch uses, in this order: the grammar mask of
-structured output (grammar.py), logit bias, min_tokens
-masking, penalties, temperature + min-p/top-k/top-p masking; then Gumbel-max sampling (plain argmax
-for an all-greedy batch). Which stages run is decided on the CPU from their numpy mirrors, so no
+structured output (grammar.py), allowed_token_ids and bad_words (token_mask.py), logit bias,
+min_tokens masking, penalties, temperature + min-p/top-k/top-p masking; then Gumbel-max sampling
+(plain argmax for an all-greedy batch). Which stages run is decided on the CPU from their numpy mirrors, so no
 device value is read; a stage no row uses is never called. Logprobs are taken from the raw logits.
 
 The logits come in the model's dtype; every kernel computes in float32. A float32 copy is made only
@@ -30,6 +30,7 @@ from tokenmill.runner.sample.min_tokens import MinTokensStage
 from tokenmill.runner.sample.penalties import PenaltyStage
 from tokenmill.runner.sample.stage import SampleBatch, SamplingStage
 from tokenmill.runner.sample.temperature import TemperatureStage
+from tokenmill.runner.sample.token_mask import TokenMaskStage
 
 
 @dataclass
@@ -58,14 +59,19 @@ class Sampler(RowState):
         self.temperature = TemperatureStage(max_num_reqs, device)
         self.penalties = PenaltyStage(max_num_reqs, vocab_size, device)
         self.grammar = GrammarStage(max_num_reqs, vocab_size, device)
+        self.token_mask = TokenMaskStage(max_num_reqs, vocab_size, device)
         # The logit-modifying stages, in the order they run.
         self.stages: tuple[SamplingStage, ...] = (
-            self.grammar, LogitBiasStage(max_num_reqs, device), MinTokensStage(max_num_reqs, device), self.penalties,
-            self.temperature,
+            self.grammar, self.token_mask, LogitBiasStage(max_num_reqs, device), MinTokensStage(max_num_reqs, device),
+            self.penalties, self.temperature,
         )
         self.gumbel = GumbelSampler(max_num_reqs, device)
         self.logprobs = LogprobsReader(max_num_reqs)
         self._parts: tuple[RowState, ...] = self.stages + (self.gumbel, self.logprobs)
+
+    def bind_last_sampled(self, last_sampled: torch.Tensor) -> None:
+        """RequestStates.last_sampled, which the bad-words stage reads (runner/sample/token_mask.py)."""
+        self.token_mask.bind_last_sampled(last_sampled)
 
     # ---- rows: RequestStates forwards admissions and releases ------------------------------
     def add_request(self, row: int, new: NewRequestData) -> None:
@@ -83,12 +89,13 @@ class Sampler(RowState):
     # ---- the step -------------------------------------------------------------------------
     def process(self, logits: torch.Tensor, rows: np.ndarray, idx_mapping: torch.Tensor,
                 positions: torch.Tensor, offsets: Optional[torch.Tensor] = None) -> ProcessedLogits:
-        """The logit stages some row uses (grammar mask, logit bias, min_tokens, penalties, temperature + filters),
-        without sampling. logits [B, V] float32, bfloat16 or float16, never modified; rows [B] the
-        batch's request rows on the host and idx_mapping the same on the device (a request may
-        occupy several rows, e.g. its draft and bonus positions); positions [B]: the position each
-        row's token takes (its index in the sequence); offsets [B] (optional): each row's index among
-        its request's rows (SampleBatch.offsets). No device value is read on the host."""
+        """The logit stages some row uses (grammar mask, allowed tokens / bad words, logit bias,
+        min_tokens, penalties, temperature + filters), without sampling. logits [B, V] float32,
+        bfloat16 or float16, never modified; rows [B] the batch's request rows on the host and
+        idx_mapping the same on the device (a request may occupy several rows, e.g. its draft and
+        bonus positions); positions [B]: the position each row's token takes (its index in the
+        sequence); offsets [B] (optional): each row's index among its request's rows
+        (SampleBatch.offsets). No device value is read on the host."""
         active = [stage for stage in self.stages if stage.needed(rows)]
         idx = idx_mapping.long()
         batch = SampleBatch(rows, idx, positions, self.temperature.temperature_gpu[idx], offsets)
