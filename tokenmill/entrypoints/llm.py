@@ -17,6 +17,12 @@ from tokenmill.sampling_params import SamplingParams
 
 Message = dict  # {"role": ..., "content": ...}
 
+# apply_chat_template's own parameters, which chat_template_kwargs may not override.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs"})
+
 
 def _option_fields() -> list[tuple[type, dataclasses.Field]]:
     return [(cls, f) for cls in (LoadConfig, EngineConfig) for f in dataclasses.fields(cls)]
@@ -89,23 +95,53 @@ class LLM:
 
     def chat(self, messages: Union[list[Message], list[list[Message]]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """One conversation or a list of them, rendered with the tokenizer's chat template."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: Optional[str] = None,
+             chat_template_kwargs: Optional[dict[str, Any]] = None,
+             tools: Optional[list[dict[str, Any]]] = None) -> list[RequestOutput]:
+        """One conversation or a list of them, rendered with the tokenizer's chat template (or
+        `chat_template`, a Jinja string), which also gets `chat_template_kwargs` as variables.
+
+        `tools` (OpenAI's `[{"type": "function", "function": {...}}]`) reach the template; one that
+        does not use them gets them described in the system message in the hermes format instead
+        (entrypoints/openai/tools.py), as do assistant `tool_calls` and `role: "tool"` messages. The
+        output is text: reading calls out of it is the server's (or the caller's) business.
+        """
+        from tokenmill.entrypoints.openai.tools import parse_tools, template_conversation
+
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        function_tools = parse_tools(tools)
+        template = chat_template or getattr(self.engine.tokenizer, "chat_template", None)
         items = []
         for conv in conversations:
-            text = self.render_chat(conv, add_generation_prompt)
+            conv, tool_dicts = template_conversation(list(conv), function_tools, template, None)
+            text = self.render_chat(conv, add_generation_prompt, chat_template=chat_template,
+                                    chat_template_kwargs=chat_template_kwargs, tools=tool_dicts)
             items.append((text, self.engine.tokenize(text, add_special_tokens=False)))
         return self._run(items, sampling_params, use_tqdm)
 
-    def render_chat(self, conversation: list[Message], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, conversation: list[Message], add_generation_prompt: bool = True,
+                    chat_template: Optional[str] = None, chat_template_kwargs: Optional[dict[str, Any]] = None,
+                    tools: Optional[list[dict[str, Any]]] = None) -> str:
+        """The conversation as prompt text: the tokenizer's chat template, or `chat_template` (a Jinja
+        string), given `tools` and `chat_template_kwargs`; InvalidRequestError if it cannot render."""
         tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
+        if tok is None or not (chat_template or getattr(tok, "chat_template", None)):
             raise InvalidRequestError("this model has no chat template")
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)} (a parameter of "
+                                      "the rendering itself)")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise InvalidRequestError("chat_template must be a string (a Jinja template)")
         try:
-            return tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = tok.apply_chat_template(conversation, tools=tools, chat_template=chat_template, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # jinja raises many kinds
-            raise InvalidRequestError(f"cannot apply the chat template: {e}") from None
+            raise InvalidRequestError(f"cannot apply the chat template: {type(e).__name__}: {e}") from None
+        if not isinstance(text, str):
+            raise InvalidRequestError("the chat template did not render to text")
+        return text
 
     def _run(self, items: list[tuple[PromptType, list[int]]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -142,4 +178,6 @@ class LLM:
             raise
         finally:
             bar.close()
+        while engine.has_unfinished_requests():  # a step launched before its requests finished
+            engine.step(emit_unfinished=False)
         return [finished[i] for i in ids]

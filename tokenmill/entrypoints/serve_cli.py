@@ -15,6 +15,7 @@ from tokenmill.logger import init_logger
 logger = init_logger(__name__)
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
+TOOL_PARSER_NAMES = ("hermes", "llama3_json")  # entrypoints/openai/tool_parsers.py:TOOL_PARSERS (not imported here)
 
 
 def register(subparsers) -> None:
@@ -49,6 +50,16 @@ def register(subparsers) -> None:
     g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the HTTP server's own log level")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) used instead of the model's; a "
+                        "request's chat_template still wins (default: the tokenizer's)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let tool_choice "auto" (the default when a request gives tools) read calls from the '
+                        "model's text with --tool-call-parser; without it such requests are a 400")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSER_NAMES),
+                   help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen) or "
+                        "llama3_json (a JSON object {name, parameters}: Llama 3.1+); also the format tools are "
+                        "described in for chat templates that ignore them (default: none; hermes for that)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve, log_level_default="INFO")
 
@@ -74,6 +85,22 @@ def resolve_api_key(api_key: Optional[str], api_key_file: Optional[str],
     if not key:
         raise ConfigError(f"{source} is empty: give a key, or leave it out to serve without one")
     return key
+
+
+def load_chat_template(value: Optional[str]) -> Optional[str]:
+    """--chat-template: the file's text if it names a file, else the value itself if it looks like a
+    Jinja template; anything else is a ConfigError (a mistyped path, most likely)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read --chat-template {value}: {e}") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise ConfigError(f"--chat-template {value!r} is neither a readable file nor a Jinja template")
 
 
 def startup_summary(engine, host: str, port: int) -> str:
@@ -106,6 +133,8 @@ def _check_server_args(args: argparse.Namespace) -> Optional[str]:
         return "--max-body-bytes must be at least 1024"
     if args.max_sequences_per_request < 1:
         return "--max-sequences-per-request must be at least 1"
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        return "--enable-auto-tool-choice needs --tool-call-parser (" + " or ".join(TOOL_PARSER_NAMES) + ")"
     return None
 
 
@@ -115,6 +144,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     api_key = resolve_api_key(args.api_key, args.api_key_file)  # before anything slow
+    chat_template = load_chat_template(args.chat_template)
     try:
         from tokenmill.entrypoints.openai.api_server import ServerSettings, run_server
     except ImportError as e:
@@ -128,7 +158,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         names = [engine.model_name] + ([args.model] if args.model and args.model != engine.model_name else [])
     settings = ServerSettings(served_model_names=names, api_key=api_key, max_waiting=args.max_waiting,
                               max_sequences_per_request=args.max_sequences_per_request,
-                              max_body_bytes=args.max_body_bytes)
+                              max_body_bytes=args.max_body_bytes, chat_template=chat_template,
+                              enable_auto_tool_choice=args.enable_auto_tool_choice,
+                              tool_call_parser=args.tool_call_parser)
     logger.info("%s", startup_summary(engine, args.host, args.port))
     return run_server(engine, host=args.host, port=args.port, settings=settings, shutdown_grace=args.shutdown_grace,
                       log_level=args.uvicorn_log_level, access_log=args.access_log)

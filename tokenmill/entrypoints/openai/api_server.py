@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: the FastAPI app factory and `run_server`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models(/{id}), GET /health,
-GET /metrics (Prometheus text), GET /version, POST /reset_prefix_cache (for benchmarks). The engine
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize,
+GET /v1/models(/{id}), GET /health, GET /metrics (Prometheus text), GET /version,
+POST /reset_prefix_cache (for benchmarks). The engine
 runs on its own thread (AsyncLLMEngine), started and stopped with the app's lifespan. On SIGINT or
 SIGTERM uvicorn stops accepting and waits for in-flight requests; after the grace period the engine
 is stopped, which aborts what still runs (see Server below); then the process exits 0. A second
@@ -28,10 +29,13 @@ from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.entrypoints.openai.errors import APIError, install_error_handlers
 from tokenmill.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from tokenmill.entrypoints.openai.middleware import GuardMiddleware
-from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                   ErrorResponse, TokenizeRequest)
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_common import DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from tokenmill.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from tokenmill.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+from tokenmill.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from tokenmill.logger import init_logger
 
 logger = init_logger(__name__)
@@ -51,10 +55,22 @@ class ServerSettings:
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     engine_stop_timeout: float = 30.0
+    # A Jinja chat template used instead of the tokenizer's (a request's chat_template wins).
+    chat_template: Optional[str] = None
+    # tool_choice "auto" reads the model's calls with this parser (entrypoints/openai/tool_parsers.py);
+    # without enable_auto_tool_choice, "auto" is a 400 (vLLM's flags and behaviour).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Optional[str] = None
 
     def __post_init__(self):
         if self.max_sequences_per_request < 1:
             raise ConfigError(f"max_sequences_per_request must be >= 1, got {self.max_sequences_per_request}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ConfigError(f"unknown tool-call parser {self.tool_call_parser!r} (known: "
+                              f"{', '.join(sorted(TOOL_PARSERS))})")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                              f"{', '.join(sorted(TOOL_PARSERS))})")
 
 
 _ERROR_DESCRIPTIONS = {
@@ -99,7 +115,10 @@ def build_app(engine: AsyncLLMEngine, settings: Optional[ServerSettings] = None)
     if settings.max_waiting is not None:
         engine.max_waiting = settings.max_waiting if settings.max_waiting > 0 else None
     completions = OpenAIServingCompletion(engine, names, metrics, settings.max_sequences_per_request)
-    chat = OpenAIServingChat(engine, names, metrics, settings.max_sequences_per_request)
+    chat = OpenAIServingChat(engine, names, metrics, settings.max_sequences_per_request,
+                             chat_template=settings.chat_template, tool_call_parser=settings.tool_call_parser,
+                             enable_auto_tool_choice=settings.enable_auto_tool_choice)
+    tokenization = OpenAIServingTokenization(chat)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -121,6 +140,7 @@ def build_app(engine: AsyncLLMEngine, settings: Optional[ServerSettings] = None)
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     _add_info_routes(app, engine, names, metrics, settings.api_key)
     _add_engine_routes(app, engine, completions, chat, settings.api_key)
+    _add_tokenize_routes(app, tokenization, settings.api_key)
     return app
 
 
@@ -183,6 +203,20 @@ def _add_engine_routes(app: FastAPI, engine: AsyncLLMEngine, completions: OpenAI
             raise APIError(409, "requests are running; the prefix cache can only be reset when idle",
                            code="engine_busy")
         return {"status": "ok"}
+
+
+def _add_tokenize_routes(app: FastAPI, tokenization: OpenAIServingTokenization, key: Optional[str]) -> None:
+    """/tokenize and /detokenize (vLLM's routes)."""
+
+    @app.post("/tokenize", responses=_errors(key, 400, 404, 413))
+    async def tokenize(body: TokenizeRequest):
+        """A prompt's token ids, or those of chat messages rendered with the chat template."""
+        return JSONResponse(await tokenization.tokenize(body))
+
+    @app.post("/detokenize", responses=_errors(key, 400, 404, 413))
+    async def detokenize(body: DetokenizeRequest):
+        """The text of token ids."""
+        return JSONResponse(await tokenization.detokenize(body))
 
 
 class Server(uvicorn.Server):

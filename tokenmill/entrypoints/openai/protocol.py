@@ -2,8 +2,8 @@
 
 Field names, defaults and meanings follow OpenAI's public API reference. Fields OpenAI does not
 have (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
-include_stop_str_in_output, add_generation_prompt) are extensions with the same names vLLM uses.
-Unknown fields are ignored, so newer clients keep working. Bounds that protect the engine (integers
+include_stop_str_in_output, add_generation_prompt, chat_template, chat_template_kwargs) are
+extensions with the same names vLLM uses, as are the /tokenize and /detokenize bodies. Unknown fields are ignored, so newer clients keep working. Bounds that protect the engine (integers
 that must fit its int64 tables, the number of choices) are enforced here; the rest is checked by
 SamplingParams and the engine, which know the model.
 """
@@ -77,23 +77,60 @@ class ContentPart(OpenAIModel):
     text: Optional[str] = None
 
 
+class ToolCallFunction(OpenAIModel):
+    name: str
+    arguments: Union[str, dict[str, Any]] = Field("{}", description="JSON text (OpenAI's form) or an object")
+
+
+class MessageToolCall(OpenAIModel):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[MessageToolCall]] = Field(None, description="an assistant message's calls")
+    tool_call_id: Optional[str] = Field(None, description="a tool message: the call it answers")
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatTemplateFields(OpenAIModel):
+    """What rendering a conversation takes (vLLM's names)."""
+
+    tools: Optional[list[dict[str, Any]]] = Field(
+        None, description="[{'type': 'function', 'function': {'name', 'description', 'parameters'}}]")
+    chat_template: Optional[str] = Field(None, description="a Jinja chat template instead of the model's")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description="extra variables for the template")
+    add_generation_prompt: bool = Field(True, description="end with the assistant header")
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: Optional[int] = Field(None, description="deprecated by OpenAI for max_completion_tokens")
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: Optional[dict[str, Any]] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    # Extension: render the template without the assistant header (vLLM's name).
-    add_generation_prompt: bool = True
+    tool_choice: Optional[Union[str, dict[str, Any]]] = Field(
+        None, description="none, auto (the default with tools), required, or {'type': 'function', 'function': {'name'}}")
+    parallel_tool_calls: Optional[bool] = Field(True, description="false: at most one call")
+
+
+class TokenizeRequest(_ChatTemplateFields):
+    """POST /tokenize (vLLM's shape): a `prompt`, or chat `messages` rendered with the chat template."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: Optional[bool] = Field(None, description="default: true for a prompt, false for messages")
+    return_token_strs: bool = Field(False, description="also return each token's string")
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: Optional[str] = None
+    tokens: list[int]
 
 
 class ErrorInfo(BaseModel):

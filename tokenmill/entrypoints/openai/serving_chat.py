@@ -1,13 +1,22 @@
 """POST /v1/chat/completions.
 
-The messages are rendered with the model's chat template and tokenized on a prepare worker of the
-AsyncLLMEngine (never on the engine thread, whose steps a long conversation would otherwise stall).
-Streaming follows OpenAI: a first chunk per choice with the assistant role, then one chunk per
-generated token (content may be empty while text is held back), the finish reason on the last one,
-an optional usage chunk (stream_options.include_usage), and `data: [DONE]`.
+The messages are rendered with the chat template (the request's `chat_template`, else the server's
+--chat-template, else the model's; `chat_template_kwargs` become template variables) and tokenized on
+a prepare worker of the AsyncLLMEngine (never on the engine thread, whose steps a long conversation
+would otherwise stall). Streaming follows OpenAI: a first chunk per choice with the assistant role,
+then one chunk per generated token (content may be empty while text is held back), the finish reason
+on the last one, an optional usage chunk (stream_options.include_usage), and `data: [DONE]`.
+
+Tools (entrypoints/openai/tools.py, tool_parsers.py): `tools` reach the template (or its system
+message, for templates that ignore them); tool_choice "required" and a named function constrain the
+output with structured output, "auto" reads it with the server's --tool-call-parser. Calls come back
+as OpenAI's `message.tool_calls` (streamed: `delta.tool_calls`, a call's start with id and name, then
+its arguments) with finish_reason "tool_calls" (unless the output was cut at max_tokens: "length").
 """
 
-from typing import Optional
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -19,6 +28,9 @@ from tokenmill.entrypoints.openai.errors import APIError, stream_error_event
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.entrypoints.openai.serving_common import (SSE_DONE, ChoiceProgress, EventStreamResponse, OpenAIServing,
                                                          clamp_logprob, now_s, sse, token_str, usage)
+from tokenmill.entrypoints.openai.tool_parsers import ToolCallStreamer, ToolParser, get_tool_parser, new_call_id
+from tokenmill.entrypoints.openai.tools import (FunctionTool, ToolRequestError, forced_call_output, output_parser,
+                                                parse_tools, resolve_tool_choice, template_conversation)
 
 
 def message_dict(i: int, m: ChatMessage) -> dict:
@@ -36,11 +48,49 @@ def message_dict(i: int, m: ChatMessage) -> dict:
             parts.append(part.text)
         text = "\n".join(parts)
     check_encodable(text, f"messages[{i}].content")
-    out = {"role": "system" if m.role == "developer" else m.role, "content": text}
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": text}
     if m.name:
         check_encodable(m.name, f"messages[{i}].name")
         out["name"] = m.name
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise APIError(400, f"messages[{i}]: only assistant messages carry tool_calls (this one is {m.role!r})",
+                           param=f"messages.{i}.tool_calls")
+        out["tool_calls"] = [_message_call(i, j, c) for j, c in enumerate(m.tool_calls)]
+    if m.role == "tool":
+        if not m.tool_call_id:
+            raise APIError(400, f"messages[{i}]: a tool message needs the tool_call_id of the call it answers",
+                           param=f"messages.{i}.tool_call_id")
+        check_encodable(m.tool_call_id, f"messages[{i}].tool_call_id")
+        out["tool_call_id"] = m.tool_call_id
     return out
+
+
+def _message_call(i: int, j: int, call) -> dict:
+    arguments = call.function.arguments
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    check_encodable(call.function.name, f"messages[{i}].tool_calls[{j}].function.name")
+    check_encodable(arguments, f"messages[{i}].tool_calls[{j}].function.arguments")
+    return {"id": call.id or new_call_id(), "type": "function",
+            "function": {"name": call.function.name, "arguments": arguments}}
+
+
+@dataclass
+class ChatPrompt:
+    """A chat request's rendering inputs, checked on the event loop; `render` runs on a worker."""
+
+    messages: list[dict]
+    tools: list[FunctionTool]
+    chat_template: Optional[str]
+    chat_template_kwargs: Optional[dict]
+    add_generation_prompt: bool
+
+    def render(self, templates: LLM, fallback: Optional[ToolParser]) -> str:
+        template = self.chat_template or getattr(templates.tokenizer, "chat_template", None)
+        conversation, tools = template_conversation(self.messages, self.tools, template, fallback)
+        return templates.render_chat(conversation, self.add_generation_prompt, chat_template=self.chat_template,
+                                     chat_template_kwargs=self.chat_template_kwargs, tools=tools)
 
 
 def chat_logprobs(c: CompletionOutput, start: int, end: int, top_k: int) -> dict:
@@ -59,25 +109,49 @@ def chat_logprobs(c: CompletionOutput, start: int, end: int, top_k: int) -> dict
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, chat_template: Optional[str] = None, tool_call_parser: Optional[str] = None,
+                 enable_auto_tool_choice: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self._templates = LLM.from_engine(self.engine.engine)  # its render_chat reads only the tokenizer
+        self.chat_template = chat_template  # the server's --chat-template, else None (the model's)
+        self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+        self.auto_tool_choice = enable_auto_tool_choice and self.tool_parser is not None
+
+    def chat_prompt(self, messages: list[ChatMessage], tools: list[FunctionTool], req) -> ChatPrompt:
+        """The rendering inputs of a chat or /tokenize request (APIError for bad messages)."""
+        return ChatPrompt([message_dict(i, m) for i, m in enumerate(messages)], tools,
+                          req.chat_template if req.chat_template is not None else self.chat_template,
+                          req.chat_template_kwargs, req.add_generation_prompt)
+
+    def render(self, prompt: ChatPrompt) -> str:
+        """The prompt text (call it on a worker thread: templates can be slow)."""
+        return prompt.render(self._templates, self.tool_parser)
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
         model = self.model_name(req.model)
-        if req.tools and req.tool_choice != "none":
-            raise APIError(400, "tool calling is not supported", param="tools")
+        try:
+            tools = parse_tools(req.tools)
+            choice = resolve_tool_choice(req.tool_choice, tools,
+                                         self.tool_parser.name if self.auto_tool_choice else None)
+        except ToolRequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
-        conversation = [message_dict(i, m) for i, m in enumerate(req.messages)]
+        prompt = self.chat_prompt(req.messages, tools, req)
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self.check_sequences(1, req.n, "n")
         params = self.sampling_params(req, max_tokens, top_k)
-        add_generation_prompt = req.add_generation_prompt
+        forced = forced_call_output(choice, tools, req.parallel_tool_calls is not False)
+        if forced is not None:
+            if params.structured_outputs is not None:
+                raise APIError(400, f"tool_choice {choice.mode!r} constrains the output itself; it cannot be "
+                                    "combined with response_format or structured output fields", param="tool_choice")
+            params.structured_outputs = forced
+        parser = output_parser(choice, self.tool_parser)
 
         def prepare(tools: PromptTools) -> list[tuple[Optional[str], list[int]]]:  # on a prepare worker
-            text = self._templates.render_chat(conversation, add_generation_prompt)
+            text = self.render(prompt)
             return [(text, tools.tokenize(text, add_special_tokens=False))]
 
         request_id = self.new_id("chatcmpl")
@@ -85,19 +159,28 @@ class OpenAIServingChat(OpenAIServing):
         created = now_s()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._stream(stream, infos, request_id, created, model, req.n, include_usage, top_k)
+            events = self._stream(stream, infos, request_id, created, model, req.n, include_usage, top_k, parser)
             return EventStreamResponse(events, on_close=stream.abort)
         finals = await self.collect(stream, raw_request)
-        return JSONResponse(self._response(finals[0], infos[0], request_id, created, model, top_k))
+        return JSONResponse(self._response(finals[0], infos[0], request_id, created, model, top_k, parser))
 
     @staticmethod
-    def _response(final: RequestOutput, info: PromptInfo, request_id: str, created: int, model: str, top_k) -> dict:
+    def _response(final: RequestOutput, info: PromptInfo, request_id: str, created: int, model: str, top_k,
+                  parser: Optional[ToolParser]) -> dict:
         choices = []
         for c in final.outputs:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish_reason = c.finish_reason
+            if parser is not None:
+                found = parser.extract(c.text)
+                if found.calls:
+                    message = {"role": "assistant", "content": found.content or None,
+                               "tool_calls": [call.to_openai() for call in found.calls]}
+                    finish_reason = _with_calls(finish_reason)
             choices.append({
-                "index": c.index, "message": {"role": "assistant", "content": c.text},
+                "index": c.index, "message": message,
                 "logprobs": chat_logprobs(c, 0, len(c.token_ids), top_k) if top_k is not None else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, "token_ids": c.token_ids,
+                "finish_reason": finish_reason, "stop_reason": c.stop_reason, "token_ids": c.token_ids,
             })
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
@@ -106,8 +189,9 @@ class OpenAIServingChat(OpenAIServing):
 
     @staticmethod
     async def _stream(stream: RequestStream, infos: list[PromptInfo], request_id: str, created: int, model: str,
-                      n: int, include_usage: bool, top_k):
+                      n: int, include_usage: bool, top_k, parser: Optional[ToolParser]):
         progress = ChoiceProgress(n)
+        streamers: Optional[list[ToolCallStreamer]] = [parser.streamer() for _ in range(n)] if parser else None
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "system_fingerprint": None}
         extra = {"usage": None} if include_usage else {}
@@ -122,9 +206,16 @@ class OpenAIServingChat(OpenAIServing):
                     if new is None:
                         continue
                     start, end, text = new
-                    choice = {"index": i, "delta": {"content": text} if (text or not progress.done[i]) else {},
+                    finish_reason = c.finish_reason
+                    if streamers is None:
+                        delta = {"content": text} if (text or not progress.done[i]) else {}
+                    else:
+                        delta, made_calls = _tool_delta(streamers[i], text, progress.done[i])
+                        if made_calls:
+                            finish_reason = _with_calls(finish_reason)
+                    choice = {"index": i, "delta": delta,
                               "logprobs": chat_logprobs(c, start, end, top_k) if top_k is not None else None,
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                              "finish_reason": finish_reason, "stop_reason": c.stop_reason,
                               "token_ids": c.token_ids[start:end]}
                     yield sse(dict(base, choices=[choice], **extra))
             if include_usage:
@@ -134,3 +225,21 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:  # the engine died or shut down mid-stream: tell the client in-band
             yield stream_error_event(e)
         yield SSE_DONE
+
+
+def _with_calls(finish_reason: Optional[str]) -> Optional[str]:
+    """The finish reason of a choice that made calls: "tool_calls", unless it was cut short."""
+    return finish_reason if finish_reason in (None, "length") else "tool_calls"
+
+
+def _tool_delta(streamer: ToolCallStreamer, text: str, done: bool) -> tuple[dict, bool]:
+    """A streamed choice's delta through its tool-call streamer; and whether it made calls."""
+    d = streamer.feed(text)
+    if done:
+        d.extend(streamer.finish())
+    delta: dict[str, Any] = {}
+    if d.content or (not d.tool_calls and not done):
+        delta["content"] = d.content
+    if d.tool_calls:
+        delta["tool_calls"] = [t.to_openai() for t in d.tool_calls]
+    return delta, streamer.num_calls > 0

@@ -1,0 +1,71 @@
+"""POST /tokenize and POST /detokenize (vLLM's shapes).
+
+/tokenize takes a `prompt` (add_special_tokens default true) or chat `messages` (rendered as chat
+completions renders them: chat_template, chat_template_kwargs, tools, add_generation_prompt;
+add_special_tokens default false, the template holds them) and answers `{"count", "max_model_len",
+"tokens"}` (plus `token_strs` when asked). /detokenize takes `{"tokens": [ids]}` and answers
+`{"prompt": text}`; an id outside the model's vocabulary is a 400. Both work on a worker thread, off
+the event loop, as the chat route's rendering does.
+"""
+
+import asyncio
+
+from tokenmill.entrypoints.openai.errors import APIError
+from tokenmill.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
+from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
+from tokenmill.entrypoints.openai.tools import ToolRequestError, parse_tools
+from tokenmill.engine.async_engine import check_encodable
+
+
+class OpenAIServingTokenization:
+    def __init__(self, chat: OpenAIServingChat):
+        self.chat = chat
+        self.engine = chat.engine
+        self.tokenizer = chat.engine.engine.tokenizer  # read-only, as on the prepare workers
+        self.vocab_size = chat.engine.engine.loaded.arch.vocab_size
+
+    def _need_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+
+    async def tokenize(self, req: TokenizeRequest) -> dict:
+        self.chat.model_name(req.model)
+        self._need_tokenizer()
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.prompt is not None:
+            check_encodable(req.prompt, "prompt")
+            text, special = req.prompt, req.add_special_tokens is not False
+            prompt = None
+        else:
+            if not req.messages:
+                raise APIError(400, "messages must not be empty", param="messages")
+            try:
+                tools = parse_tools(req.tools)
+            except ToolRequestError as e:
+                raise APIError(400, str(e), param=e.param) from None
+            prompt, text, special = self.chat.chat_prompt(req.messages, tools, req), None, bool(req.add_special_tokens)
+
+        def work() -> tuple[list[int], list[str]]:
+            rendered = self.chat.render(prompt) if prompt is not None else text
+            ids = list(self.tokenizer(rendered, add_special_tokens=special)["input_ids"])
+            strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+            return ids, strs
+
+        ids, strs = await asyncio.to_thread(work)
+        out = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+        if strs is not None:
+            out["token_strs"] = strs
+        return out
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict:
+        self.chat.model_name(req.model)
+        self._need_tokenizer()
+        bad = next((t for t in req.tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary (size {self.vocab_size})", param="tokens")
+        try:
+            text = await asyncio.to_thread(self.tokenizer.decode, req.tokens)
+        except Exception as e:  # an id the model has but its tokenizer does not
+            raise APIError(400, f"the tokens cannot be decoded: {type(e).__name__}: {e}", param="tokens") from None
+        return {"prompt": text}

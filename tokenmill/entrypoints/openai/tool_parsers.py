@@ -1,0 +1,563 @@
+"""Tool-call parsers: the model's text -> content and tool calls, whole or streamed.
+
+A parser (`ToolParser`) knows one model family's call format. It has
+
+- `extract(text)`: the finished output -> `ExtractedToolCalls` (content, calls);
+- `streamer()`: a fresh `ToolCallStreamer`, fed the output's text deltas (`feed`) and told when it
+  ends (`finish`); each call returns a `StreamDelta` (content to show, tool-call deltas). Fed any
+  split of a text, a streamer gives the content and calls `extract` gives for the whole of it;
+- `render_tools` / `render_calls` / `render_result`: the same format as prompt text, for chat
+  templates that do not handle tools themselves (entrypoints/openai/tools.py decides).
+
+Registered by name (`TOOL_PARSERS`, `get_tool_parser`; vLLM's `--tool-call-parser` names):
+
+- `hermes` (Hermes, Qwen): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; the text
+  outside them is content. A block closes at `</tool_call>` or at the end of the output.
+- `llama3_json` (Llama 3.1+): the whole output (after blanks and an optional `<|python_tag|>`) is a
+  JSON object `{"name": ..., "parameters": {...}}`, or several separated by `;`; otherwise the whole
+  output is content.
+
+Two more parsers, not registered, read the output that tool_choice `required` and a named function
+constrain with structured output (a JSON array of `{"name", "parameters"}`, and the arguments object).
+
+Malformed JSON never raises: what does not parse as a call stays content. Streamed calls come out
+whole (a start delta with id and name, then the complete arguments in one piece) once their block
+is complete, except for a named function, whose arguments stream as they are generated.
+"""
+
+import json
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Optional
+
+CallDict = dict  # OpenAI's {"id", "type": "function", "function": {"name", "arguments": <JSON text>}}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ToolCall:
+    """One parsed call; `arguments` is JSON text (OpenAI's form)."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=new_call_id)
+
+    def to_openai(self) -> CallDict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class ExtractedToolCalls:
+    """What a finished output holds: the text outside calls, and the calls."""
+
+    content: str
+    calls: list[ToolCall] = field(default_factory=list)
+
+
+@dataclass
+class ToolCallDelta:
+    """A piece of a streamed call: its start (id and name set, arguments "") or arguments."""
+
+    index: int
+    id: Optional[str] = None
+    name: Optional[str] = None
+    arguments: str = ""
+
+    def to_openai(self) -> dict:
+        if self.id is not None:
+            return {"index": self.index, "id": self.id, "type": "function",
+                    "function": {"name": self.name, "arguments": self.arguments}}
+        return {"index": self.index, "function": {"arguments": self.arguments}}
+
+
+@dataclass
+class StreamDelta:
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def extend(self, other: "StreamDelta") -> "StreamDelta":
+        self.content += other.content
+        self.tool_calls.extend(other.tool_calls)
+        return self
+
+
+def call_deltas(index: int, call: ToolCall) -> list[ToolCallDelta]:
+    """A whole call as stream deltas: its start, then its arguments."""
+    return [ToolCallDelta(index, id=call.id, name=call.name), ToolCallDelta(index, arguments=call.arguments)]
+
+
+def _dumps(value) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def call_from_object(obj, args_keys: tuple[str, ...]) -> Optional[ToolCall]:
+    """A call from a parsed `{"name": str, <args key>: object}`, or None if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = next((obj[k] for k in args_keys if k in obj), {})
+    if isinstance(args, str):  # some models emit the arguments as JSON text
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], _dumps(args))
+
+
+class ToolCallStreamer(ABC):
+    """Incremental parsing of one output."""
+
+    @abstractmethod
+    def feed(self, text: str) -> StreamDelta:
+        """The next piece of the output's text -> what can be shown now."""
+
+    @abstractmethod
+    def finish(self) -> StreamDelta:
+        """The output ended: whatever was held back."""
+
+    @property
+    @abstractmethod
+    def num_calls(self) -> int:
+        """Calls emitted so far."""
+
+
+class ToolParser(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def extract(self, text: str) -> ExtractedToolCalls:
+        """Content and calls of a finished output."""
+
+    @abstractmethod
+    def streamer(self) -> ToolCallStreamer:
+        """A streaming parser for one output."""
+
+    # ---- the format as prompt text (templates that ignore tools) ------------------------------
+    @abstractmethod
+    def render_tools(self, tools: list[dict]) -> str:
+        """A system-prompt text that lists the tools (OpenAI's dicts) and says how to call them."""
+
+    @abstractmethod
+    def render_calls(self, calls: list[dict]) -> str:
+        """An assistant message's calls ({"name", "arguments": dict or JSON text}) as model text."""
+
+    def render_result(self, content: str, name: Optional[str] = None) -> str:
+        """A tool's result as text of a user turn."""
+        return content
+
+
+def _arguments_object(arguments) -> object:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+# ---- hermes -----------------------------------------------------------------------------------
+class HermesToolParser(ToolParser):
+    name = "hermes"
+    start, end = "<tool_call>", "</tool_call>"
+
+    @classmethod
+    def parse_block(cls, body: str) -> Optional[ToolCall]:
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return None
+        return call_from_object(obj, ("arguments", "parameters"))
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        content, calls, pos = [], [], 0
+        while True:
+            s = text.find(self.start, pos)
+            if s < 0:
+                content.append(text[pos:])
+                break
+            content.append(text[pos:s])
+            e = text.find(self.end, s + len(self.start))
+            stop = len(text) if e < 0 else e + len(self.end)
+            call = self.parse_block(text[s + len(self.start):len(text) if e < 0 else e])
+            if call is None:
+                content.append(text[s:stop])
+            else:
+                calls.append(call)
+            pos = stop
+            if e < 0:
+                break
+        return _finish_content("".join(content), calls)
+
+    def streamer(self) -> ToolCallStreamer:
+        return HermesStreamer(self)
+
+    def render_tools(self, tools: list[dict]) -> str:
+        listed = "\n".join(_dumps(t) for t in tools)
+        return ("You may call one or more functions to assist with the user query. The functions are listed "
+                f"within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\nFor each function call, "
+                "return a JSON object with the function name and arguments within <tool_call></tool_call> XML "
+                'tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+    def render_calls(self, calls: list[dict]) -> str:
+        return "\n".join(f"{self.start}\n" + _dumps({"name": c["name"], "arguments": _arguments_object(c["arguments"])})
+                         + f"\n{self.end}" for c in calls)
+
+    def render_result(self, content: str, name: Optional[str] = None) -> str:
+        return f"<tool_response>\n{content}\n</tool_response>"
+
+
+def _finish_content(content: str, calls: list[ToolCall]) -> ExtractedToolCalls:
+    """With calls, the content loses its trailing blanks (streams hold them back, see _Held)."""
+    return ExtractedToolCalls(content.rstrip() if calls else content, calls)
+
+
+class _Held:
+    """Content whose trailing blanks are held back: shown once more content follows, dropped at the
+    end if calls were made (as `_finish_content` does)."""
+
+    def __init__(self):
+        self.blanks = ""
+
+    def show(self, text: str) -> str:
+        if not text:
+            return ""
+        stripped = text.rstrip()
+        if not stripped:
+            self.blanks += text
+            return ""
+        out = self.blanks + stripped
+        self.blanks = text[len(stripped):]
+        return out
+
+    def end(self, made_calls: bool) -> str:
+        out, self.blanks = ("" if made_calls else self.blanks), ""
+        return out
+
+
+class HermesStreamer(ToolCallStreamer):
+    def __init__(self, parser: HermesToolParser):
+        self.parser = parser
+        self.buffer = ""  # text not yet shown: a possible start tag, or an open block
+        self.in_block = False
+        self.held = _Held()
+        self.calls = 0
+
+    @property
+    def num_calls(self) -> int:
+        return self.calls
+
+    def feed(self, text: str) -> StreamDelta:
+        self.buffer += text
+        out = StreamDelta()
+        start, end = self.parser.start, self.parser.end
+        while True:
+            if self.in_block:
+                e = self.buffer.find(end, len(start))
+                if e < 0:
+                    return out
+                self._close(self.buffer[:e + len(end)], self.buffer[len(start):e], out)
+                self.buffer = self.buffer[e + len(end):]
+                self.in_block = False
+                continue
+            s = self.buffer.find(start)
+            if s >= 0:
+                out.content += self.held.show(self.buffer[:s])
+                self.buffer = self.buffer[s:]
+                self.in_block = True
+                continue
+            keep = _partial_suffix(self.buffer, start)
+            out.content += self.held.show(self.buffer[:len(self.buffer) - keep])
+            self.buffer = self.buffer[len(self.buffer) - keep:]
+            return out
+
+    def _close(self, block: str, body: str, out: StreamDelta) -> None:
+        call = self.parser.parse_block(body)
+        if call is None:
+            out.content += self.held.show(block)
+        else:
+            out.tool_calls.extend(call_deltas(self.calls, call))
+            self.calls += 1
+
+    def finish(self) -> StreamDelta:
+        out = StreamDelta()
+        if self.in_block:
+            self._close(self.buffer, self.buffer[len(self.parser.start):], out)
+        else:
+            out.content += self.held.show(self.buffer)
+        self.buffer, self.in_block = "", False
+        out.content += self.held.end(self.calls > 0)
+        return out
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+# ---- llama3_json ------------------------------------------------------------------------------
+class Llama3JsonToolParser(ToolParser):
+    name = "llama3_json"
+    python_tag = "<|python_tag|>"
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        body = text.lstrip()
+        if body.startswith(self.python_tag):
+            body = body[len(self.python_tag):].lstrip()
+        if not body.startswith("{"):
+            return ExtractedToolCalls(text)
+        calls = self._parse_objects(body)
+        return ExtractedToolCalls("", calls) if calls else ExtractedToolCalls(text)
+
+    @staticmethod
+    def _parse_objects(body: str) -> list[ToolCall]:
+        """`{...}; {...}` -> the calls, or [] if any part is not a call."""
+        decoder, calls, pos = json.JSONDecoder(), [], 0
+        while True:
+            try:
+                obj, pos = decoder.raw_decode(body, pos)
+            except ValueError:
+                return []
+            call = call_from_object(obj, ("parameters", "arguments"))
+            if call is None:
+                return []
+            calls.append(call)
+            rest = body[pos:].lstrip()
+            if not rest:
+                return calls
+            if not rest.startswith(";"):
+                return []
+            pos = len(body) - len(rest) + 1
+            while pos < len(body) and body[pos].isspace():
+                pos += 1
+
+    def streamer(self) -> ToolCallStreamer:
+        return Llama3JsonStreamer(self)
+
+    def render_tools(self, tools: list[dict]) -> str:
+        listed = "\n\n".join(_dumps(t) for t in tools)
+        return ("Given the following functions, please respond with a JSON for a function call with its proper "
+                "arguments that best answers the given prompt.\n\nRespond in the format "
+                '{"name": function name, "parameters": dictionary of argument name and its value}. '
+                f"Do not use variables.\n\n{listed}")
+
+    def render_calls(self, calls: list[dict]) -> str:
+        return "; ".join(_dumps({"name": c["name"], "parameters": _arguments_object(c["arguments"])}) for c in calls)
+
+
+class Llama3JsonStreamer(ToolCallStreamer):
+    """Content streams at once when the output does not start like a call; a call-like output is held
+    to its end (one malformed object makes all of it content, as in extract)."""
+
+    def __init__(self, parser: Llama3JsonToolParser):
+        self.parser = parser
+        self.buffer = ""
+        self.mode: Optional[str] = None  # None: undecided, "content", "calls"
+        self.calls = 0
+
+    @property
+    def num_calls(self) -> int:
+        return self.calls
+
+    def feed(self, text: str) -> StreamDelta:
+        if self.mode == "content":
+            return StreamDelta(content=text)
+        self.buffer += text
+        if self.mode is None:
+            head = self.buffer.lstrip()
+            tag = self.parser.python_tag
+            if head.startswith(tag):
+                head = head[len(tag):].lstrip()
+                if head and not head.startswith("{"):
+                    self.mode = "content"
+                elif head:
+                    self.mode = "calls"
+            elif head and not tag.startswith(head):
+                self.mode = "calls" if head.startswith("{") else "content"
+            if self.mode == "content":
+                out, self.buffer = self.buffer, ""
+                return StreamDelta(content=out)
+        return StreamDelta()
+
+    def finish(self) -> StreamDelta:
+        text, self.buffer = self.buffer, ""
+        if self.mode == "content" or not text:
+            return StreamDelta()
+        found = self.parser.extract(text)
+        out = StreamDelta(content=found.content)
+        for call in found.calls:
+            out.tool_calls.extend(call_deltas(self.calls, call))
+            self.calls += 1
+        return out
+
+
+# ---- the outputs of forced tool choices (structured output) -----------------------------------
+class NamedFunctionParser(ToolParser):
+    """tool_choice names a function: the output is its arguments object (constrained by its schema)."""
+
+    name = "named"
+
+    def __init__(self, function: str):
+        self.function = function
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        try:
+            args = json.loads(text)
+        except ValueError:
+            return ExtractedToolCalls(text)  # cut short (max_tokens): no call
+        if not isinstance(args, dict):
+            return ExtractedToolCalls(text)
+        return ExtractedToolCalls("", [ToolCall(self.function, text)])
+
+    def streamer(self) -> ToolCallStreamer:
+        return NamedFunctionStreamer(self.function)
+
+    def render_tools(self, tools: list[dict]) -> str:
+        return HermesToolParser().render_tools(tools)
+
+    def render_calls(self, calls: list[dict]) -> str:
+        return HermesToolParser().render_calls(calls)
+
+
+class NamedFunctionStreamer(ToolCallStreamer):
+    """Every piece of text is a piece of the arguments; the call starts with the first one."""
+
+    def __init__(self, function: str):
+        self.function = function
+        self.calls = 0
+
+    @property
+    def num_calls(self) -> int:
+        return self.calls
+
+    def feed(self, text: str) -> StreamDelta:
+        out = StreamDelta()
+        if not text:
+            return out
+        if self.calls == 0:
+            out.tool_calls.append(ToolCallDelta(0, id=new_call_id(), name=self.function))
+            self.calls = 1
+        out.tool_calls.append(ToolCallDelta(0, arguments=text))
+        return out
+
+    def finish(self) -> StreamDelta:
+        return StreamDelta()
+
+
+class RequiredCallsParser(ToolParser):
+    """tool_choice "required": the output is a JSON array of {"name", "parameters"}."""
+
+    name = "required"
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return ExtractedToolCalls(text)
+        calls = [call_from_object(item, ("parameters",)) for item in items] if isinstance(items, list) else [None]
+        if not calls or any(c is None for c in calls):
+            return ExtractedToolCalls(text)
+        return ExtractedToolCalls("", calls)
+
+    def streamer(self) -> ToolCallStreamer:
+        return RequiredCallsStreamer()
+
+    def render_tools(self, tools: list[dict]) -> str:
+        return HermesToolParser().render_tools(tools)
+
+    def render_calls(self, calls: list[dict]) -> str:
+        return HermesToolParser().render_calls(calls)
+
+
+class RequiredCallsStreamer(ToolCallStreamer):
+    """Each element of the array is emitted as a call when it closes; text that turns out not to be
+    an array of calls comes out as content at the end."""
+
+    def __init__(self):
+        self.text = ""
+        self.scanner = JsonScanner()
+        self.element_start: Optional[int] = None
+        self.calls = 0
+        self.broken = False
+
+    @property
+    def num_calls(self) -> int:
+        return self.calls
+
+    def feed(self, text: str) -> StreamDelta:
+        out = StreamDelta()
+        for ch in text:
+            pos = len(self.text)
+            self.text += ch
+            if self.broken:
+                continue
+            depth_before = self.scanner.depth
+            self.scanner.push(ch)
+            if depth_before == 1 and self.scanner.depth == 2 and not self.scanner.in_string:
+                self.element_start = pos
+            elif depth_before == 2 and self.scanner.depth == 1 and self.element_start is not None:
+                call = None
+                try:
+                    call = call_from_object(json.loads(self.text[self.element_start:pos + 1]), ("parameters",))
+                except ValueError:
+                    pass
+                if call is None:
+                    self.broken = True
+                else:
+                    out.tool_calls.extend(call_deltas(self.calls, call))
+                    self.calls += 1
+                self.element_start = None
+        return out
+
+    def finish(self) -> StreamDelta:
+        found = RequiredCallsParser().extract(self.text)
+        if found.calls and len(found.calls) == self.calls:
+            return StreamDelta()
+        # Not a complete array of calls (cut short): what was not emitted as calls is content.
+        return StreamDelta(content=self.text if self.calls == 0 else "")
+
+
+class JsonScanner:
+    """Tracks the nesting depth of a JSON text fed a character at a time (strings and escapes aware)."""
+
+    def __init__(self):
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+
+    def push(self, ch: str) -> None:
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.in_string = False
+            return
+        if ch == '"':
+            self.in_string = True
+        elif ch in "[{":
+            self.depth += 1
+        elif ch in "]}":
+            self.depth -= 1
+
+
+TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {
+    HermesToolParser.name: HermesToolParser,
+    Llama3JsonToolParser.name: Llama3JsonToolParser,
+}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    """The registered parser of that name; KeyError naming the known ones otherwise."""
+    try:
+        return TOOL_PARSERS[name]()
+    except KeyError:
+        raise KeyError(f"unknown tool-call parser {name!r} (known: {', '.join(sorted(TOOL_PARSERS))})") from None
