@@ -155,3 +155,24 @@ def test_llm_chat_template_options(smollm):
     assert out.prompt.startswith("<|im_start|>system\n") and "get_weather" in out.prompt
     out = llm.chat(HI, params, use_tqdm=False, tools=[TOOL], chat_template=tools_template)[0]
     assert out.prompt == "get_weather;Hello there"
+
+
+def test_chat_template_flag_values(tmp_path):
+    from tokenmill.config import ConfigError
+    from tokenmill.entrypoints.cli import build_parser
+    from tokenmill.entrypoints.serve_cli import _check_server_args, load_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text(FLAG_TEMPLATE)
+    assert load_chat_template(str(path)) == FLAG_TEMPLATE
+    assert load_chat_template(REQUEST_TEMPLATE) == REQUEST_TEMPLATE  # inline
+    assert load_chat_template(None) is None
+    with pytest.raises(ConfigError, match="neither a readable file nor a Jinja template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--enable-auto-tool-choice"])
+    assert "--tool-call-parser" in _check_server_args(args)
+    args = parser.parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])
+    assert _check_server_args(args) is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--tool-call-parser", "nope"])

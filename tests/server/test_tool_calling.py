@@ -172,7 +172,12 @@ BAD_REQUESTS = [
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": "an object"}}]), "JSON schema object",
      "tools.0.function.parameters"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "x": {"type": "intger"}}}}}], tool_choice="required"), "json", None),
+        "x": {"type": "intger"}}}}}], tool_choice="required"), "could not be compiled",
+     "tools.0.function.parameters"),
+    (dict(tools=[TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "strng"}}}}}],
+        tool_choice={"type": "function", "function": {"name": "f"}}), "tools[1].function.parameters ('f')",
+     "tools.1.function.parameters"),
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "not among the tools",
      "tool_choice.function.name"),
     (dict(tool_choice="required"), "tool_choice needs tools", "tool_choice"),

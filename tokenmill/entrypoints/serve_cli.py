@@ -15,11 +15,11 @@ from tokenmill.logger import init_logger
 logger = init_logger(__name__)
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
-TOOL_PARSER_NAMES = ("hermes", "llama3_json")  # entrypoints/openai/tool_parsers.py:TOOL_PARSERS (not imported here)
 
 
 def register(subparsers) -> None:
     from tokenmill.entrypoints.cli import add_command, add_engine_args
+    from tokenmill.entrypoints.openai.tool_parsers import TOOL_PARSERS  # plain Python: no server dependency
 
     p = add_command(
         subparsers, "serve", help="run an OpenAI-compatible HTTP server",
@@ -56,7 +56,7 @@ def register(subparsers) -> None:
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let tool_choice "auto" (the default when a request gives tools) read calls from the '
                         "model's text with --tool-call-parser; without it such requests are a 400")
-    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSER_NAMES),
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen) or "
                         "llama3_json (a JSON object {name, parameters}: Llama 3.1+); also the format tools are "
                         "described in for chat templates that ignore them (default: none; hermes for that)")
@@ -134,7 +134,7 @@ def _check_server_args(args: argparse.Namespace) -> Optional[str]:
     if args.max_sequences_per_request < 1:
         return "--max-sequences-per-request must be at least 1"
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        return "--enable-auto-tool-choice needs --tool-call-parser (" + " or ".join(TOOL_PARSER_NAMES) + ")"
+        return "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)"
     return None
 
 

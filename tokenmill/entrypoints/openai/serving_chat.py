@@ -29,8 +29,9 @@ from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMes
 from tokenmill.entrypoints.openai.serving_common import (SSE_DONE, ChoiceProgress, EventStreamResponse, OpenAIServing,
                                                          clamp_logprob, now_s, sse, token_str, usage)
 from tokenmill.entrypoints.openai.tool_parsers import ToolCallStreamer, ToolParser, get_tool_parser, new_call_id
-from tokenmill.entrypoints.openai.tools import (FunctionTool, ToolRequestError, forced_call_output, output_parser,
-                                                parse_tools, resolve_tool_choice, template_conversation)
+from tokenmill.entrypoints.openai.tools import (FunctionTool, ToolRequestError, compile_forced, forced_call_output,
+                                                output_parser, parse_tools, resolve_tool_choice,
+                                                template_conversation)
 
 
 def message_dict(i: int, m: ChatMessage) -> dict:
@@ -150,12 +151,17 @@ class OpenAIServingChat(OpenAIServing):
             params.structured_outputs = forced
         parser = output_parser(choice, self.tool_parser)
 
-        def prepare(tools: PromptTools) -> list[tuple[Optional[str], list[int]]]:  # on a prepare worker
+        def prepare(prompt_tools: PromptTools) -> list[tuple[Optional[str], list[int]]]:  # on a prepare worker
+            if forced is not None:
+                compile_forced(self.engine.engine.structured.compile, choice, tools, forced)
             text = self.render(prompt)
-            return [(text, tools.tokenize(text, add_special_tokens=False))]
+            return [(text, prompt_tools.tokenize(text, add_special_tokens=False))]
 
         request_id = self.new_id("chatcmpl")
-        stream, infos = await self.submit(prepare, params, request_id)
+        try:
+            stream, infos = await self.submit(prepare, params, request_id)
+        except ToolRequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
         created = now_s()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -11,8 +11,8 @@ the conversation a chat template gets.
 - `forced_call_output` turns "required" and a named function into structured output: the named
   function's `parameters` schema (the output is its arguments object), or for "required" a JSON array
   (minItems 1; maxItems 1 without parallel_tool_calls) of `{"name": <const>, "parameters": <schema>}`,
-  one anyOf branch per tool. A schema xgrammar cannot compile is refused by the engine's own
-  validation (an InvalidRequestError naming json).
+  one anyOf branch per tool. `compile_forced` compiles it on the prepare worker with the engine's
+  compiler; a schema xgrammar cannot compile is a 400 naming the tool's parameters.
 - `template_conversation` gives the template what it can use. A template whose source mentions
   `tools` gets the tools as `apply_chat_template(tools=...)`; otherwise the parser's own
   description of them (`ToolParser.render_tools`) goes into the system message, so any model is
@@ -27,7 +27,7 @@ Errors are `ToolRequestError`s: InvalidRequestErrors that carry the field at fau
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.entrypoints.openai.tool_parsers import (HermesToolParser, NamedFunctionParser, RequiredCallsParser,
@@ -153,6 +153,24 @@ def forced_call_output(choice: ToolChoice, tools: list[FunctionTool], parallel_t
             schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema)
     return None
+
+
+def compile_forced(compile: Callable[[StructuredOutputsParams], Any], choice: ToolChoice, tools: list[FunctionTool],
+                   forced: StructuredOutputsParams) -> None:
+    """Compile the forced output with the engine's compiler (cached, so the engine's own validation
+    finds it compiled); if it does not compile, name the tool whose parameters are at fault."""
+    try:
+        compile(forced)
+    except InvalidRequestError:
+        for i, tool in enumerate(tools):
+            if choice.mode == "named" and tool.name != choice.name:
+                continue
+            try:
+                compile(StructuredOutputsParams(json=tool.arguments_schema))
+            except InvalidRequestError as e:
+                raise ToolRequestError(f"tools[{i}].function.parameters ({tool.name!r}) is not a JSON schema the "
+                                       f"output can be constrained to: {e}", f"tools.{i}.function.parameters") from None
+        raise
 
 
 def output_parser(choice: ToolChoice, auto_parser: Optional[ToolParser]) -> Optional[ToolParser]:
