@@ -124,6 +124,19 @@ def test_llama3_json_extract():
         assert found.calls == [] and found.content == text
 
 
+def test_first_call_only():
+    from tokenmill.entrypoints.openai.tools import output_parser
+
+    parser = output_parser(ToolChoice("auto"), HermesToolParser(), parallel_tool_calls=False)
+    text = HERMES_TEXTS[4]
+    assert [c.name for c in parser.extract(text).calls] == ["get_weather"]
+    streamed = stream(parser, text, [5] * 40)
+    assert calls_of(streamed) == [(c.name, c.arguments) for c in parser.extract(text).calls]
+    assert streamed.content == parser.extract(text).content
+    assert output_parser(ToolChoice("auto"), None) is None
+    assert output_parser(ToolChoice("none"), HermesToolParser()) is None
+
+
 def test_registry():
     assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json"]
     with pytest.raises(KeyError, match="hermes"):
@@ -187,14 +200,16 @@ def test_template_conversation_fallback_and_structured():
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "content": '{"temp": 18}', "tool_call_id": "call_1"},
         {"role": "tool", "content": '{"sky": "clear"}', "tool_call_id": "call_2"},
     ]
     plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     conv, passed = template_conversation(messages, tools, plain, None)
     assert passed is None  # described in the system message instead
-    assert conv[0]["role"] == "system" and conv[0]["content"].startswith("Be brief.\n\n") and "<tools>" in conv[0]["content"]
+    assert conv[0]["role"] == "system" and conv[0]["content"].startswith("Be brief.\n\n")
+    assert "<tools>" in conv[0]["content"]
     assert "get_weather" in conv[0]["content"]
     assert conv[2] == {"role": "assistant", "content":
                        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'}

@@ -19,9 +19,9 @@ Message = dict  # {"role": ..., "content": ...}
 
 # apply_chat_template's own parameters, which chat_template_kwargs may not override.
 RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-    "tokenizer_kwargs"})
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 def _option_fields() -> list[tuple[type, dataclasses.Field]]:
@@ -65,7 +65,7 @@ class LLM:
     def __init__(self, model: Optional[str] = None, **kwargs: Any):
         load, config = configs_from_kwargs(model, kwargs)
         self.engine = LLMEngine(load.model, config, dtype=load.dtype, device=load.device,
-                                load_format=load.load_format)
+                                load_format=load.load_format, tokenizer=load.tokenizer)
 
     __init__.__signature__ = _signature()
 

@@ -29,9 +29,10 @@ from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMes
 from tokenmill.entrypoints.openai.serving_common import (SSE_DONE, ChoiceProgress, EventStreamResponse, OpenAIServing,
                                                          clamp_logprob, now_s, sse, token_str, usage)
 from tokenmill.entrypoints.openai.tool_parsers import ToolCallStreamer, ToolParser, get_tool_parser, new_call_id
-from tokenmill.entrypoints.openai.tools import (FunctionTool, ToolRequestError, compile_forced, forced_call_output,
-                                                output_parser, parse_tools, resolve_tool_choice,
+from tokenmill.entrypoints.openai.tools import (FunctionTool, ToolChoice, ToolRequestError, compile_forced,
+                                                forced_call_output, output_parser, parse_tools, resolve_tool_choice,
                                                 template_conversation)
+from tokenmill.structured_outputs import StructuredOutputsParams
 
 
 def message_dict(i: int, m: ChatMessage) -> dict:
@@ -109,6 +110,18 @@ def chat_logprobs(c: CompletionOutput, start: int, end: int, top_k: int) -> dict
     return {"content": content}
 
 
+@dataclass
+class ToolPlan:
+    """What a request's tools mean for it: the tools, the resolved tool_choice, the structured output
+    that forces a call (required, named), and the parser that reads calls out of the output (None:
+    no calls can be made)."""
+
+    tools: list[FunctionTool]
+    choice: ToolChoice
+    forced: Optional[StructuredOutputsParams]
+    parser: Optional[ToolParser]
+
+
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args, chat_template: Optional[str] = None, tool_call_parser: Optional[str] = None,
                  enable_auto_tool_choice: bool = False, **kwargs):
@@ -128,32 +141,37 @@ class OpenAIServingChat(OpenAIServing):
         """The prompt text (call it on a worker thread: templates can be slow)."""
         return prompt.render(self._templates, self.tool_parser)
 
-    async def create(self, req: ChatCompletionRequest, raw_request: Request):
-        model = self.model_name(req.model)
+    def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan:
         try:
             tools = parse_tools(req.tools)
             choice = resolve_tool_choice(req.tool_choice, tools,
                                          self.tool_parser.name if self.auto_tool_choice else None)
         except ToolRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
+        parallel = req.parallel_tool_calls is not False
+        return ToolPlan(tools, choice, forced_call_output(choice, tools, parallel),
+                        output_parser(choice, self.tool_parser, parallel))
+
+    async def create(self, req: ChatCompletionRequest, raw_request: Request):
+        model = self.model_name(req.model)
+        plan = self.tool_plan(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
-        prompt = self.chat_prompt(req.messages, tools, req)
+        prompt = self.chat_prompt(req.messages, plan.tools, req)
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self.check_sequences(1, req.n, "n")
         params = self.sampling_params(req, max_tokens, top_k)
-        forced = forced_call_output(choice, tools, req.parallel_tool_calls is not False)
-        if forced is not None:
+        if plan.forced is not None:
             if params.structured_outputs is not None:
-                raise APIError(400, f"tool_choice {choice.mode!r} constrains the output itself; it cannot be "
+                raise APIError(400, f"tool_choice {plan.choice.mode!r} constrains the output itself; it cannot be "
                                     "combined with response_format or structured output fields", param="tool_choice")
-            params.structured_outputs = forced
-        parser = output_parser(choice, self.tool_parser)
+            params.structured_outputs = plan.forced
+        parser = plan.parser
 
         def prepare(prompt_tools: PromptTools) -> list[tuple[Optional[str], list[int]]]:  # on a prepare worker
-            if forced is not None:
-                compile_forced(self.engine.engine.structured.compile, choice, tools, forced)
+            if plan.forced is not None:
+                compile_forced(self.engine.engine.structured.compile, plan.choice, plan.tools, plan.forced)
             text = self.render(prompt)
             return [(text, prompt_tools.tokenize(text, add_special_tokens=False))]
 

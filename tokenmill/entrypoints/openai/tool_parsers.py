@@ -17,7 +17,8 @@ Registered by name (`TOOL_PARSERS`, `get_tool_parser`; vLLM's `--tool-call-parse
   JSON object `{"name": ..., "parameters": {...}}`, or several separated by `;`; otherwise the whole
   output is content.
 
-Two more parsers, not registered, read the output that tool_choice `required` and a named function
+`FirstCallOnly` wraps a parser to keep only its first call (parallel_tool_calls false). Two more
+parsers, not registered, read the output that tool_choice `required` and a named function
 constrain with structured output (a JSON array of `{"name", "parameters"}`, and the arguments object).
 
 Malformed JSON never raises: what does not parse as a call stays content. Streamed calls come out
@@ -522,6 +523,50 @@ class RequiredCallsStreamer(ToolCallStreamer):
             return StreamDelta()
         # Not a complete array of calls (cut short): what was not emitted as calls is content.
         return StreamDelta(content=self.text if self.calls == 0 else "")
+
+
+class FirstCallOnly(ToolParser):
+    """Another parser, keeping only its first call (parallel_tool_calls false with tool_choice auto)."""
+
+    def __init__(self, parser: ToolParser):
+        self.parser = parser
+        self.name = parser.name
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        found = self.parser.extract(text)
+        return ExtractedToolCalls(found.content, found.calls[:1])
+
+    def streamer(self) -> ToolCallStreamer:
+        return _FirstCallStreamer(self.parser.streamer())
+
+    def render_tools(self, tools: list[dict]) -> str:
+        return self.parser.render_tools(tools)
+
+    def render_calls(self, calls: list[dict]) -> str:
+        return self.parser.render_calls(calls)
+
+    def render_result(self, content: str, name: Optional[str] = None) -> str:
+        return self.parser.render_result(content, name)
+
+
+class _FirstCallStreamer(ToolCallStreamer):
+    def __init__(self, inner: ToolCallStreamer):
+        self.inner = inner
+
+    @property
+    def num_calls(self) -> int:
+        return min(self.inner.num_calls, 1)
+
+    @staticmethod
+    def _first(delta: StreamDelta) -> StreamDelta:
+        delta.tool_calls = [d for d in delta.tool_calls if d.index == 0]
+        return delta
+
+    def feed(self, text: str) -> StreamDelta:
+        return self._first(self.inner.feed(text))
+
+    def finish(self) -> StreamDelta:
+        return self._first(self.inner.finish())
 
 
 class JsonScanner:

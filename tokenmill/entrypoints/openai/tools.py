@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.entrypoints.openai.tool_parsers import (HermesToolParser, NamedFunctionParser, RequiredCallsParser,
-                                                      ToolParser)
+from tokenmill.entrypoints.openai.tool_parsers import (FirstCallOnly, HermesToolParser, NamedFunctionParser,
+                                                      RequiredCallsParser, ToolParser)
 from tokenmill.structured_outputs import StructuredOutputsParams
 
 _NAME = re.compile(r"^[A-Za-z0-9_\-.]{1,64}$")
@@ -173,14 +173,16 @@ def compile_forced(compile: Callable[[StructuredOutputsParams], Any], choice: To
         raise
 
 
-def output_parser(choice: ToolChoice, auto_parser: Optional[ToolParser]) -> Optional[ToolParser]:
-    """What reads the output into calls: None when no calls can be made."""
+def output_parser(choice: ToolChoice, auto_parser: Optional[ToolParser], parallel_tool_calls: bool = True
+                  ) -> Optional[ToolParser]:
+    """What reads the output into calls: None when no calls can be made. Without parallel calls,
+    "auto" keeps the first call it finds (the forced choices' schema allows only one)."""
     if choice.mode == "named":
         return NamedFunctionParser(choice.name)
     if choice.mode == "required":
         return RequiredCallsParser()
-    if choice.mode == "auto":
-        return auto_parser
+    if choice.mode == "auto" and auto_parser is not None:
+        return auto_parser if parallel_tool_calls else FirstCallOnly(auto_parser)
     return None
 
 
