@@ -98,6 +98,16 @@ def test_request_chat_template_overrides(server, client):
                                        extra_body={"chat_template": REQUEST_TEMPLATE,
                                                    "chat_template_kwargs": {"who": "xyz"}})
     assert r.usage.prompt_tokens == out["count"]
+    # A template that handles tools gets them, and the calls and results, structured.
+    aware = ("{% for t in tools %}T:{{ t.function.name }};{% endfor %}{% for m in messages %}{{ m.role }}:"
+             "{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments.city }}){% endfor %}"
+             "{{ m.content }}{{ m.tool_call_id or '' }}|{% endfor %}")
+    conversation = HI + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_7", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_7", "content": "-3"}]
+    text = detokenize(server, tokenize(server, messages=conversation, tools=[TOOL], chat_template=aware)["tokens"])
+    assert text == "T:get_weather;user:Hello there|assistant:get_weather(Oslo)|tool:-3call_7|"
     # Tools reach a template that ignores them as a system message (hermes' format by default).
     text = detokenize(server, tokenize(server, messages=HI, tools=[TOOL])["tokens"])
     assert text.startswith("<|im_start|>system\n") and '"name": "get_weather"' in text and "<tool_call>" in text

@@ -137,6 +137,17 @@ def test_first_call_only():
     assert output_parser(ToolChoice("none"), HermesToolParser()) is None
 
 
+@pytest.mark.parametrize("parser,text", [
+    (HermesToolParser(), "<tool_call>" + "[" * 5000),
+    (Llama3JsonToolParser(), '{"name": "a", "parameters": ' + "[" * 5000),
+    (RequiredCallsParser(), "[" * 5000), (NamedFunctionParser("f"), "{" * 5000)])
+def test_absurd_nesting_is_content_not_an_exception(parser, text):
+    assert parser.extract(text).calls == []
+    streamed = stream(parser, text, [100] * 60)
+    if not isinstance(parser, NamedFunctionParser):  # whose arguments stream as they come
+        assert calls_of(streamed) == []
+
+
 def test_registry():
     assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json"]
     with pytest.raises(KeyError, match="hermes"):

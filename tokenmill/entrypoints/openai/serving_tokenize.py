@@ -10,11 +10,15 @@ the event loop, as the chat route's rendering does.
 
 import asyncio
 
+from tokenmill.engine.async_engine import check_encodable
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.tools import ToolRequestError, parse_tools
-from tokenmill.engine.async_engine import check_encodable
+from tokenmill.errors import InvalidRequestError
+from tokenmill.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 class OpenAIServingTokenization:
@@ -48,11 +52,18 @@ class OpenAIServingTokenization:
 
         def work() -> tuple[list[int], list[str]]:
             rendered = self.chat.render(prompt) if prompt is not None else text
+            check_encodable(rendered, "the rendered prompt")  # tools and template variables are free text
             ids = list(self.tokenizer(rendered, add_special_tokens=special)["input_ids"])
             strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
             return ids, strs
 
-        ids, strs = await asyncio.to_thread(work)
+        try:
+            ids, strs = await asyncio.to_thread(work)
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # a tokenizer or template failing on odd input in a way of its own
+            logger.warning("a /tokenize request could not be processed: %r", e)
+            raise InvalidRequestError(f"the request could not be processed: {type(e).__name__}: {e}") from None
         out = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
         if strs is not None:
             out["token_strs"] = strs

@@ -32,6 +32,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Optional
 
+JSON_ERRORS = (ValueError, RecursionError)  # what json.loads raises on bad (or absurdly nested) text
 CallDict = dict  # OpenAI's {"id", "type": "function", "function": {"name", "arguments": <JSON text>}}
 
 
@@ -103,7 +104,7 @@ def call_from_object(obj, args_keys: tuple[str, ...]) -> Optional[ToolCall]:
     if isinstance(args, str):  # some models emit the arguments as JSON text
         try:
             args = json.loads(args)
-        except ValueError:
+        except JSON_ERRORS:
             return None
     if not isinstance(args, dict):
         return None
@@ -156,7 +157,7 @@ def _arguments_object(arguments) -> object:
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except ValueError:
+        except JSON_ERRORS:
             return arguments
     return arguments
 
@@ -170,7 +171,7 @@ class HermesToolParser(ToolParser):
     def parse_block(cls, body: str) -> Optional[ToolCall]:
         try:
             obj = json.loads(body)
-        except ValueError:
+        except JSON_ERRORS:
             return None
         return call_from_object(obj, ("arguments", "parameters"))
 
@@ -324,7 +325,7 @@ class Llama3JsonToolParser(ToolParser):
         while True:
             try:
                 obj, pos = decoder.raw_decode(body, pos)
-            except ValueError:
+            except JSON_ERRORS:
                 return []
             call = call_from_object(obj, ("parameters", "arguments"))
             if call is None:
@@ -411,7 +412,7 @@ class NamedFunctionParser(ToolParser):
     def extract(self, text: str) -> ExtractedToolCalls:
         try:
             args = json.loads(text)
-        except ValueError:
+        except JSON_ERRORS:
             return ExtractedToolCalls(text)  # cut short (max_tokens): no call
         if not isinstance(args, dict):
             return ExtractedToolCalls(text)
@@ -460,7 +461,7 @@ class RequiredCallsParser(ToolParser):
     def extract(self, text: str) -> ExtractedToolCalls:
         try:
             items = json.loads(text)
-        except ValueError:
+        except JSON_ERRORS:
             return ExtractedToolCalls(text)
         calls = [call_from_object(item, ("parameters",)) for item in items] if isinstance(items, list) else [None]
         if not calls or any(c is None for c in calls):
@@ -507,7 +508,7 @@ class RequiredCallsStreamer(ToolCallStreamer):
                 call = None
                 try:
                     call = call_from_object(json.loads(self.text[self.element_start:pos + 1]), ("parameters",))
-                except ValueError:
+                except JSON_ERRORS:
                     pass
                 if call is None:
                     self.broken = True

@@ -241,6 +241,6 @@ def _for_template(call: dict) -> dict:
     function = dict(call["function"])
     try:
         function["arguments"] = json.loads(function["arguments"])
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         pass
     return dict(call, function=function)
