@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.kernels.token_mask import NO_TOKEN, WILDCARD, ban_bad_words, ban_bad_words_ref
+from tokenmill.kernels.token_mask import NO_TOKEN, WILDCARD, apply_bad_words_ref, ban_bad_words, ban_bad_words_ref
 from tokenmill.runner.sample.sampler import Sampler
 from tokenmill.runner.sample.token_mask import TokenMaskStage
 from tokenmill.sampling_params import SamplingParams
+from tests.kernels.common import DEVICES
 from tests.runner.common import CPU, V, batch, new_request, random_logits
 
 NEG = float("-inf")
@@ -55,6 +56,39 @@ def test_ban_bad_words_matches_the_reference():
     assert torch.equal(logits, want)
     assert banned(logits)[1] == sorted(set(last[1].tolist())), "matching words ban their last tokens"
     assert 0 < sum(len(r) for r in banned(logits)) < b * s
+
+
+def random_tables(gen: torch.Generator, rows: int = 6, words: int = 12, width: int = 5, ring: int = 8):
+    prefix = torch.randint(0, 3, (rows, words, width), generator=gen, dtype=torch.int32)
+    for r in range(rows):
+        for w in range(words):
+            prefix[r, w, : int(torch.randint(0, width + 1, (1,), generator=gen))] = WILDCARD
+    last = torch.randint(0, V, (rows, words), generator=gen, dtype=torch.int32)
+    last[0, 5:] = -1
+    return prefix, last, torch.randint(0, 3, (rows, ring), generator=gen, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_words_kernel_matches_the_reference(device):
+    """The Triton kernel (interpreted on the CPU) against the torch ops: the ring's update and the bans,
+    over tracked rows (fresh token or not, short sequences), untracked rows and a row seen twice."""
+    from tokenmill.kernels.token_mask_triton import apply_bad_words_triton
+
+    gen = torch.Generator().manual_seed(5)
+    prefix, last, ring = random_tables(gen)
+    known = torch.tensor([3, 2**62, 10, 4, 2**62, 1])
+    last_sampled = torch.randint(0, 3, (6,), generator=gen)
+    idx = torch.tensor([0, 1, 2, 3, 4, 5, 1])
+    positions = torch.tensor([4, 9, 7, 12, 3, 2, 10], dtype=torch.int32)  # rows 0, 3, 5 take last_sampled
+    for count, length in ((12, 5), (7, 3), (12, 0)):
+        logits = random_logits(len(idx))
+        want, want_ring = logits.clone(), ring.clone()
+        apply_bad_words_ref(want, idx, positions, known, last_sampled, want_ring, prefix, last, count, length)
+        got, got_ring = logits.to(device), ring.to(device)
+        apply_bad_words_triton(got, idx.to(device), positions.to(device), known.to(device), last_sampled.to(device),
+                               got_ring if length else None, prefix.to(device), last.to(device), count, length)
+        assert torch.equal(got.cpu(), want) and torch.equal(got_ring.cpu(), want_ring), (count, length)
+        assert (want == NEG).any()
 
 
 def test_allowed_token_ids_and_one_token_words():

@@ -9,9 +9,19 @@ it matches no word). A word of one token has a prefix of wildcards only: it is b
 ban_bad_words is the vectorised torch version (device ops only, no host read: compare, reduce,
 then one scatter with amin, so that duplicates and padding never undo a ban); ban_bad_words_ref
 is a plain loop over rows and words, for the tests.
+
+apply_bad_words is the sampler stage's whole step over per-request tables (runner/sample/
+token_mask.py): it first records each tracked row's newest token in the row's history ring (the
+token at position p - 1 sits in column (p - 1) % RING; it comes from last_sampled when p - 1 is at
+or past what was known at admission), then reads the ring and bans. apply_bad_words_ref does it
+in torch ops (about thirty launches); the Triton kernel (token_mask_triton.py) in one.
 """
 
+from typing import Optional
+
 import torch
+
+from tokenmill.kernels._dispatch import use_triton
 
 WILDCARD = -1  # a prefix column left of a shorter word's tokens: matches anything
 NO_TOKEN = -2  # a history column before the sequence's first token: matches no token
@@ -37,3 +47,37 @@ def ban_bad_words_ref(logits: torch.Tensor, history: torch.Tensor, prefix: torch
             word = [t for t in prefix[b, s].tolist() if t != WILDCARD]
             if not word or before[len(before) - len(word):] == word:
                 logits[b, token] = float("-inf")
+
+
+def apply_bad_words_ref(logits: torch.Tensor, idx: torch.Tensor, positions: torch.Tensor, known: torch.Tensor,
+                        last_sampled: torch.Tensor, ring: Optional[torch.Tensor], prefix: torch.Tensor,
+                        last: torch.Tensor, count: int, length: int) -> None:
+    """logits [B, V] float (written in place); idx [B] request rows; positions [B] the sampled
+    token's; known [R] tokens known at admission (a huge value for rows without a history);
+    last_sampled [R]; ring [R, RING] int32, written (None when length is 0); prefix [R, S, L] and
+    last [R, S] int32 (the words); count <= S and length <= L: the words and prefix columns to read."""
+    if length:
+        width = ring.shape[1]
+        positions = positions.long()
+        prev = positions - 1
+        fresh = prev >= known[idx]
+        col = prev.clamp(min=0) % width
+        ring[idx, col] = torch.where(fresh, last_sampled[idx].to(ring.dtype), ring[idx, col])
+        at = positions[:, None] + torch.arange(-length, 0, device=positions.device)
+        tokens = ring[idx[:, None], at.clamp(min=0) % width]
+        history = torch.where(at >= 0, tokens, torch.full_like(tokens, NO_TOKEN))
+    else:
+        history = torch.empty((idx.shape[0], 0), dtype=torch.int32, device=logits.device)
+    heads = prefix[idx, :count, prefix.shape[2] - length:]
+    ban_bad_words(logits, history, heads, last[idx, :count])
+
+
+def apply_bad_words(logits: torch.Tensor, idx: torch.Tensor, positions: torch.Tensor, known: torch.Tensor,
+                    last_sampled: torch.Tensor, ring: Optional[torch.Tensor], prefix: torch.Tensor,
+                    last: torch.Tensor, count: int, length: int) -> None:
+    if use_triton(logits):
+        from tokenmill.kernels.token_mask_triton import apply_bad_words_triton
+
+        apply_bad_words_triton(logits, idx, positions, known, last_sampled, ring, prefix, last, count, length)
+    else:
+        apply_bad_words_ref(logits, idx, positions, known, last_sampled, ring, prefix, last, count, length)

@@ -5,9 +5,9 @@
   structured-output kernel (kernels/token_bitmask.py); rows without the list hold all ones.
 - bad_words (SamplingParams.bad_words_token_ids, one or two token sequences a word): a word of one
   token is banned always; of several, its last token is banned when the tokens before the sampled
-  one equal the word's other tokens (kernels/token_mask.py). Words are stored right-aligned in a
-  [R, S, L] prefix table and a [R, S] table of last tokens (S = 2 * MAX_BAD_WORDS spellings,
-  L = MAX_BAD_WORD_TOKENS - 1).
+  one equal the word's other tokens (kernels/token_mask.py: one Triton program per logits row on
+  CUDA, torch ops elsewhere). Words are stored right-aligned in a [R, S, L] prefix table and a
+  [R, S] table of last tokens (S = 2 * MAX_BAD_WORDS spellings, L = MAX_BAD_WORD_TOKENS - 1).
 
 The tokens before the sampled one. The runner keeps no token history on the device outside
 speculative decoding, so rows with words of several tokens keep their own: a ring [R, W] (W =
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from tokenmill.kernels.token_bitmask import apply_token_bitmask
-from tokenmill.kernels.token_mask import NO_TOKEN, WILDCARD, ban_bad_words
+from tokenmill.kernels.token_mask import NO_TOKEN, WILDCARD, apply_bad_words
 from tokenmill.logger import init_logger
 from tokenmill.messages import NewRequestData
 from tokenmill.runner.request_states import RowParams
@@ -124,27 +124,11 @@ class TokenMaskStage(SamplingStage):
         if self.has_allowed[rows].any():
             apply_token_bitmask(logits, self.allowed.gpu[idx])
         count = int(self.word_count[rows].max())
-        if count == 0:
-            return
-        length = int(self.prefix_len[rows].max())
-        if length:
-            history = self._read_history(idx, batch.positions.long(), length)
-        else:
-            history = torch.empty((len(rows), 0), dtype=torch.int32, device=logits.device)
-        prefix = self.prefix.gpu.view(self.max_num_reqs, MAX_WORDS, PREFIX)[idx, :count, PREFIX - length:]
-        ban_bad_words(logits, history, prefix, self.last.gpu[idx, :count])
-
-    def _read_history(self, idx: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
-        """[B, length]: the tokens at positions p - length ... p - 1 of each row (NO_TOKEN before
-        the first), after writing the token of p - 1 from last_sampled where it came after admission."""
-        ring = self.history.gpu
-        prev = positions - 1
-        fresh = prev >= self.known_gpu[idx]  # never for rows without a history (NOT_TRACKED)
-        col = prev.clamp(min=0) % RING
-        ring[idx, col] = torch.where(fresh, self.last_sampled[idx].to(ring.dtype), ring[idx, col])
-        at = positions[:, None] + torch.arange(-length, 0, device=positions.device)
-        tokens = ring[idx[:, None], at.clamp(min=0) % RING]
-        return torch.where(at >= 0, tokens, torch.full_like(tokens, NO_TOKEN))
+        if count:
+            ring = self.history.gpu if self.history is not None else None
+            prefix = self.prefix.gpu.view(self.max_num_reqs, MAX_WORDS, PREFIX)
+            apply_bad_words(logits, idx, batch.positions, self.known_gpu, self.last_sampled, ring, prefix,
+                            self.last.gpu, count, int(self.prefix_len[rows].max()))
 
     # ---- tables ---------------------------------------------------------------------------
     def _add_allowed(self, row: int, allowed: Optional[list[int]]) -> None:
