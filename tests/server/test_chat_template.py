@@ -104,7 +104,8 @@ def test_request_chat_template_overrides(server, client):
              "{{ m.content }}{{ m.tool_call_id or '' }}|{% endfor %}")
     conversation = HI + [
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_7", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"id": "call_7", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "call_7", "content": "-3"}]
     text = detokenize(server, tokenize(server, messages=conversation, tools=[TOOL], chat_template=aware)["tokens"])
     assert text == "T:get_weather;user:Hello there|assistant:get_weather(Oslo)|tool:-3call_7|"

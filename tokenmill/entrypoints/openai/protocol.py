@@ -3,8 +3,9 @@
 Field names, defaults and meanings follow OpenAI's public API reference. Fields OpenAI does not
 have (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
 include_stop_str_in_output, add_generation_prompt, chat_template, chat_template_kwargs) are
-extensions with the same names vLLM uses, as are the /tokenize and /detokenize bodies. Unknown fields are ignored, so newer clients keep working. Bounds that protect the engine (integers
-that must fit its int64 tables, the number of choices) are enforced here; the rest is checked by
+extensions with the same names vLLM uses, as are the /tokenize and /detokenize bodies. Unknown
+fields are ignored, so newer clients keep working. Bounds that protect the engine (integers that
+must fit its int64 tables, the number of choices) are enforced here; the rest is checked by
 SamplingParams and the engine, which know the model.
 """
 
@@ -114,7 +115,8 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: Optional[dict[str, Any]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = Field(
-        None, description="none, auto (the default with tools), required, or {'type': 'function', 'function': {'name'}}")
+        None, description="none, auto (the default with tools), required, or "
+                          "{'type': 'function', 'function': {'name'}}")
     parallel_tool_calls: Optional[bool] = Field(True, description="false: at most one call")
 
 

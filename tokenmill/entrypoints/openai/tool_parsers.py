@@ -23,7 +23,8 @@ constrain with structured output (a JSON array of `{"name", "parameters"}`, and 
 
 Malformed JSON never raises: what does not parse as a call stays content. Streamed calls come out
 whole (a start delta with id and name, then the complete arguments in one piece) once their block
-is complete, except for a named function, whose arguments stream as they are generated.
+is complete, except for a named function, whose arguments stream as they are generated (and, cut
+short at max_tokens, are incomplete JSON, as OpenAI's are).
 """
 
 import json
@@ -410,13 +411,9 @@ class NamedFunctionParser(ToolParser):
         self.function = function
 
     def extract(self, text: str) -> ExtractedToolCalls:
-        try:
-            args = json.loads(text)
-        except JSON_ERRORS:
-            return ExtractedToolCalls(text)  # cut short (max_tokens): no call
-        if not isinstance(args, dict):
-            return ExtractedToolCalls(text)
-        return ExtractedToolCalls("", [ToolCall(self.function, text)])
+        # Cut short at max_tokens, the arguments are incomplete JSON (finish_reason "length"), as
+        # OpenAI returns them.
+        return ExtractedToolCalls("", [ToolCall(self.function, text)]) if text else ExtractedToolCalls(text)
 
     def streamer(self) -> ToolCallStreamer:
         return NamedFunctionStreamer(self.function)
@@ -459,14 +456,9 @@ class RequiredCallsParser(ToolParser):
     name = "required"
 
     def extract(self, text: str) -> ExtractedToolCalls:
-        try:
-            items = json.loads(text)
-        except JSON_ERRORS:
-            return ExtractedToolCalls(text)
-        calls = [call_from_object(item, ("parameters",)) for item in items] if isinstance(items, list) else [None]
-        if not calls or any(c is None for c in calls):
-            return ExtractedToolCalls(text)
-        return ExtractedToolCalls("", calls)
+        streamer = RequiredCallsStreamer()
+        content = streamer.feed(text).extend(streamer.finish()).content
+        return ExtractedToolCalls(content, streamer.found)
 
     def streamer(self) -> ToolCallStreamer:
         return RequiredCallsStreamer()
@@ -479,13 +471,14 @@ class RequiredCallsParser(ToolParser):
 
 
 class RequiredCallsStreamer(ToolCallStreamer):
-    """Each element of the array is emitted as a call when it closes; text that turns out not to be
-    an array of calls comes out as content at the end."""
+    """Each element of the array is emitted as a call when it closes (cut short at max_tokens, the
+    calls completed are the calls); an output without a complete call is content, at the end."""
 
     def __init__(self):
         self.text = ""
         self.scanner = JsonScanner()
         self.element_start: Optional[int] = None
+        self.found: list[ToolCall] = []
         self.calls = 0
         self.broken = False
 
@@ -514,15 +507,12 @@ class RequiredCallsStreamer(ToolCallStreamer):
                     self.broken = True
                 else:
                     out.tool_calls.extend(call_deltas(self.calls, call))
+                    self.found.append(call)
                     self.calls += 1
                 self.element_start = None
         return out
 
     def finish(self) -> StreamDelta:
-        found = RequiredCallsParser().extract(self.text)
-        if found.calls and len(found.calls) == self.calls:
-            return StreamDelta()
-        # Not a complete array of calls (cut short): what was not emitted as calls is content.
         return StreamDelta(content=self.text if self.calls == 0 else "")
 
 
