@@ -28,6 +28,8 @@ PACKAGES=(
   prometheus-client==0.26.0
   typing-extensions==4.16.0     # fallback, see above
   anyio==4.16.0                 # fallback, see above
+  xgrammar==0.2.9               # structured output (bench structured, GPU tests)
+  apache-tvm-ffi==0.1.15.post2  # xgrammar
 )
 
 mkdir -p "$DEST"

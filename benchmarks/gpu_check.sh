@@ -23,6 +23,9 @@
 #   small-spec  offline-small with n-gram speculation (k = 3, real lookups: random prompts match
 #             nothing), $REPEAT runs, tagged spec-ngram
 #   serve-spec  serve-8b as `serve`, with $SPEC_CONFIG, tagged spec
+#   structured  bench structured: structured-small (Qwen3-0.6B preset, batch 64) with and without
+#             JSON-schema grammars, $REPEAT runs; the grammars use the tokenizer $TOKENIZER (default
+#             smollm2-135m-instruct: the embedded model's, from the installed package or a GGUF path)
 #   8b        offline-8b throughput, $REPEAT runs
 #   prefill   prefill-8b throughput, $REPEAT runs
 #   serve     serve-8b through `tokenmill serve` (launched here), Poisson at $SERVE_RATE req/s (default 8)
@@ -37,7 +40,7 @@
 # combined figure), summary.txt (the summary table) and gpu_check.log (everything, tee'd).
 # Scratch results go to a fresh temporary directory outside $OUT.
 #
-# Environment: OUT, PHASES, REPEAT, LAT_REPEAT, SERVE_RATE, SPEC_CONFIG, BASE_TREE (default build/base), PROFILES (workloads the profile phase
+# Environment: OUT, PHASES, REPEAT, LAT_REPEAT, SERVE_RATE, SPEC_CONFIG, TOKENIZER, BASE_TREE (default build/base), PROFILES (workloads the profile phase
 # traces, default "latency-8b offline-small"), PYTHON (default python3), BUDGET_S (seconds
 # this script may take in all, default 585: each phase gets what is left, minus a margin for the final
 # merge, and is interrupted with SIGINT when it runs out), BENCH_ARGS (extra flags for every bench).
@@ -57,6 +60,7 @@ BUDGET_S=${BUDGET_S:-585}
 BENCH_ARGS=${BENCH_ARGS:-}
 PROFILES=${PROFILES:-"latency-8b offline-small"}
 BASE_TREE=${BASE_TREE:-build/base}
+TOKENIZER=${TOKENIZER:-smollm2-135m-instruct}
 SPEC_CONFIG=${SPEC_CONFIG:-'{"method": "ngram", "num_speculative_tokens": 3, "synthetic_acceptance": 0.7}'}
 NGRAM_CONFIG='{"method": "ngram", "num_speculative_tokens": 3}'
 MARGIN_S=25
@@ -160,6 +164,9 @@ for phase in $PHASES; do
             run_phase serve-spec "${BENCH[@]}" serve --workload serve-8b --launch --request-rate "$SERVE_RATE" \
                 --speculative-config "$SPEC_CONFIG" --tag spec --out "$RES" "${EXTRA[@]}"
             grep -h "WARNING\|ERROR" "$RES"/server-*.log 2>/dev/null | tail -40 | tee -a "$LOG" ;;
+        structured)
+            run_phase structured "${BENCH[@]}" structured --workload structured-small --repeat "$REPEAT" \
+                --tokenizer "$TOKENIZER" --out "$RES" "${EXTRA[@]}" ;;
         latency-unfused)
             run_phase latency-unfused "${BENCH[@]}" latency --workload latency-8b --repeat "$LAT_REPEAT" \
                 --no-fused-small-batch-linear --tag unfused --out "$RES" "${EXTRA[@]}" ;;

@@ -224,6 +224,9 @@ class LoadConfig:
         default_help="the embedded smollm2-135m-instruct")
     load_format: str = option("auto", "how to read the model (auto: from the path; dummy: random weights)",
                               choices=("auto", "hf", "gguf", "dummy"))
+    tokenizer: Optional[str] = option(
+        None, "the tokenizer to use instead of the model's: an HF directory, a GGUF file, or "
+              "smollm2-135m-instruct (e.g. for a dummy preset, which has none)", default_help="the model's own")
     # A name, or a torch.dtype from Python; the loader checks it.
     dtype: Any = option("auto", "weights and activations: auto, float32, bfloat16 or float16 (auto: float32 on "
                                 "CPU; on CUDA the checkpoint's half type, else bfloat16)", cli_type=str)

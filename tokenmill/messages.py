@@ -41,11 +41,13 @@ class ScheduledRequest:
 @dataclass
 class GrammarBitmask:
     """Structured output: the packed token masks of a step's entries that have a grammar (the engine
-    fills them; the runner applies them). Row i belongs to req_ids[i]; bit j of int32 word w allows
-    token 32 w + j."""
+    fills them; the runner applies them before sampling). Row i belongs to req_ids[i], for that
+    request's logits row offsets[i] of the step (0 but in a verify step, where row j follows the
+    first j drafts); bit j of int32 word w allows token 32 w + j."""
 
     req_ids: list[str]
     mask: np.ndarray  # [len(req_ids), ceil(vocab / 32)] int32
+    offsets: Optional[np.ndarray] = None  # [len(req_ids)] int64; None: all 0
 
 
 @dataclass
@@ -54,7 +56,6 @@ class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     freed_req_ids: list[str] = field(default_factory=list)  # rows to release before this step
     num_decodes: int = 0  # entries whose prompt was already done (the rest prefill a chunk)
-    grammar_bitmask: Optional[GrammarBitmask] = None  # set only when some entry has a grammar
 
     @property
     def kind(self) -> str:
@@ -106,4 +107,7 @@ class ModelRunnerOutput:
     num_emitted: Optional[np.ndarray] = None  # [B] tokens each entry emitted (speculation: 1 + accepted)
     num_drafts: Optional[np.ndarray] = None  # [B] drafts each entry verified (speculation)
     next_num_drafts: Optional[np.ndarray] = None  # [B] drafts proposed for each entry's next step (speculation)
+    # [B, k] the proposed drafts themselves (-1 past next_num_drafts): only in steps with a grammar
+    # request (structured output walks its matcher through them), else None.
+    next_draft_ids: Optional[np.ndarray] = None
     prompt_logprobs: Optional[PromptLogprobsArrays] = None  # prefill steps where a request asked

@@ -497,3 +497,20 @@ def test_spec_counts_snapshot_since_and_summary():
     assert empty["acceptance_rate"] is None and empty["mean_accepted_length"] is None
     assert empty["acceptance_by_position"] == [None] * 3 and "no draft verified" in format_spec(empty)
     assert spec_summary(None) is None and format_spec(None) == ""
+
+
+@pytest.mark.slow  # the 135M preset (the tokenizer needs its vocabulary) on the CPU: a few seconds
+def test_structured_bench_tiny(tmp_path, capsys):
+    """bench structured: both runs timed at the same batch size, the ratio and mask-fill times
+    reported, JSON outputs checked; a dummy preset gets the embedded model's tokenizer."""
+    rc = main(["bench", "structured", "--workload", "structured-tiny", "--device", "cpu", "--out", str(tmp_path),
+               "--repeat", "1", "--warmup-requests", "1", "--num-prompts", "2", "--output-len", "4"])
+    assert rc == 0
+    r = _load(next(tmp_path.glob("structured-structured-tiny*.json")))
+    s = r["summary"]
+    assert r["tokenizer"] == "smollm2-135m-instruct" and s["batch"] == 2
+    assert s["plain_step_ms"] > 0 and s["mask_fill_ms_mean"] > 0
+    plain, grammar = r["results"]["plain"][0], r["results"]["json"][0]
+    assert plain["full_batch_decode_steps"] > 0 and plain["mask_fill_ms_mean"] is None
+    assert grammar["json_valid"] >= grammar["finished_by_grammar"]
+    assert "with JSON-schema grammars" in capsys.readouterr().out

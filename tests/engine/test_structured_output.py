@@ -187,11 +187,10 @@ def test_compile_cache_is_keyed_by_the_canonical_spec(llm):
 
 
 def test_speculative_decoding_keeps_grammars(smollm):
-    """Grammar requests decode plainly under speculation (no drafts) and still validate; the rest
-    of the batch speculates."""
+    """Grammar requests speculate too (a mask for each draft position) and still validate, greedy
+    and sampled, beside a plain request in the same batches."""
     spec_llm = make_llm(smollm, max_num_seqs=48, num_kv_blocks=512, speculative_config=NGRAM)
-    assert not spec_llm.engine.runner.speculates(SamplingParams(structured_outputs={"json_object": True}))
-    assert spec_llm.engine.runner.speculates(SamplingParams())
+    assert spec_llm.engine.runner.speculates(SamplingParams(structured_outputs={"json_object": True}))
     prompts, params = _schema_requests(spec_llm)
     prompts, params = prompts[:12], params[:12]
     copy = _chat(spec_llm, "Copy exactly: the cat sat on the mat. the cat sat on the mat.")
@@ -203,5 +202,78 @@ def test_speculative_decoding_keeps_grammars(smollm):
     for out, p in zip(outs[:12], params[:12]):
         jsonschema.validate(json.loads(out.outputs[0].text), p.structured_outputs.json)
     assert re.fullmatch("(ab|cd){2}", outs[-1].outputs[0].text)
-    assert spec_llm.engine.spec_stats.drafts > 0  # the plain request did speculate
+    assert spec_llm.engine.spec_stats.drafts > 0
     assert_no_leaks(spec_llm)
+    assert not spec_llm.engine.structured.matchers
+
+
+COPY = "the cat sat on the mat. " * 3
+
+
+def _copy_requests(llm, regex: str, max_tokens: int = 40):
+    prompt = _chat(llm, f"Repeat this text exactly, nothing else: {COPY}")
+    return [prompt], [SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs={"regex": regex})]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_grammar_drafts_accepted_and_greedy_unchanged(smollm, async_scheduling):
+    """A grammar that allows what the n-gram lookup drafts: drafts are verified and accepted (every
+    request of the step has a grammar), and greedy output is token for token the output without
+    speculation."""
+    plain = make_llm(smollm, async_scheduling=async_scheduling)
+    spec = make_llm(smollm, async_scheduling=async_scheduling, speculative_config=NGRAM)
+    regex = r"(the cat sat on the mat\. ){3}"
+    prompts, params = _copy_requests(plain, regex)
+    want = plain.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+    got = spec.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch(regex, want.text)
+    assert got.token_ids == want.token_ids
+    stats = spec.engine.spec_stats
+    assert stats.accepted > 0, "the grammar request verified no accepted draft"
+    assert_no_leaks(spec)
+
+
+def test_grammar_refuses_drafts_it_forbids(smollm):
+    """The n-gram lookup keeps drafting the text it saw (`mat`) where the grammar demands another
+    word: those drafts are rejected, never emitted, and greedy output equals plain decoding's."""
+    plain = make_llm(smollm)
+    spec = make_llm(smollm, speculative_config=NGRAM)
+    regex = r"(the cat sat on the (rug|dog)\. ){3}"
+    prompts, params = _copy_requests(plain, regex)
+    want = plain.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+    got = spec.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch(regex, got.text), got.text
+    assert got.token_ids == want.token_ids
+    stats = spec.engine.spec_stats
+    assert stats.drafts > stats.accepted > 0  # some drafts stood, the forbidden ones did not
+    assert_no_leaks(spec)
+
+
+def test_grammar_masks_follow_each_draft_position(smollm):
+    """The masks the engine sends for a verify step: row j is the grammar's state after the first j
+    drafts, and rows after a refused draft are all ones; the walk leaves the matcher as it was."""
+    import numpy as np
+
+    from tokenmill.messages import ScheduledRequest, SchedulerOutput
+
+    llm = make_llm(smollm)
+    manager, tok = llm.engine.structured, smollm.tokenizer
+    manager.add("r", StructuredOutputsParams(regex="abc"))
+    a, b, c, z = (tok.convert_tokens_to_ids(t) for t in ("a", "b", "c", "z"))
+
+    class Drafting:  # what bitmask() reads of a request: the drafts its device row holds
+        drafts = [a, z, c]
+
+    sched = SchedulerOutput([ScheduledRequest("r", 4, 10, [], True, True)])
+    masks = manager.bitmask(sched, {"r": Drafting()})
+    assert masks.req_ids == ["r"] * 4 and list(masks.offsets) == [0, 1, 2, 3]
+
+    def allowed(row: int, token: int) -> bool:
+        return bool((int(masks.mask[row, token // 32]) >> (token % 32)) & 1)
+
+    assert allowed(0, a) and not allowed(0, b)  # nothing accepted yet: `a` only
+    assert allowed(1, b) and not allowed(1, z)  # after `a`: the next draft `z` is refused here
+    assert (masks.mask[2:] == -1).all()  # rows after the refused draft: all ones (never used)
+    assert manager.accept("r", a) and manager.accept("r", b)  # rolled back: the matcher starts over
+    manager.remove("r")
+    del np

@@ -1,4 +1,4 @@
-"""`tokenmill bench throughput|latency|serve`: registered into the main CLI by `register(subparsers)`."""
+"""`tokenmill bench throughput|latency|serve|structured|profile`: registered into the main CLI by `register(subparsers)`."""
 
 from __future__ import annotations
 
@@ -84,6 +84,10 @@ def register(subparsers) -> None:
     sv.add_argument("--request-timeout", type=float, default=3600.0, help="seconds, for the whole run")
     sv.add_argument("--keep-requests", action="store_true", help="keep every request's TTFT in the JSON")
     sv.set_defaults(func=functools.partial(_run, "serve"))
+
+    st = add_command(sub, "structured", help="step time of one batch with and without JSON-schema grammars")
+    _add_common(st, "structured-small", 3)
+    st.set_defaults(func=functools.partial(_run, "structured"), no_plot=True, warmup_requests=64)
 
     pf = add_command(sub, "profile", help="torch-profiler breakdown of a window of engine steps, per kernel")
     _add_common(pf, "offline-small", 1)

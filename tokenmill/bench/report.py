@@ -154,6 +154,11 @@ def summary_rows(merged: dict) -> list[list[str]]:
                          f"{_fmt(a.get('itl_ms_p99'), '.1f')} ms, {a.get('failed', '-')} failed"
                          + _spec_note(rate.get("speculative")))
                 rows.append([kind, name, tag, _fmt(a.get("output_tok_per_s")), "-", "-", other, dev])
+        elif kind == "structured":
+            other = (f"batch {s.get('batch')}: step {_fmt(s.get('plain_step_ms'), '.2f')} ms plain, "
+                     f"{_fmt(s.get('json_step_ms'), '.2f')} ms JSON ({_fmt(s.get('ratio'), '.3f')}x), "
+                     f"mask fill {_fmt(s.get('mask_fill_ms_mean'), '.2f')} ms")
+            rows.append([kind, name, tag, "-", "-", "-", other, dev])
         else:
             rows.append([kind, name, tag, "-", "-", "-", r.get("error", ""), dev])
     return rows

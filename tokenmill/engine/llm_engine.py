@@ -59,13 +59,14 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, model: Optional[str] = None, config: Optional[EngineConfig] = None, *, dtype="auto",
                  device=None, load_format: str = "auto", loaded: Optional[LoadedModel] = None,
-                 draft_loaded: Optional[LoadedModel] = None):
+                 draft_loaded: Optional[LoadedModel] = None, tokenizer: Optional[str] = None):
         """`loaded` / `draft_loaded`: an already loaded target / draft model (tests share one load);
         the draft is the one of speculative method draft_model, else loaded from its config."""
         self.config = config or EngineConfig()
         self.config.validate()
         self.loaded = loaded or load_model(model, dtype=dtype, device=device, load_format=load_format,
-                                           max_positions=self.config.max_model_len, seed=self.config.seed)
+                                           max_positions=self.config.max_model_len, seed=self.config.seed,
+                                           tokenizer=tokenizer)
         arch = self.loaded.arch
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self.config.resolve_max_model_len(arch.max_position_embeddings)
@@ -262,22 +263,37 @@ class LLMEngine:
 
     def _step(self, emit_unfinished: bool) -> list[RequestOutput]:
         launched = False
+        results: list[RequestOutput] = []
+        completed = 0
         if self.scheduler.has_unfinished:
             sched = self.scheduler.schedule()
             if sched.batch:
-                # Structured output: the step's grammar masks, filled while the previous step runs.
-                sched.grammar_bitmask = self.structured.bitmask(sched)
                 if self.step_log is not None:
                     q = np.fromiter((e.num_tokens for e in sched.batch), np.int64, len(sched.batch))
                     start = np.fromiter((e.start_pos for e in sched.batch), np.int64, len(sched.batch))
                     self.step_log.append(StepShape(q, start + q))
                 self.runner.execute_model(sched)
-                self._inflight.append((sched, self.runner.sample_tokens()))
+                bitmask = None
+                if self.structured.in_step(sched):
+                    # Structured output: while the forward pass runs, take the step in flight (its
+                    # tokens advance the matchers) and fill this step's masks; then sample.
+                    completed = self._complete(0, results, emit_unfinished)
+                    bitmask = self.structured.bitmask(sched, self.scheduler.requests)
+                self._inflight.append((sched, self.runner.sample_tokens(bitmask)))
                 launched = True
             elif sched.freed_req_ids:
                 self.runner.release(sched.freed_req_ids)
-        results: list[RequestOutput] = []
         keep = 1 if (self.config.async_scheduling and launched) else 0
+        completed += self._complete(keep, results, emit_unfinished)
+        # (A speculating request may wait a step for its in-flight tokens without finishing.)
+        if not launched and not completed and self.scheduler.has_unfinished and not self._inflight:
+            raise RuntimeError("the scheduler could not schedule any request (this is a bug)")
+        if not self.scheduler.has_unfinished:  # idle: release the rows of what just finished
+            self.runner.release(self.scheduler.take_freed_ids())
+        return results
+
+    def _complete(self, keep: int, results: list[RequestOutput], emit_unfinished: bool) -> int:
+        """Process in-flight steps, oldest first, until `keep` remain; returns how many."""
         completed = 0
         while len(self._inflight) > keep:
             sched, pending = self._inflight.popleft()
@@ -285,12 +301,7 @@ class LLMEngine:
             completed += 1
             self.last_step_kind = sched.kind
             results.extend(self._process(sched, pending.get(), emit_unfinished))
-        # (A speculating request may wait a step for its in-flight tokens without finishing.)
-        if not launched and not completed and self.scheduler.has_unfinished and not self._inflight:
-            raise RuntimeError("the scheduler could not schedule any request (this is a bug)")
-        if not self.scheduler.has_unfinished:  # idle: release the rows of what just finished
-            self.runner.release(self.scheduler.take_freed_ids())
-        return results
+        return completed
 
     def _process(self, sched: SchedulerOutput, out: ModelRunnerOutput, emit_unfinished: bool) -> list[RequestOutput]:
         changed: dict[str, None] = {}
@@ -325,6 +336,8 @@ class LLMEngine:
                 request = self._take_tokens(out, i, tokens, entry.num_tokens if entry.speculative else 1, changed)
                 if request is not None:
                     request.expects_drafts = bool(out.next_num_drafts[i] > 0)
+                    if request.structured and out.next_draft_ids is not None:  # for its next step's masks
+                        request.drafts = [int(t) for t in out.next_draft_ids[i, : int(out.next_num_drafts[i])]]
 
     def _take_tokens(self, out: ModelRunnerOutput, i: int, tokens, scheduled: int, changed: dict
                      ) -> Optional[Request]:

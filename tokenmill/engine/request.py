@@ -44,8 +44,11 @@ class Request:
     # Whether the latest proposal seen on the CPU had drafts: a decode schedules 1 + k tokens only
     # then (a request whose lookups find nothing decodes one token, at no extra cost).
     expects_drafts: bool = True
-    # Structured output: its decodes wait for the previous token (the grammar mask needs it on the host)
+    # Structured output: a grammar constrains it (engine/structured_output.py fills its masks)
     structured: bool = False
+    # With a grammar and speculation: the drafts its latest step proposed (as the device holds them),
+    # which the matcher walks to fill a mask for each draft position of the next verify step
+    drafts: list[int] = field(default_factory=list)
     num_uncertain: int = 0  # in-flight steps that verify drafts (how many of their tokens stand is not known yet)
     parent_id: Optional[str] = None  # the user's request id when n > 1
     index: int = 0  # which of the n samples

@@ -170,8 +170,6 @@ class Scheduler:
     def _running_tokens(self, request: Request, prefilling: bool, budget: int, prefill_budget: int
                         ) -> tuple[int, bool]:
         """Tokens to schedule for a running request, and whether they verify drafts."""
-        if request.structured and request.num_pending:
-            return 0, False  # its grammar mask needs the in-flight token (structured output)
         # A speculating request whose lookups found nothing, with no verify step in flight, knows its
         # position on the host and decodes exactly as without speculation (no device-side fix-up,
         # one logits row); its step still drafts, so the next may verify.

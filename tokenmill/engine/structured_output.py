@@ -11,11 +11,14 @@ request, and the packed token masks the runner applies.
 - Each live request with a grammar owns a GrammarMatcher (`add`), advanced with every token the
   request emits (`accept`); a token the matcher refuses is never emitted, and a request whose
   matcher has terminated (the grammar is complete and a stop token came) finishes with "stop".
-- `bitmask(sched)`: right after scheduling step N+1 (while step N runs on the device) the matchers
-  of the step's grammar entries fill one int32 row each ([B, ceil(V / 32)], bit j of word w allows
-  token 32 w + j; entries without a grammar or that do not sample get all ones). The scheduler never
-  schedules a grammar request's decode while its previous token is still in flight, so the matcher
-  has seen every earlier token. A step without grammar entries gets no mask at all.
+- `bitmask(sched, requests)`: the step's masks, filled after the step's forward pass was launched
+  and the step before it was processed (so each matcher has seen every earlier token, and async
+  scheduling goes on: only the step's sampling waits for them). One int32 row per logits row of a
+  grammar entry ([rows, ceil(V / 32)], bit j of word w allows token 32 w + j): a verify step's entry
+  gets 1 + its drafts rows, row j being the grammar's state after the first j drafts (the matcher
+  walks the drafts the device will verify, then rolls back). A row after a draft the grammar
+  refuses, or after one that completes it, is all ones: the refused draft is masked in the row
+  before it, so it is rejected there. A step without grammar entries gets no mask at all.
 """
 
 import json
@@ -54,6 +57,7 @@ class StructuredOutputManager:
         self.num_compiled = 0  # compilations (cache misses), for tests and logs
         self.matchers: dict[str, object] = {}  # request id -> GrammarMatcher (engine thread only)
         self._bitmask = None  # a torch int32 [rows, W] scratch that the matchers fill
+        self._batch = None  # an xgrammar BatchGrammarMatcher: fills many rows on several threads
 
     @property
     def num_words(self) -> int:
@@ -133,22 +137,58 @@ class StructuredOutputManager:
     def terminated(self, request_id: str) -> bool:
         return bool(self.matchers[request_id].is_terminated())
 
-    def bitmask(self, sched: SchedulerOutput) -> Optional[GrammarBitmask]:
-        """The step's packed masks, one row per batch entry with a grammar; None when it has none."""
-        if not self.matchers:
-            return None
-        entries = [(i, e) for i, e in enumerate(sched.batch) if e.req_id in self.matchers]
+    def in_step(self, sched: SchedulerOutput) -> bool:
+        """Whether some entry of the step has a grammar (then its sampling waits for bitmask())."""
+        return bool(self.matchers) and any(e.req_id in self.matchers for e in sched.batch)
+
+    def bitmask(self, sched: SchedulerOutput, requests: dict) -> Optional[GrammarBitmask]:
+        """The step's packed masks for its grammar entries (see the module docstring); None when it
+        has none. `requests`: the live requests by id (a speculating entry's drafts)."""
+        entries = [e for e in sched.batch if e.req_id in self.matchers]
         if not entries:
             return None
         import torch
         import xgrammar as xgr
 
-        if self._bitmask is None or self._bitmask.shape[0] < len(entries):
-            self._bitmask = xgr.allocate_token_bitmask(max(len(entries), 8), self.vocab_size)
-        mask = self._bitmask[: len(entries)]
+        # Each entry's logits rows: 1, or 1 + k for a verify step (its drafts are verified up to
+        # num_tokens - 1 of them, as the runner cuts them).
+        counts = [e.num_tokens if e.speculative else 1 for e in entries]
+        total = sum(counts)
+        if self._bitmask is None or self._bitmask.shape[0] < total:
+            self._bitmask = xgr.allocate_token_bitmask(max(total, 8), self.vocab_size)
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher("auto")
+        mask = self._bitmask[:total]
         mask.fill_(-1)
-        for j, (_, entry) in enumerate(entries):
+        req_ids, offsets = [], []
+        walks = []  # (matcher, first row, drafts to walk)
+        row = 0
+        for entry, count in zip(entries, counts):
+            req_ids += [entry.req_id] * count
+            offsets += range(count)
             if entry.samples:
-                self.matchers[entry.req_id].fill_next_token_bitmask(mask, j)
+                request = requests.get(entry.req_id)
+                drafts = request.drafts[: count - 1] if (entry.speculative and request is not None) else []
+                walks.append((self.matchers[entry.req_id], row, drafts))
+            row += count
+        accepted = [0] * len(walks)
+        live = list(range(len(walks)))
+        depth = 0
+        while live:  # row `depth` of every walk still going, in one threaded call
+            self._batch.batch_fill_next_token_bitmask([walks[w][0] for w in live], mask,
+                                                      [walks[w][1] + depth for w in live])
+            going = []
+            for w in live:
+                matcher, _, drafts = walks[w]
+                if depth < len(drafts) and matcher.accept_token(drafts[depth]):
+                    accepted[w] += 1
+                    if not matcher.is_terminated():
+                        going.append(w)
+            live = going
+            depth += 1
+        for (matcher, _, _), n in zip(walks, accepted):
+            if n:
+                matcher.rollback(n)
         assert mask.dtype == torch.int32
-        return GrammarBitmask([e.req_id for _, e in entries], mask.numpy().copy())
+        offsets_arr = np.asarray(offsets, dtype=np.int64) if total > len(entries) else None
+        return GrammarBitmask(req_ids, mask.numpy().copy(), offsets_arr)

@@ -121,7 +121,8 @@ def engine_from_args(args: argparse.Namespace):
     from tokenmill.engine.llm_engine import LLMEngine
 
     load, config = load_config_from_args(args), engine_config_from_args(args)
-    return LLMEngine(load.model, config, dtype=load.dtype, device=load.device, load_format=load.load_format)
+    return LLMEngine(load.model, config, dtype=load.dtype, device=load.device, load_format=load.load_format,
+                     tokenizer=load.tokenizer)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:

@@ -65,7 +65,7 @@ class LLM:
     def __init__(self, model: Optional[str] = None, **kwargs: Any):
         load, config = configs_from_kwargs(model, kwargs)
         self.engine = LLMEngine(load.model, config, dtype=load.dtype, device=load.device,
-                                load_format=load.load_format)
+                                load_format=load.load_format, tokenizer=load.tokenizer)
 
     __init__.__signature__ = _signature()
 
@@ -178,4 +178,6 @@ class LLM:
             raise
         finally:
             bar.close()
+        while engine.has_unfinished_requests():  # a step launched before its requests finished
+            engine.step(emit_unfinished=False)
         return [finished[i] for i in ids]

@@ -96,8 +96,25 @@ def _eos_ids(arch: ModelArchConfig, tokenizer, directory: Optional[str]) -> list
     return sorted(set(ids))
 
 
+def load_tokenizer(reference: str):
+    """A tokenizer by itself (LoadConfig.tokenizer): from an HF directory, a GGUF file, or the
+    embedded model's name."""
+    source = resolve_model(reference, "auto")
+    directory = source.path
+    if source.kind == "gguf":
+        from tokenmill.loader.gguf_loader import convert_gguf_to_hf_dir
+
+        directory = convert_gguf_to_hf_dir(source.path)
+    from tokenmill.loader.tokenizer import load_hf_tokenizer
+
+    tokenizer = load_hf_tokenizer(directory)
+    if tokenizer is None:
+        raise ModelLoadError(f"no tokenizer files in {directory}")
+    return tokenizer
+
+
 def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_format: str = "auto",
-               max_positions: Optional[int] = None, seed: int = 0) -> LoadedModel:
+               max_positions: Optional[int] = None, seed: int = 0, tokenizer: Optional[str] = None) -> LoadedModel:
     started = time.perf_counter()
     dev = resolve_device(device)
     source = resolve_model(model, load_format)
@@ -124,20 +141,26 @@ def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_f
     model_cls = get_model_class(arch.architecture)
     with torch.device(dev):
         net = model_cls(arch, max_positions=max_positions, dtype=torch_dtype, device=dev)
+    tokenizer_ref, tokenizer = tokenizer, None
     if source.kind == "dummy":
         from tokenmill.loader.dummy import initialize_dummy_weights
 
         initialize_dummy_weights(net, seed=seed)
-        tokenizer = None
-        if directory is not None:
+        if directory is not None and tokenizer_ref is None:
             from tokenmill.loader.tokenizer import load_hf_tokenizer
 
             tokenizer = load_hf_tokenizer(directory)
     else:
         _load_checkpoint(net, directory)
-        from tokenmill.loader.tokenizer import load_hf_tokenizer
+        if tokenizer_ref is None:
+            from tokenmill.loader.tokenizer import load_hf_tokenizer
 
-        tokenizer = load_hf_tokenizer(directory)
+            tokenizer = load_hf_tokenizer(directory)
+    if tokenizer_ref is not None:
+        tokenizer = load_tokenizer(tokenizer_ref)  # replaces the model's (dummy presets have none)
+        if len(tokenizer) > arch.vocab_size:
+            raise ModelLoadError(f"the tokenizer {tokenizer_ref} has {len(tokenizer)} tokens, more than the "
+                                 f"model's vocabulary ({arch.vocab_size})")
     net.eval()
     elapsed = time.perf_counter() - started
     logger.info("loaded %s (%s, %s on %s) in %.2fs", source.name, arch.architecture, torch_dtype, dev, elapsed)

@@ -19,15 +19,17 @@ class AsyncOutput:
                  logprobs: Optional[DeviceLogprobs] = None, copy_stream: Optional["torch.cuda.Stream"] = None,
                  num_emitted: Optional[torch.Tensor] = None, num_drafts: Optional[torch.Tensor] = None,
                  next_num_drafts: Optional[torch.Tensor] = None,
-                 prompt_logprobs: Optional[StepPromptLogprobs] = None):
+                 prompt_logprobs: Optional[StepPromptLogprobs] = None, draft_ids: Optional[torch.Tensor] = None):
         """sampled [B], or [B, 1 + k] with num_emitted, num_drafts and next_num_drafts [B]
-        (speculative decoding); prompt_logprobs: the step's, where a request asked."""
+        (speculative decoding; draft_ids [B, k]: the next step's drafts, when a grammar needs them);
+        prompt_logprobs: the step's, where a request asked."""
         self.req_ids = req_ids
         self.sample_mask = sample_mask
         self._event = None
         # on the CPU, already host tensors
         self._sampled, self._logprobs = sampled, logprobs
         self._spec = (num_emitted, num_drafts, next_num_drafts) if num_emitted is not None else None
+        self._drafts = draft_ids
         self._prompt_lp = prompt_logprobs
         if sampled.is_cuda:
             main = torch.cuda.current_stream(sampled.device)
@@ -37,6 +39,8 @@ class AsyncOutput:
                 self._sampled = _to_pinned(sampled, copy_stream)
                 if self._spec is not None:
                     self._spec = tuple(_to_pinned(t, copy_stream) for t in self._spec)
+                if draft_ids is not None:
+                    self._drafts = _to_pinned(draft_ids, copy_stream)
                 if logprobs is not None:
                     self._logprobs = logprobs.map(lambda t: _to_pinned(t, copy_stream))
                 if prompt_logprobs is not None:
@@ -58,8 +62,9 @@ class AsyncOutput:
         prompt_lp = PromptLogprobsArrays(lp.spans, lp.rows.to_arrays()) if lp is not None else None
         if self._spec is None:
             return ModelRunnerOutput(self.req_ids, sampled, logprobs, prompt_logprobs=prompt_lp)
+        drafts = self._drafts.numpy().astype(np.int64) if self._drafts is not None else None
         return ModelRunnerOutput(self.req_ids, sampled, logprobs, *(t.numpy().astype(np.int64) for t in self._spec),
-                                 prompt_logprobs=prompt_lp)
+                                 prompt_logprobs=prompt_lp, next_draft_ids=drafts)
 
 
 def _to_pinned(t: torch.Tensor, stream: "torch.cuda.Stream") -> torch.Tensor:

@@ -16,7 +16,7 @@ from tokenmill.layers.forward_context import AttentionMetadata, AttentionSplitte
 from tokenmill.logger import init_logger
 from tokenmill.runner.async_output import AsyncOutput
 from tokenmill.runner.cuda_graphs import no_garbage_collection
-from tokenmill.messages import SchedulerOutput
+from tokenmill.messages import GrammarBitmask, SchedulerOutput
 from tokenmill.runner.dummy_batch import fill_dummy_batch, split_tokens
 from tokenmill.runner.input_buffers import InputBuffers, StepDescriptor
 from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_cache, cuda_kv_budget_bytes
@@ -24,7 +24,7 @@ from tokenmill.runner.prompt_logprobs import PromptLogprobsComputer
 from tokenmill.runner.request_states import RequestStates
 from tokenmill.runner.sample import Sampler
 from tokenmill.runner.spec_decode.decoder import ProposerContext, SpeculativeDecoder
-from tokenmill.runner.warmup import warm_up_attention, warm_up_forward
+from tokenmill.runner.warmup import warm_up_attention, warm_up_forward, warm_up_token_bitmask
 
 logger = init_logger(__name__)
 
@@ -51,6 +51,8 @@ class ModelRunner:
         drafting = ProposerContext(model, draft_model, max_model_len, config.block_size,
                                    config.fused_small_batch_linear)
         self.spec = SpeculativeDecoder(spec, self.sampler, config.max_num_seqs, device, drafting) if spec else None
+        if spec:  # grammar masks for every row of a verify step
+            self.sampler.grammar.rows_per_request = 1 + spec.num_speculative_tokens
         self.prompt_logprobs = PromptLogprobsComputer(config.max_num_seqs, device)
         self.states = RequestStates(config.max_num_seqs, max_model_len, config.block_size, device,
                                     (self.sampler, self.prompt_logprobs) + ((self.spec,) if self.spec else ()),
@@ -132,6 +134,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         warm_up_forward(self)
+        warm_up_token_bitmask(self)
         variants = warm_up_attention(self)
         torch.cuda.synchronize(self.device)
         logger.info("warm-up: forward passes and %d attention variants compiled", variants)
@@ -174,10 +177,6 @@ class ModelRunner:
             if e.new_block_ids:
                 states.append_blocks(int(row), e.new_block_ids)
         states.apply_staged()
-        if out.grammar_bitmask is not None:  # structured output: the engine's masks for this step
-            masks = out.grammar_bitmask
-            self.sampler.grammar.set_masks(np.fromiter((states.row_of[r] for r in masks.req_ids), np.int64,
-                                                       len(masks.req_ids)), masks.mask)
         q_lens = np.fromiter((e.num_tokens for e in batch), dtype=np.int64, count=len(batch))
         start = np.fromiter((e.start_pos for e in batch), dtype=np.int64, count=len(batch))
         samples = np.fromiter((e.samples for e in batch), dtype=bool, count=len(batch))
@@ -230,10 +229,16 @@ class ModelRunner:
             return self.model(input_ids, positions)
 
     @torch.inference_mode()
-    def sample_tokens(self) -> AsyncOutput:
+    def sample_tokens(self, grammar_bitmask: Optional[GrammarBitmask] = None) -> AsyncOutput:
+        """Sample the step that execute_model() launched; grammar_bitmask: the structured-output masks
+        of its grammar entries, which the engine fills while the forward pass runs."""
         step, logits = self._step, self._logits
         if step is None:
             raise RuntimeError("sample_tokens() needs an execute_model() first")
+        if grammar_bitmask is not None:
+            masks = grammar_bitmask
+            rows = np.fromiter((self.states.row_of[r] for r in masks.req_ids), np.int64, len(masks.req_ids))
+            self.sampler.grammar.set_masks(rows, masks.mask, masks.offsets)
         b = step.num_reqs
         idx = self.buffers.idx_mapping[:b]
         prompt_lp, self._prompt_lp = self._prompt_lp, None
@@ -241,7 +246,7 @@ class ModelRunner:
             out = self.spec.sample_and_update(logits, self._plan, self.buffers, idx, step.rows, self.states)
             self._step = self._logits = self._plan = None
             return AsyncOutput(self._req_ids, out.sampled, step.sample_mask, out.logprobs, self.copy_stream,
-                               out.num_emitted, out.num_drafts, out.next_num_drafts, prompt_lp)
+                               out.num_emitted, out.num_drafts, out.next_num_drafts, prompt_lp, out.draft_ids)
         out = self.sampler(logits, step.rows, idx, self.buffers.seq_lens[:b])
         post_update(idx, out.sampled, self.buffers.sample_mask[:b], b, self.states.last_sampled, out.output_counts)
         self._step = self._logits = None

@@ -3,7 +3,8 @@
 A Triton kernel compiles the first time a launch selects a new specialization; under load, that
 compile (about 1.3 s for the attention kernel on the H200) stalls every running request. The
 decode graphs compile what they capture; the rest is compiled here: the model forward at a few
-step shapes, and every attention variant (tile config x decode grid x split-KV) a step can select.
+step shapes, every attention variant (tile config x decode grid x split-KV) a step can select, and
+the token-bitmask kernel of structured output (the first grammar request would compile it).
 """
 
 import numpy as np
@@ -23,6 +24,15 @@ _FORWARD_SHAPES = ((None, 4), (1024, 1), (64, 8), (32, 2), (96, 4), (257, 3), (3
 def warm_up_forward(runner) -> None:
     for num_tokens, num_reqs in _FORWARD_SHAPES:
         runner.dummy_run(min(num_tokens or runner.max_num_tokens, runner.max_num_tokens), num_reqs)
+
+
+def warm_up_token_bitmask(runner) -> None:
+    """The grammar stage's kernel at the logits' width (the sampler's float32 work copy)."""
+    from tokenmill.kernels.token_bitmask import apply_token_bitmask
+
+    vocab = runner.vocab_size
+    logits = torch.zeros((2, vocab), dtype=torch.float32, device=runner.device)
+    apply_token_bitmask(logits, torch.full((2, -(-vocab // 32)), -1, dtype=torch.int32, device=runner.device))
 
 
 def warm_up_attention(runner) -> int:

@@ -91,6 +91,9 @@ class VerifyPlan:
     num_tokens: int = 0  # the step's tokens
     max_query_len: int = 0
     max_seq_len: int = 0  # host upper bound (speculating entries' positions come from the device)
+    # [num_logits] each logits row's index within its entry's rows, when some row has a grammar
+    # (its masks are per draft position: SampleBatch.offsets); None otherwise.
+    offsets: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -100,6 +103,7 @@ class VerifyOutput:
     num_drafts: torch.Tensor  # [B] int32: the drafts each entry verified
     next_num_drafts: torch.Tensor  # [B] int32: the drafts proposed for each entry's next step
     logprobs: Optional[DeviceLogprobs]
+    draft_ids: Optional[torch.Tensor] = None  # [B, k] those drafts, when a grammar row needs them on the host
 
 
 class SpeculativeDecoder(RowState):
@@ -149,12 +153,12 @@ class SpeculativeDecoder(RowState):
     # ---- the step: inputs ------------------------------------------------------------------
     @staticmethod
     def eligible(params) -> bool:
-        """Penalties and logprobs read each emitted token's own step, and a grammar's mask needs the
-        matcher to have seen every earlier token (the engine fills it on the host), so such requests
-        decode plainly."""
+        """Penalties, logprobs and bad words of several tokens read each emitted token's own step,
+        so such requests decode plainly. A grammar speculates: the engine sends a mask for each draft
+        position (the grammar's state after the drafts before it)."""
         penalised = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
                      or params.presence_penalty != 0.0)
-        return not penalised and params.logprobs is None and params.structured_outputs is None
+        return not penalised and params.logprobs is None and not params.multi_token_bad_words
 
     def prepare(self, buffers, states: RequestStates, batch, rows: np.ndarray, q_lens: np.ndarray) -> VerifyPlan:
         """After the plain input preparation: the speculating entries' inputs, and the step's logits rows."""
@@ -169,16 +173,22 @@ class SpeculativeDecoder(RowState):
         logit_rows = np.repeat(first - cu[:-1], counts) + np.arange(cu[-1])
         expanded = np.repeat(rows, counts)
         n, b = len(logit_rows), len(rows)
-        parts = [logit_rows, expanded, cu]
-        if not self.proposer.needs_step_inputs:
-            packed = to_device(np.concatenate(parts).astype(np.int64), self.device)
-            return VerifyPlan(expanded, packed[:n], packed[n:2 * n], packed[2 * n:])
-        # Blocks were appended for this step already, and the draft writes after its sampling.
-        parts.append(states.num_blocks[rows] * states.block_size)
+        # Grammar masks are per draft position: each logits row's index within its entry's rows.
+        offsets = (np.arange(n) - np.repeat(cu[:-1], counts)) if self.sampler.grammar.needed(rows) else None
+        parts = [logit_rows, expanded, cu] + ([offsets] if offsets is not None else [])
+        if self.proposer.needs_step_inputs:  # blocks were appended for this step already
+            parts.append(states.num_blocks[rows] * states.block_size)
         packed = to_device(np.concatenate(parts).astype(np.int64), self.device)
+        logit_index, expanded_idx, cu_dev = packed[:n], packed[n:2 * n], packed[2 * n:2 * n + b + 1]
+        rest = packed[2 * n + b + 1:]
+        offsets_dev = None
+        if offsets is not None:
+            offsets_dev, rest = rest[:n], rest[n:]
+        if not self.proposer.needs_step_inputs:
+            return VerifyPlan(expanded, logit_index, expanded_idx, cu_dev, offsets=offsets_dev)
         start = np.fromiter((e.start_pos for e in batch), dtype=np.int64, count=b)
-        return VerifyPlan(expanded, packed[:n], packed[n:2 * n], packed[2 * n:2 * n + b + 1],
-                          packed[2 * n + b + 1:], int(q_lens.sum()), int(q_lens.max()), int((start + q_lens).max()))
+        return VerifyPlan(expanded, logit_index, expanded_idx, cu_dev, rest, int(q_lens.sum()), int(q_lens.max()),
+                          int((start + q_lens).max()), offsets_dev)
 
     def prepare_inputs(self, buffers, states: RequestStates, rows: np.ndarray, q_lens: np.ndarray,
                        speculative: np.ndarray) -> None:
@@ -211,7 +221,7 @@ class SpeculativeDecoder(RowState):
         """logits [num_logits, V] in plan order; idx [B] the entries' rows on the device."""
         b = len(rows)
         positions = buffers.positions[plan.logit_index] + 1  # the position each row's token takes
-        processed = self.sampler.process(logits, plan.expanded_rows, plan.expanded_idx, positions)
+        processed = self.sampler.process(logits, plan.expanded_rows, plan.expanded_idx, positions, plan.offsets)
         cu, entry_rows = plan.cu_num_logits, idx[:b].long()
         num_drafts = torch.minimum(self.num_drafts[entry_rows], (cu[1:] - cu[:-1] - 1).to(torch.int32))
         out = self.rejection.sample(processed.logits, processed.batch, processed.noise, cu,
@@ -231,7 +241,9 @@ class SpeculativeDecoder(RowState):
         else:
             self.drafts[entry_rows] = drafts.draft_ids.long()
             self.num_drafts[entry_rows] = drafts.num_drafts
-        return VerifyOutput(out.sampled, out.num_emitted, num_drafts, self.num_drafts[entry_rows], logprobs)
+        grammar = plan.offsets is not None  # the engine walks its matchers through the next drafts
+        return VerifyOutput(out.sampled, out.num_emitted, num_drafts, self.num_drafts[entry_rows], logprobs,
+                            self.drafts[entry_rows] if grammar else None)
 
     def _proposer_inputs(self, plan: VerifyPlan, buffers, idx: torch.Tensor, b: int, states: RequestStates,
                          entry_rows: torch.Tensor) -> ProposerInputs:
