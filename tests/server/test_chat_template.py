@@ -59,7 +59,7 @@ def test_tokenize_detokenize_round_trip(server, smollm):
     for text in ["The capital of France is", "Hello, wörld! 🙂 <|im_start|>", ""]:
         out = tokenize(server, prompt=text, model=MODEL)
         assert out["tokens"] == tok(text, add_special_tokens=True)["input_ids"]
-        assert out["count"] == len(out["tokens"]) and out["max_model_len"] > 0
+        assert out["count"] == len(out["tokens"]) and out["max_model_len"] > 0 and out["token_strs"] is None
         assert detokenize(server, out["tokens"]) == tok.decode(out["tokens"])
         assert detokenize(server, out["tokens"]) == text
     strs = tokenize(server, prompt="Hello world", return_token_strs=True)["token_strs"]

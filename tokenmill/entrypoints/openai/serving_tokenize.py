@@ -3,9 +3,9 @@
 /tokenize takes a `prompt` (add_special_tokens default true) or chat `messages` (rendered as chat
 completions renders them: chat_template, chat_template_kwargs, tools, add_generation_prompt;
 add_special_tokens default false, the template holds them) and answers `{"count", "max_model_len",
-"tokens"}` (plus `token_strs` when asked). /detokenize takes `{"tokens": [ids]}` and answers
-`{"prompt": text}`; an id outside the model's vocabulary is a 400. Both work on a worker thread, off
-the event loop, as the chat route's rendering does.
+"tokens", "token_strs"}` (token_strs null unless `return_token_strs`). /detokenize takes
+`{"tokens": [ids]}` and answers `{"prompt": text}`; an id outside the model's vocabulary is a 400.
+Both work on a worker thread, off the event loop, as the chat route's rendering does.
 """
 
 import asyncio
@@ -64,10 +64,7 @@ class OpenAIServingTokenization:
         except Exception as e:  # a tokenizer or template failing on odd input in a way of its own
             logger.warning("a /tokenize request could not be processed: %r", e)
             raise InvalidRequestError(f"the request could not be processed: {type(e).__name__}: {e}") from None
-        out = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
-        if strs is not None:
-            out["token_strs"] = strs
-        return out
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": strs}
 
     async def detokenize(self, req: DetokenizeRequest) -> dict:
         self.chat.model_name(req.model)
