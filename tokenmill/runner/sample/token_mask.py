@@ -14,7 +14,7 @@ speculative decoding, so rows with words of several tokens keep their own: a rin
 MAX_BAD_WORD_TOKENS) where the token at position q sits in column q % W. Admission writes the
 last W known tokens (the prompt, plus earlier outputs after a preemption). Each later token is
 picked up at the start of the row's next sampling step, on the device: a row sampling position p
-whose p - 1 is past what was known at admission finds the token of p - 1 in last_sampled (the
+whose p - 1 was not known at admission finds the token of p - 1 in last_sampled (the
 post-update of the step that sampled it wrote it there, earlier on the same stream) and writes it
 at column (p - 1) % W before reading its last L columns. This is exact under async scheduling
 (the step in flight has already written last_sampled when the next step's sampler runs on the
