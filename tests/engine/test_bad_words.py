@@ -15,17 +15,9 @@ LONG = ("The ocean covers most of the planet and holds a great many creatures, f
 GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-def bind(llm):
-    """The runner hands the bad-words stage its last_sampled (done here until ModelRunner does it)."""
-    runner = llm.engine.runner
-    if runner.sampler.token_mask.last_sampled is None:
-        runner.sampler.bind_last_sampled(runner.states.last_sampled)
-    return llm
-
-
 @pytest.fixture(scope="module")
 def llm(smollm):
-    llm = bind(make_llm(smollm, num_kv_blocks=64))
+    llm = make_llm(smollm, num_kv_blocks=64)
     yield llm
     assert_no_leaks(llm)
 
@@ -120,7 +112,7 @@ def test_n_samples_each_avoid_the_word(llm, prompt):
 
 
 def test_without_async_scheduling(smollm, prompt, references):
-    llm = bind(make_llm(smollm, num_kv_blocks=64, async_scheduling=False))
+    llm = make_llm(smollm, num_kv_blocks=64, async_scheduling=False)
     reference = references[0]  # greedy tokens do not depend on the scheduling
     word = word_of(llm, reference, 2)
     check_banned(llm, prompt, reference, gen(llm, [prompt], bad_words=[word], **GREEDY)[0][0].token_ids, [word])
@@ -128,7 +120,7 @@ def test_without_async_scheduling(smollm, prompt, references):
 
 
 def test_chunked_prefill(smollm):
-    llm = bind(make_llm(smollm, num_kv_blocks=64, max_num_batched_tokens=32))
+    llm = make_llm(smollm, num_kv_blocks=64, max_num_batched_tokens=32)
     prompt = llm.engine.tokenize(llm.render_chat([{"role": "user", "content": LONG + QUESTION}]),
                                  add_special_tokens=False)
     assert len(prompt) > 3 * 32
@@ -143,7 +135,7 @@ def test_preemption(smollm, llm, prompt, references):
     word = word_of(llm, references[0], 2)
     params = SamplingParams(bad_words=[word], **GREEDY)
     want = gen(llm, [prompt], bad_words=[word], **GREEDY)[0][0].token_ids
-    small = bind(make_llm(smollm, num_kv_blocks=10, enable_prefix_caching=False))
+    small = make_llm(smollm, num_kv_blocks=10, enable_prefix_caching=False)
     outs = small.generate([prompt] * 4, params, use_tqdm=False)
     assert small.engine.scheduler.num_preemptions > 0
     assert all(o.outputs[0].token_ids == want for o in outs)

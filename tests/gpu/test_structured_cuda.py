@@ -18,13 +18,20 @@ from tokenmill.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 xgr = pytest.importorskip("xgrammar")
-jsonschema = pytest.importorskip("jsonschema")
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}
 COPY_REGEX = r"(the cat sat on the mat\. ){3}"
+
+
+def _check_person(text: str) -> None:
+    """SCHEMA by hand (the GPU machine has no jsonschema)."""
+    value = json.loads(text)
+    assert set(value) == {"name", "age"}, text
+    assert isinstance(value["name"], str) and len(value["name"]) <= 12, text
+    assert isinstance(value["age"], int) and 0 <= value["age"] <= 120, text
 
 
 def _engine(spec: bool, dtype: str = "float32") -> LLM:
@@ -53,11 +60,10 @@ def test_grammars_with_and_without_speculation():
     outs = {name: llm.generate(prompts, params, use_tqdm=False) for name, llm in (("plain", plain), ("spec", spec))}
     for name, results in outs.items():
         for out in results[:16]:
-            jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+            _check_person(out.outputs[0].text)
         assert re.fullmatch(COPY_REGEX, results[16].outputs[0].text), (name, results[16].outputs[0].text)
-    for i in range(1, 17, 2):  # greedy (fp32): speculation changes no token
-        idx = i if i < 16 else 16
-        assert outs["spec"][idx].outputs[0].token_ids == outs["plain"][idx].outputs[0].token_ids
+    for i in range(1, 16, 2):  # greedy (fp32): speculation changes no token
+        assert outs["spec"][i].outputs[0].token_ids == outs["plain"][i].outputs[0].token_ids
     assert outs["spec"][16].outputs[0].token_ids == outs["plain"][16].outputs[0].token_ids
     assert spec.engine.spec_stats.accepted > 0
     for llm in (plain, spec):

@@ -42,6 +42,9 @@ def test_bad_words_and_allowed_token_ids(server, client):
     # The tokens before the word's last one are the plain run's; the word itself never comes out.
     assert banned != plain and banned.startswith(plain[: plain.index(word)])
     assert word not in banned.split()
+    phrase = " ".join(plain.split()[:2])  # several tokens: banned through the device-side history
+    assert len(tokenize(server, " " + phrase)) > 1
+    assert phrase not in complete(client, bad_words=[phrase])
     allowed = tokenize(server, " yes") + tokenize(server, " no")
     assert len(allowed) == 2
     only = complete(client, allowed_token_ids=allowed)

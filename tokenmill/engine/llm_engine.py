@@ -127,7 +127,7 @@ class LLMEngine:
 
     def _warm_up_step_path(self) -> None:
         """A few tiny requests through the whole step (input preparation, greedy and sampled rows,
-        top-k/top-p, penalties, logprobs), so those kernels compile now rather than on the first
+        top-k/top-p, penalties, logprobs, bad words and allowed tokens), so those kernels compile now rather than on the first
         user's request; then the counters and the prefix cache forget them."""
         greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
         sampled = SamplingParams(temperature=0.8, seed=0, max_tokens=3, ignore_eos=True)
@@ -140,7 +140,11 @@ class LLMEngine:
         # the staged writes start at differently aligned offsets. A request that does not fit a
         # small configuration (context length, KV blocks) is left out.
         vocab, longest = self.loaded.arch.vocab_size, self.max_model_len - 3
-        for batch in ((greedy,), (sampled,), (penalised,), mixed):
+        batches = [(greedy,), (sampled,), (penalised,), mixed]
+        if self.tokenizer is not None:  # the token-mask stage's kernels (bad words of several tokens)
+            batches.append((SamplingParams(temperature=0.0, bad_words=["a b c"], allowed_token_ids=list(range(
+                min(vocab, 64))), max_tokens=3, ignore_eos=True),))
+        for batch in batches:
             for i, params in enumerate(batch):
                 prompt = [t % vocab for t in range(1, 1 + max(1, min(3 + 6 * i, longest)))]
                 try:

@@ -57,6 +57,7 @@ class ModelRunner:
         self.states = RequestStates(config.max_num_seqs, max_model_len, config.block_size, device,
                                     (self.sampler, self.prompt_logprobs) + ((self.spec,) if self.spec else ()),
                                     spare_columns=1 + spec.num_speculative_tokens if spec else 0)
+        self.sampler.bind_last_sampled(self.states.last_sampled)  # the bad-words stage's token history
         max_blocks = -(-max_model_len // config.block_size)
         self.buffers = InputBuffers(self.max_num_tokens, config.max_num_seqs, max_blocks, device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
