@@ -87,6 +87,8 @@ def register(subparsers) -> None:
 
     st = add_command(sub, "structured", help="step time of one batch with and without JSON-schema grammars")
     _add_common(st, "structured-small", 3)
+    st.add_argument("--grammar-threads", type=int, default=None,
+                    help="threads the matchers fill a step's masks on (default: the engine's)")
     st.set_defaults(func=functools.partial(_run, "structured"), no_plot=True, warmup_requests=64)
 
     pf = add_command(sub, "profile", help="torch-profiler breakdown of a window of engine steps, per kernel")

@@ -3,8 +3,8 @@
 The workload's requests (structured-small: 64 requests of 128 random prompt tokens, up to 128
 output tokens, sampled at temperature 1 with seeds, EOS ignored) run as one batch, twice per repeat
 and alternating: plainly, then each request with a JSON schema of a fixed mix (open-ended objects
-and arrays, so that random weights keep writing until max_tokens rather than closing the JSON at
-once). Every step is timed (bench/step_timer.py); the figure compared is the mean time of the
+and arrays whose minimum lengths the run cannot reach, so no grammar completes and the batch stays
+whole). Every step is timed (bench/step_timer.py); the figure compared is the mean time of the
 decode steps that hold the whole batch (every request decoding one token), so both runs are
 measured at the same batch size even when a grammar ends some requests early. The ratio of the two
 means is the cost of grammars per step: mask filling on the host (overlapped with the forward pass),
@@ -32,14 +32,19 @@ from tokenmill.bench.step_timer import StepKinds, StepTimer
 from tokenmill.bench.workloads import generate_requests
 
 _TEXT = {"type": "string"}
+# Arrays with a minimum length that 128 tokens cannot reach: no grammar completes within the run,
+# so the batch stays whole and both runs are compared at the same batch size.
 SCHEMA_MIX = [
-    {"type": "object", "properties": {"notes": {"type": "array", "items": _TEXT}}, "required": ["notes"]},
-    {"type": "object", "properties": {"name": _TEXT, "age": {"type": "integer"}, "tags": {"type": "array", "items": _TEXT}},
+    {"type": "object", "properties": {"notes": {"type": "array", "items": _TEXT, "minItems": 100}},
+     "required": ["notes"]},
+    {"type": "object", "properties": {"name": _TEXT, "age": {"type": "integer"},
+                                      "tags": {"type": "array", "items": _TEXT, "minItems": 100}},
      "required": ["name", "age", "tags"]},
     {"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer"}, "text": _TEXT},
-                                "required": ["id", "text"]}},
-    {"type": "object", "properties": {"title": _TEXT, "body": _TEXT, "score": {"type": "number"}},
-     "required": ["title", "body", "score"]},
+                                "required": ["id", "text"]}, "minItems": 40},
+    {"type": "object", "properties": {"title": _TEXT, "score": {"type": "number"},
+                                      "refs": {"type": "array", "items": {"type": "integer"}, "minItems": 100}},
+     "required": ["title", "score", "refs"]},
 ]
 
 
@@ -122,6 +127,8 @@ def run(args, log=None) -> dict:
     engine = build_engine(args, w)
     if engine.tokenizer is None:
         raise SystemExit("structured output needs a tokenizer: pass --tokenizer")
+    if args.grammar_threads is not None:
+        engine.structured.fill_threads = args.grammar_threads
     requests = generate_requests(w, engine.loaded.arch.vocab_size)
     for grammar in (False, True):  # warm-up: kernels, graphs, grammar compilation
         _run_batch(engine, requests[: max(1, min(args.warmup_requests, len(requests)))], w, grammar)
@@ -146,7 +153,7 @@ def run(args, log=None) -> dict:
     result.update({
         "tag": args.tag, "workload": w.to_dict(), "model": w.model, "tokenizer": args.tokenizer,
         "dtype": str(engine.loaded.dtype).replace("torch.", ""), "device": str(engine.loaded.device),
-        "repeat": args.repeat, "schemas": SCHEMA_MIX,
+        "repeat": args.repeat, "schemas": SCHEMA_MIX, "grammar_threads": engine.structured.fill_threads,
         "engine": {"config": vars(engine.config).copy()},
         "results": runs,
         "summary": {"batch": len(requests), "plain_step_ms": plain_ms, "json_step_ms": json_ms,

@@ -22,6 +22,7 @@ request, and the packed token masks the runner applies.
 """
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from typing import Optional
@@ -36,6 +37,8 @@ from tokenmill.structured_outputs import StructuredOutputsParams
 logger = init_logger(__name__)
 
 DEFAULT_CACHE_SIZE = 128  # compiled grammars kept
+# Threads to fill a step's masks on: half the cores this process may use, at most 8.
+DEFAULT_FILL_THREADS = max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
 
 def choice_grammar(choices: list) -> str:
@@ -45,7 +48,7 @@ def choice_grammar(choices: list) -> str:
 
 class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_size: int = DEFAULT_CACHE_SIZE,
-                 max_threads: int = 2):
+                 max_threads: int = 2, fill_threads: int = DEFAULT_FILL_THREADS):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
@@ -57,7 +60,11 @@ class StructuredOutputManager:
         self.num_compiled = 0  # compilations (cache misses), for tests and logs
         self.matchers: dict[str, object] = {}  # request id -> GrammarMatcher (engine thread only)
         self._bitmask = None  # a torch int32 [rows, W] scratch that the matchers fill
-        self._batch = None  # an xgrammar BatchGrammarMatcher: fills many rows on several threads
+        # Threads an xgrammar BatchGrammarMatcher fills a step's rows on (more cost more to start
+        # than they save at small batches; docs/PERFORMANCE.md has the measurement).
+        self.fill_threads = fill_threads
+        self._batch = None  # the BatchGrammarMatcher, built on first use
+        self._batch_threads = None
 
     @property
     def num_words(self) -> int:
@@ -156,8 +163,8 @@ class StructuredOutputManager:
         total = sum(counts)
         if self._bitmask is None or self._bitmask.shape[0] < total:
             self._bitmask = xgr.allocate_token_bitmask(max(total, 8), self.vocab_size)
-        if self._batch is None:
-            self._batch = xgr.BatchGrammarMatcher("auto")
+        if self._batch is None or self._batch_threads != self.fill_threads:
+            self._batch, self._batch_threads = xgr.BatchGrammarMatcher(self.fill_threads), self.fill_threads
         mask = self._bitmask[:total]
         mask.fill_(-1)
         req_ids, offsets = [], []
