@@ -71,6 +71,16 @@ def _run_batch(engine, requests, w, grammar: bool) -> dict:
         return out
 
     manager.bitmask = timed_bitmask
+    process_s: list[float] = []  # the engine taking a step's output (on a grammar step's critical path)
+    original_process = engine._process
+
+    def timed_process(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = original_process(*args, **kwargs)
+        process_s.append(time.perf_counter() - t0)
+        return out
+
+    engine._process = timed_process
     reset_prefix_cache(engine)
     engine.step_log = []
     kinds = StepKinds(engine).install()
@@ -88,7 +98,8 @@ def _run_batch(engine, requests, w, grammar: bool) -> dict:
         elapsed = time.perf_counter() - start
         timer.uninstall()
         step_kinds = kinds.uninstall()
-        del manager.bitmask  # back to the class's method
+        del manager.bitmask  # back to the class's methods
+        del engine._process
     steps, engine.step_log = engine.step_log, None
     seconds = timer.step_seconds()
     full = [s for s, shape, kind in zip(seconds, steps, step_kinds)
@@ -101,6 +112,7 @@ def _run_batch(engine, requests, w, grammar: bool) -> dict:
             "full_batch_step_ms_median": 1e3 * float(np.median(full)) if full else None,
             "mask_fill_ms_mean": 1e3 * float(np.mean(fill_s)) if fill_s else None,
             "mask_fill_ms_p99": 1e3 * float(np.percentile(fill_s, 99)) if fill_s else None,
+            "process_output_ms_mean": 1e3 * float(np.mean(process_s)) if process_s else None,
             "finished_by_grammar": sum(outputs[i].outputs[0].finish_reason == "stop" for i in ids),
             "texts": texts if grammar else None}
 
@@ -144,7 +156,8 @@ def run(args, log=None) -> dict:
             mean = r["full_batch_step_ms_mean"]
             log(f"run {i + 1}/{args.repeat} {name}: {r['full_batch_decode_steps']} whole-batch decode steps, "
                 f"mean {mean if mean is None else round(mean, 3)} ms"
-                + (f", mask fill {r['mask_fill_ms_mean']:.3f} ms/step" if r["mask_fill_ms_mean"] else ""))
+                + (f", mask fill {r['mask_fill_ms_mean']:.3f} ms/step" if r["mask_fill_ms_mean"] else "")
+                + f", output processing {r['process_output_ms_mean']:.3f} ms/step")
     med = {name: runs[name][median_index([r["full_batch_step_ms_mean"] or 0.0 for r in rs])]
            for name, rs in runs.items()}
     plain_ms, json_ms = med["plain"]["full_batch_step_ms_mean"], med["json"]["full_batch_step_ms_mean"]
@@ -162,6 +175,8 @@ def run(args, log=None) -> dict:
                     "json_step_ms_runs": [r["full_batch_step_ms_mean"] for r in runs["json"]],
                     "mask_fill_ms_mean": med["json"]["mask_fill_ms_mean"],
                     "mask_fill_ms_p99": med["json"]["mask_fill_ms_p99"],
+                    "process_output_ms_plain": med["plain"]["process_output_ms_mean"],
+                    "process_output_ms_json": med["json"]["process_output_ms_mean"],
                     "json_valid": med["json"].get("json_valid"),
                     "finished_by_grammar": med["json"]["finished_by_grammar"]},
     })

@@ -166,7 +166,9 @@ class StructuredOutputManager:
         if self._batch is None or self._batch_threads != self.fill_threads:
             self._batch, self._batch_threads = xgr.BatchGrammarMatcher(self.fill_threads), self.fill_threads
         mask = self._bitmask[:total]
-        mask.fill_(-1)
+        # numpy, not torch: a torch CPU op may leave its OpenMP pool spinning on the cores the
+        # matchers' threads need next
+        mask.numpy().fill(-1)
         req_ids, offsets = [], []
         walks = []  # (matcher, first row, drafts to walk)
         row = 0
