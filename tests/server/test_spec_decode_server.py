@@ -170,3 +170,33 @@ def test_metrics_cross_from_the_engine_thread(speculate):
     assert 'tokenmill:spec_decode_mean_accepted_length{model_name="tiny"} 4.0' in text
     assert re.search(r"^# TYPE tokenmill:spec_decode_num_accepted_tokens_per_pos(_total)? counter$", text, re.M)
     assert re.search(r"^# TYPE tokenmill:spec_decode_acceptance_rate gauge$", text, re.M)
+
+
+@pytest.mark.slow  # 22 schemas x 2 servers, concurrently: about 15 s on two idle CPU cores
+def test_json_schemas_through_the_openai_client_with_and_without_speculation(servers):
+    """Every schema of the engine tests, sent by the openai client as response_format json_schema
+    (greedy and sampled), to the server with speculation and the one without: every output parses
+    and validates; greedy outputs are the same on both servers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
+
+    from tests.engine.test_structured_output import SCHEMAS
+
+    def ask(server, i, schema):
+        r = _client(server).chat.completions.create(
+            model=MODEL, max_tokens=60, temperature=0.0 if i % 2 else 0.9, seed=i,
+            messages=[{"role": "user", "content": f"Answer in JSON following this schema: {json.dumps(schema)}"}],
+            response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}})
+        return r.choices[0]
+
+    assert len(SCHEMAS) > 20
+    texts = {}
+    with ThreadPoolExecutor(16) as pool:
+        for name, server in servers.items():
+            choices = list(pool.map(lambda a: ask(server, *a), enumerate(SCHEMAS)))
+            for choice, schema in zip(choices, SCHEMAS):
+                assert choice.finish_reason == "stop", (name, choice.message.content)
+                jsonschema.validate(json.loads(choice.message.content), schema)
+            texts[name] = [c.message.content for c in choices]
+    assert texts["spec"][1::2] == texts["plain"][1::2]
