@@ -30,7 +30,7 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
 def server(start_server, tmp_path_factory):
     path = tmp_path_factory.mktemp("templates") / "flag.jinja"
     path.write_text(FLAG_TEMPLATE)
-    return start_server(SMALL_ENGINE + ["--chat-template", str(path)])
+    return start_server(SMALL_ENGINE + ["--chat-template", str(path), "--trust-request-chat-template"])
 
 
 @pytest.fixture(scope="module")

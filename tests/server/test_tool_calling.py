@@ -203,3 +203,15 @@ def test_bad_tool_requests_are_400s(server, client, extra, fragment, param):
     ok = client.chat.completions.create(model=MODEL, messages=Q, max_tokens=2, tools=TOOLS, tool_choice="none")
     assert ok.choices[0].finish_reason in ("stop", "length")
     assert "Traceback" not in server.log()
+
+
+def test_request_chat_template_needs_the_trust_flag(server, client):
+    """This server was started without --trust-request-chat-template: a request's own template (chat
+    or /tokenize) is a 400 naming the flag, and the server goes on."""
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError, match="trust-request-chat-template"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                       extra_body={"chat_template": "{{ messages[0]['content'] }}"})
+    r = httpx.post(server.url + "/tokenize", json={"messages": messages, "chat_template": "{{ 1 }}"}, timeout=30)
+    assert r.status_code == 400 and "trust-request-chat-template" in r.json()["error"]["message"]
+    assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2).choices[0].message

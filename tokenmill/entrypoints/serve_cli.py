@@ -52,7 +52,11 @@ def register(subparsers) -> None:
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
     g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) used instead of the model's; a "
-                        "request's chat_template still wins (default: the tokenizer's)")
+                        "request's chat_template (with --trust-request-chat-template) still wins (default: the "
+                        "tokenizer's)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat_template in requests (it runs the client's Jinja template on the server; "
+                        "default: such requests are a 400)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let tool_choice "auto" (the default when a request gives tools) read calls from the '
                         "model's text with --tool-call-parser; without it such requests are a 400")
@@ -160,7 +164,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               max_sequences_per_request=args.max_sequences_per_request,
                               max_body_bytes=args.max_body_bytes, chat_template=chat_template,
                               enable_auto_tool_choice=args.enable_auto_tool_choice,
-                              tool_call_parser=args.tool_call_parser)
+                              tool_call_parser=args.tool_call_parser,
+                              trust_request_chat_template=args.trust_request_chat_template)
     logger.info("%s", startup_summary(engine, args.host, args.port))
     return run_server(engine, host=args.host, port=args.port, settings=settings, shutdown_grace=args.shutdown_grace,
                       log_level=args.uvicorn_log_level, access_log=args.access_log)

@@ -61,6 +61,8 @@ class ServerSettings:
     # without enable_auto_tool_choice, "auto" is a 400 (vLLM's flags and behaviour).
     enable_auto_tool_choice: bool = False
     tool_call_parser: Optional[str] = None
+    # Requests may carry their own chat_template (a Jinja template the server runs); off: a 400.
+    trust_request_chat_template: bool = False
 
     def __post_init__(self):
         if self.max_sequences_per_request < 1:
@@ -117,7 +119,8 @@ def build_app(engine: AsyncLLMEngine, settings: Optional[ServerSettings] = None)
     completions = OpenAIServingCompletion(engine, names, metrics, settings.max_sequences_per_request)
     chat = OpenAIServingChat(engine, names, metrics, settings.max_sequences_per_request,
                              chat_template=settings.chat_template, tool_call_parser=settings.tool_call_parser,
-                             enable_auto_tool_choice=settings.enable_auto_tool_choice)
+                             enable_auto_tool_choice=settings.enable_auto_tool_choice,
+                             trust_request_chat_template=settings.trust_request_chat_template)
     tokenization = OpenAIServingTokenization(chat)
 
     @contextlib.asynccontextmanager

@@ -124,8 +124,10 @@ class ToolPlan:
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args, chat_template: Optional[str] = None, tool_call_parser: Optional[str] = None,
-                 enable_auto_tool_choice: bool = False, **kwargs):
+                 enable_auto_tool_choice: bool = False, trust_request_chat_template: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
+        # A request's own chat_template runs a client's Jinja on the server: only when trusted.
+        self.trust_request_chat_template = trust_request_chat_template
         self._templates = LLM.from_engine(self.engine.engine)  # its render_chat reads only the tokenizer
         self.chat_template = chat_template  # the server's --chat-template, else None (the model's)
         self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
@@ -133,6 +135,10 @@ class OpenAIServingChat(OpenAIServing):
 
     def chat_prompt(self, messages: list[ChatMessage], tools: list[FunctionTool], req) -> ChatPrompt:
         """The rendering inputs of a chat or /tokenize request (APIError for bad messages)."""
+        if req.chat_template is not None and not self.trust_request_chat_template:
+            raise APIError(400, "chat_template in a request needs a server started with "
+                                "--trust-request-chat-template (it runs the client's Jinja template)",
+                           param="chat_template")
         return ChatPrompt([message_dict(i, m) for i, m in enumerate(messages)], tools,
                           req.chat_template if req.chat_template is not None else self.chat_template,
                           req.chat_template_kwargs, req.add_generation_prompt)
