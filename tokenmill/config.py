@@ -176,10 +176,6 @@ class EngineConfig:
     fused_small_batch_linear: bool = option(
         True, "CUDA: one-token steps (batch-1 decode) run each linear layer as one Triton GEMV with the "
               "RMSNorm / SiLU-and-mul before it fused in; off: cuBLAS and separate kernels")
-    # engine/grammar_workers.py
-    structured_outputs_workers: int = option(
-        0, "structured output: processes that accept grammar requests' tokens and fill their masks beside the "
-           "engine thread (xgrammar holds the GIL); 0: on the engine thread", minimum=0)
     seed: int = option(0, "seeds dummy weights and requests that bring no seed of their own",
                        aliases=("--engine-seed",))
     speculative_config: Optional[SpeculativeConfig] = option(

@@ -104,16 +104,6 @@ class LLMEngine:
         if on_gpu:
             self._warm_up_step_path()
             self.compile_watch.mark_warm()
-        self._filled = None  # grammar workers: the masks they filled for the step being sampled
-        self._fill_rows = None
-        workers = self.config.structured_outputs_workers
-        if workers and self.tokenizer is not None:
-            k = spec.num_speculative_tokens if spec else 0
-            self.structured.start_workers(workers, self.config.max_num_seqs * (1 + k))
-
-    def close(self) -> None:
-        """Stop what the engine runs beside its thread (the grammar worker processes, if any)."""
-        self.structured.close()
 
     def _load_draft(self, draft_loaded: Optional[LoadedModel]) -> Optional[LoadedModel]:
         """Speculative method draft_model: its draft, loaded like the target (same loader, dtype and
@@ -291,12 +281,8 @@ class LLMEngine:
                 if self.structured.in_step(sched):
                     # Structured output: while the forward pass runs, take the step in flight (its
                     # tokens advance the matchers) and fill this step's masks; then sample.
-                    if self.structured.uses_workers:  # the worker processes fill them meanwhile
-                        completed = self._complete(0, results, emit_unfinished, fill=sched)
-                        bitmask, self._filled = self._filled, None
-                    else:
-                        completed = self._complete(0, results, emit_unfinished)
-                        bitmask = self.structured.bitmask(sched, self.scheduler.requests)
+                    completed = self._complete(0, results, emit_unfinished)
+                    bitmask = self.structured.bitmask(sched, self.scheduler.requests)
                 self._inflight.append((sched, self.runner.sample_tokens(bitmask)))
                 launched = True
             elif sched.freed_req_ids:
@@ -310,32 +296,21 @@ class LLMEngine:
             self.runner.release(self.scheduler.take_freed_ids())
         return results
 
-    def _complete(self, keep: int, results: list[RequestOutput], emit_unfinished: bool,
-                  fill: Optional[SchedulerOutput] = None) -> int:
-        """Process in-flight steps, oldest first, until `keep` remain; returns how many. `fill`
-        (with grammar workers): the step whose masks the workers fill beside the last of them."""
+    def _complete(self, keep: int, results: list[RequestOutput], emit_unfinished: bool) -> int:
+        """Process in-flight steps, oldest first, until `keep` remain; returns how many."""
         completed = 0
         while len(self._inflight) > keep:
             sched, pending = self._inflight.popleft()
             self.steps_completed += 1
             completed += 1
             self.last_step_kind = sched.kind
-            last = len(self._inflight) == keep
-            results.extend(self._process(sched, pending.get(), emit_unfinished, fill if last else None))
-        if fill is not None and not completed:  # nothing in flight: the masks alone
-            self._grammar_step(None, None, fill, {})
-            self._grammar_results({}, {}, None)
+            results.extend(self._process(sched, pending.get(), emit_unfinished))
         return completed
 
-    def _process(self, sched: SchedulerOutput, out: ModelRunnerOutput, emit_unfinished: bool,
-                 fill: Optional[SchedulerOutput] = None) -> list[RequestOutput]:
+    def _process(self, sched: SchedulerOutput, out: ModelRunnerOutput, emit_unfinished: bool) -> list[RequestOutput]:
         changed: dict[str, None] = {}
         if out.prompt_logprobs is not None:  # before the step's tokens: a finishing output has them all
             self.outputs.on_prompt_logprobs(out.prompt_logprobs)
-        # With grammar workers: they accept this step's grammar tokens (and fill `fill`'s masks)
-        # while this thread processes the outputs; entries with several tokens wait for them.
-        deferred: dict[int, list[int]] = {}
-        grammar_tokens = self._grammar_step(sched, out, fill, deferred) if self.structured.uses_workers else None
         if out.num_emitted is None:  # one token per entry (no speculation): the plain loop
             tokens = out.sampled_token_ids
             for i in range(len(out.req_ids)):
@@ -343,9 +318,7 @@ class LLMEngine:
                 if token >= 0:
                     self._take_tokens(out, i, (token,), 1, changed)
         else:
-            self._take_speculative(sched, out, changed, deferred)
-        if grammar_tokens is not None:
-            self._grammar_results(grammar_tokens, deferred, (sched, out, changed))
+            self._take_speculative(sched, out, changed)
         results = []
         for user_id in changed:
             if not emit_unfinished and not self.outputs.states[user_id].finished:
@@ -356,103 +329,28 @@ class LLMEngine:
                 self.outputs.release(user_id)
         return results
 
-    def _take_speculative(self, sched: SchedulerOutput, out: ModelRunnerOutput, changed: dict,
-                          deferred: Optional[dict] = None) -> None:
-        """A step with speculative decoding: each entry emitted 1 + its accepted drafts. Entries in
-        `deferred` (several tokens, grammar in a worker) are taken later by _grammar_results."""
+    def _take_speculative(self, sched: SchedulerOutput, out: ModelRunnerOutput, changed: dict) -> None:
+        """A step with speculative decoding: each entry emitted 1 + its accepted drafts."""
         sampled = out.sampled_token_ids[:, 0] >= 0
         if self.spec_stats is not None:
             self.spec_stats.record(out.num_drafts[sampled], out.num_emitted[sampled])
         for i, entry in enumerate(sched.batch):
-            if sampled[i] and not (deferred and i in deferred):
+            if sampled[i]:
                 tokens = [int(t) for t in out.sampled_token_ids[i, : int(out.num_emitted[i])]]
-                self._take_entry(sched, out, i, tokens, changed)
+                request = self._take_tokens(out, i, tokens, entry.num_tokens if entry.speculative else 1, changed)
+                if request is not None:
+                    request.expects_drafts = bool(out.next_num_drafts[i] > 0)
+                    if request.structured and out.next_draft_ids is not None:  # for its next step's masks
+                        request.drafts = [int(t) for t in out.next_draft_ids[i, : int(out.next_num_drafts[i])]]
 
-    def _take_entry(self, sched: SchedulerOutput, out: ModelRunnerOutput, i: int, tokens: list[int],
-                    changed: dict, emitted: Optional[int] = None) -> None:
-        entry = sched.batch[i]
-        request = self._take_tokens(out, i, tokens, entry.num_tokens if entry.speculative else 1, changed, emitted)
-        if request is not None:
-            request.expects_drafts = bool(out.next_num_drafts[i] > 0)
-            if request.structured and out.next_draft_ids is not None:  # for its next step's masks
-                request.drafts = [int(t) for t in out.next_draft_ids[i, : int(out.next_num_drafts[i])]]
-
-    # ---- grammar workers (engine/grammar_workers.py) ------------------------------------------------
-    def _grammar_step(self, sched: Optional[SchedulerOutput], out: Optional[ModelRunnerOutput],
-                      fill: Optional[SchedulerOutput], deferred: dict) -> dict[str, list[int]]:
-        """Send the workers a step's grammar tokens (entries of several tokens go into `deferred`)
-        and, for `fill`, the next step's rows; returns the tokens sent, by request id."""
-        from tokenmill.engine.grammar_workers import GrammarWork
-
-        live = self.structured.live
-        work: dict[str, GrammarWork] = {}
-        drafts_now: dict[str, list[int]] = {}  # proposals of this very step (not yet on the requests)
-        if sched is not None:
-            for i, req_id in enumerate(out.req_ids):
-                if req_id not in live:
-                    continue
-                if out.num_emitted is None:
-                    tokens = [int(out.sampled_token_ids[i])] if out.sampled_token_ids[i] >= 0 else []
-                else:
-                    n = int(out.num_emitted[i]) if out.sampled_token_ids[i, 0] >= 0 else 0
-                    tokens = [int(t) for t in out.sampled_token_ids[i, :n]]
-                    if out.next_draft_ids is not None:
-                        drafts_now[req_id] = [int(t) for t in out.next_draft_ids[i, : int(out.next_num_drafts[i])]]
-                if len(tokens) > 1:
-                    deferred[i] = tokens
-                if tokens:
-                    work[req_id] = GrammarWork(req_id, tokens)
-        self._fill_rows = None
-        if fill is not None:
-            requests = self.scheduler.requests
-            rows, fills, total = self.structured.fill_plan(fill, requests)
-            for req_id, (first, drafts) in fills.items():
-                if req_id in drafts_now:  # the device verifies what this step proposed
-                    entry = next(e for e in fill.batch if e.req_id == req_id)
-                    drafts = tuple(drafts_now[req_id][: entry.num_tokens - 1]) if entry.speculative else ()
-                w = work.setdefault(req_id, GrammarWork(req_id, []))
-                w.first_row, w.drafts = first, drafts
-            self.structured.pool.mask[:total] = -1
-            self._fill_rows = (rows, total)
-        self.structured.pool.step(list(work.values()))
-        return {r: w.tokens for r, w in work.items()}
-
-    def _grammar_results(self, sent: dict[str, list[int]], deferred: dict, step) -> None:
-        """Wait for the workers; finish requests whose grammar completed (or refused a token) and
-        take the deferred entries' tokens up to what their grammar accepted."""
-        results = {r.req_id: r for r in self.structured.pool.wait()}
-        if step is not None:
-            sched, out, changed = step
-            for i, tokens in deferred.items():
-                result = results.get(out.req_ids[i])
-                keep = tokens if result is None else tokens[: result.accepted]
-                self._take_entry(sched, out, i, keep, changed, emitted=len(tokens))
-        for req_id, result in results.items():
-            request = self.scheduler.requests.get(req_id)
-            if request is None or request.status.finished:
-                continue
-            if result.accepted < len(sent.get(req_id, ())) and not result.terminated:
-                # The mask allowed it, so this should not happen.
-                logger.warning("request %s: the grammar refused a token; finishing it", req_id)
-            elif not result.terminated:
-                continue
-            self._finish(request, RequestStatus.FINISHED_STOPPED)
-            if step is not None:
-                step[2][request.parent_id] = None
-        if self._fill_rows is not None:
-            rows, total = self._fill_rows
-            self._filled = self.structured.pool_bitmask(rows, total)
-            self._fill_rows = None
-
-    def _take_tokens(self, out: ModelRunnerOutput, i: int, tokens, scheduled: int, changed: dict,
-                     emitted: Optional[int] = None) -> Optional[Request]:
-        """Batch entry i's tokens of one step, in order; none after the one that finishes it
-        (`emitted`: how many the device emitted, when fewer are taken). Returns the request if it is
-        still live."""
-        request = self.scheduler.take_sampled_token(out.req_ids[i], scheduled, len(tokens) if emitted is None else emitted)
+    def _take_tokens(self, out: ModelRunnerOutput, i: int, tokens, scheduled: int, changed: dict
+                     ) -> Optional[Request]:
+        """Batch entry i's tokens of one step, in order; none after the one that finishes it.
+        Returns the request if it is still live."""
+        request = self.scheduler.take_sampled_token(out.req_ids[i], scheduled, len(tokens))
         if request is None:
             return None
-        grammar = request.structured and not self.structured.uses_workers  # (workers accept theirs)
+        grammar = request.structured
         for token in tokens:
             if grammar and not self.structured.accept(request.request_id, token):
                 # The mask allowed it, so this should not happen; never emit a refused token.

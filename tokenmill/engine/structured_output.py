@@ -65,9 +65,6 @@ class StructuredOutputManager:
         self.fill_threads = fill_threads
         self._batch = None  # the BatchGrammarMatcher, built on first use
         self._batch_threads = None
-        self.pool = None  # a GrammarWorkerPool once start_workers() ran; then `live` holds the ids
-        self.live: set[str] = set()
-        self._info_json: Optional[str] = None
 
     @property
     def num_words(self) -> int:
@@ -83,7 +80,6 @@ class StructuredOutputManager:
 
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_token_ids or None)
-                self._info_json = info.serialize_json()
                 # Our own cache keeps what is compiled; xgrammar's would hold a second copy.
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads, cache_enabled=False)
                 logger.info("structured outputs: xgrammar tokenizer info built (%d tokens)", self.vocab_size)
@@ -129,42 +125,17 @@ class StructuredOutputManager:
             return compiler.compile_grammar(choice_grammar(spec.choice))
         return compiler.compile_grammar(spec.grammar)
 
-    # ---- grammar worker processes (optional; engine/grammar_workers.py) -------------------------
-    def start_workers(self, num_workers: int, max_rows: int) -> None:
-        """Keep the matchers in `num_workers` processes from now on (before any grammar request)."""
-        from tokenmill.engine.grammar_workers import GrammarWorkerPool
-
-        self._get_compiler()  # the tokenizer info, built once, is what the workers start from
-        self.pool = GrammarWorkerPool(self._info_json, self.vocab_size, num_workers, max_rows,
-                                      max(1, self.fill_threads // num_workers))
-
-    @property
-    def uses_workers(self) -> bool:
-        return self.pool is not None
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
-
     # ---- matchers (the engine thread) -----------------------------------------------------------
     def add(self, request_id: str, spec: StructuredOutputsParams) -> None:
-        if self.pool is not None:
-            self.compile(spec)  # (cached: the validation compiled it)
-            self.live.add(request_id)
-            self.pool.add(request_id, spec)
-            return
         import xgrammar as xgr
 
         self.matchers[request_id] = xgr.GrammarMatcher(self.compile(spec))
 
     def remove(self, request_id: str) -> None:
-        if self.pool is not None:
-            if request_id in self.live:
-                self.live.discard(request_id)
-                self.pool.remove(request_id)
-            return
         self.matchers.pop(request_id, None)
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self.matchers
 
     def accept(self, request_id: str, token: int) -> bool:
         """Advance the request's matcher by `token`; False if the grammar refuses it."""
@@ -173,39 +144,9 @@ class StructuredOutputManager:
     def terminated(self, request_id: str) -> bool:
         return bool(self.matchers[request_id].is_terminated())
 
-    def has(self, request_id: str) -> bool:
-        return request_id in (self.live if self.pool is not None else self.matchers)
-
     def in_step(self, sched: SchedulerOutput) -> bool:
-        """Whether some entry of the step has a grammar (then its sampling waits for its masks)."""
-        ids = self.live if self.pool is not None else self.matchers
-        return bool(ids) and any(e.req_id in ids for e in sched.batch)
-
-    def fill_plan(self, sched: SchedulerOutput, requests: dict) -> tuple[list, dict[str, tuple[int, tuple]], int]:
-        """With worker processes: the step's mask rows (req_ids and offsets per row, as bitmask()
-        lays them out), each sampling grammar entry's (first row, drafts), and the row count."""
-        rows, fills, total = [], {}, 0
-        for e in sched.batch:
-            if e.req_id not in self.live:
-                continue
-            count = e.num_tokens if e.speculative else 1
-            rows += [(e.req_id, j) for j in range(count)]
-            if e.samples:
-                request = requests.get(e.req_id)
-                drafts = tuple(request.drafts[: count - 1]) if (e.speculative and request is not None) else ()
-                fills[e.req_id] = (total, drafts)
-            total += count
-        if total > self.pool.max_rows:
-            raise RuntimeError(f"a step needs {total} grammar mask rows; the workers' array holds {self.pool.max_rows}")
-        return rows, fills, total
-
-    def pool_bitmask(self, rows: list, total: int) -> Optional[GrammarBitmask]:
-        """The masks the workers filled for fill_plan()'s rows (unfilled rows are all ones)."""
-        if not rows:
-            return None
-        offsets = np.fromiter((j for _, j in rows), np.int64, len(rows))
-        return GrammarBitmask([r for r, _ in rows], self.pool.mask[:total].copy(),
-                              offsets if total > len({r for r, _ in rows}) else None)
+        """Whether some entry of the step has a grammar (then its sampling waits for bitmask())."""
+        return bool(self.matchers) and any(e.req_id in self.matchers for e in sched.batch)
 
     def bitmask(self, sched: SchedulerOutput, requests: dict) -> Optional[GrammarBitmask]:
         """The step's packed masks for its grammar entries (see the module docstring); None when it
