@@ -90,6 +90,10 @@ class SamplingParams:
             bad(f"min_tokens must be >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.min_tokens and self.structured_outputs is not None:
+            # A grammar that completes earlier would then allow only the end-of-sequence token, which
+            # min_tokens forbids.
+            bad("min_tokens cannot be combined with structured_outputs: the grammar decides where the output ends")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             bad("stop must be a non-empty string or a list of non-empty strings")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):

@@ -178,6 +178,11 @@ def test_invalid_specs_are_refused(llm, spec, words):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_min_tokens_with_a_grammar_is_refused():
+    with pytest.raises(InvalidRequestError, match="min_tokens cannot be combined with structured_outputs"):
+        SamplingParams(min_tokens=3, structured_outputs={"regex": "a+"})
+
+
 def test_compile_cache_is_keyed_by_the_canonical_spec(llm):
     s = llm.engine.structured
     before = s.num_compiled
