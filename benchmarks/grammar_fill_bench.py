@@ -57,7 +57,8 @@ def main() -> None:
                 if len(allowed) and not m.is_terminated():
                     m.accept_token(int(allowed[rng.randrange(len(allowed))]))
         ms = 1e3 * np.asarray(times[10:])
-        result["fill_ms"][mode] = {"mean": float(ms.mean()), "p50": float(np.median(ms)), "p99": float(np.percentile(ms, 99))}
+        result["fill_ms"][mode] = {"mean": float(ms.mean()), "p50": float(np.median(ms)),
+                                   "p99": float(np.percentile(ms, 99))}
         print(mode, {k: round(v, 3) for k, v in result["fill_ms"][mode].items()}, flush=True)
     if args.out:
         with open(args.out, "w") as f:

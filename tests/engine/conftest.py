@@ -27,6 +27,11 @@ def make_llm(loaded, **overrides) -> LLM:
     return LLM.from_engine(LLMEngine(config=config, loaded=loaded))
 
 
+def chat_ids(llm: LLM, question: str) -> list[int]:
+    """The token ids of one user turn rendered with the chat template (generation prompt added)."""
+    return llm.engine.tokenize(llm.render_chat([{"role": "user", "content": question}]), add_special_tokens=False)
+
+
 def assert_no_leaks(llm: LLM) -> None:
     """Every KV block is back in the pool and no request or runner row is left."""
     engine = llm.engine

@@ -5,7 +5,7 @@ scheduling on and off, chunked prefill, n = 2 and beside unconstrained requests.
 
 import pytest
 
-from tests.engine.conftest import assert_no_leaks, make_llm
+from tests.engine.conftest import assert_no_leaks, chat_ids, make_llm
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 
@@ -24,7 +24,7 @@ def llm(smollm):
 
 @pytest.fixture(scope="module")
 def prompt(llm):
-    return llm.engine.tokenize(llm.render_chat([{"role": "user", "content": QUESTION}]), add_special_tokens=False)
+    return chat_ids(llm, QUESTION)
 
 
 def gen(llm, prompts, **kw):

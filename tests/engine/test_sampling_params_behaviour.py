@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from tests.engine.conftest import assert_no_leaks, make_llm
+from tests.engine.conftest import assert_no_leaks, chat_ids, make_llm
 from tests.helpers import full_logits
 from tokenmill.sampling_params import SamplingParams
 
@@ -21,8 +21,7 @@ def llm(smollm):
 
 @pytest.fixture(scope="module")
 def prompt(llm):
-    text = llm.render_chat([{"role": "user", "content": QUESTION}])
-    return llm.engine.tokenize(text, add_special_tokens=False)
+    return chat_ids(llm, QUESTION)
 
 
 @pytest.fixture(scope="module")

@@ -302,3 +302,44 @@ def test_invalid_schema_is_a_400_and_the_server_keeps_serving(client):
     r = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=20, temperature=0,
                                        response_format={"type": "json_object"})
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+# ---- bad_words and allowed_token_ids (vLLM's extra fields, in extra_body) ---------------------------
+def _tokenize(server, text: str) -> list[int]:
+    r = httpx.post(server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=30)
+    r.raise_for_status()
+    return r.json()["tokens"]
+
+
+def _complete_greedy(client, **extra) -> str:
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True, **extra})
+    return out.choices[0].text
+
+
+def test_bad_words_and_allowed_token_ids(server, client):
+    plain = _complete_greedy(client)
+    word = plain.split()[0].strip(".,!?")
+    assert word
+    banned = _complete_greedy(client, bad_words=[word])
+    # The tokens before the word's last one are the plain run's; the word itself never comes out.
+    assert banned != plain and banned.startswith(plain[: plain.index(word)])
+    assert word not in banned.split()
+    phrase = " ".join(plain.split()[:2])  # several tokens: banned through the device-side history
+    assert len(_tokenize(server, " " + phrase)) > 1
+    assert phrase not in _complete_greedy(client, bad_words=[phrase])
+    allowed = _tokenize(server, " yes") + _tokenize(server, " no")
+    assert len(allowed) == 2
+    only = _complete_greedy(client, allowed_token_ids=allowed)
+    assert only and only.replace(" yes", "").replace(" no", "") == ""
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"allowed_token_ids": []}, "must not be empty"),
+    ({"allowed_token_ids": [10**8]}, "outside the vocabulary"),
+    ({"bad_words": [""]}, "non-empty"),
+])
+def test_bad_sampling_values_are_400s(client, extra, match):
+    with pytest.raises(openai.BadRequestError, match=match):
+        _complete_greedy(client, **extra)
+    assert _complete_greedy(client)  # and the server goes on

@@ -57,30 +57,28 @@ def _params(w, max_tokens: int, i: int, grammar: bool):
                           structured_outputs=spec)
 
 
+def _time_calls(obj, name: str) -> list[float]:
+    """Wrap obj.name on the instance; the list gets each call's seconds (`del obj.name` undoes it)."""
+    original, seconds = getattr(obj, name), []
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - t0)
+
+    setattr(obj, name, timed)
+    return seconds
+
+
 def _run_batch(engine, requests, w, grammar: bool) -> dict:
     """One timed batch; the whole-batch decode steps' times and the host mask-filling times."""
     batch = len(requests)
-    fill_s: list[float] = []
-    manager = engine.structured
-    original = manager.bitmask
-
-    def timed_bitmask(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = original(*args, **kwargs)
-        fill_s.append(time.perf_counter() - t0)
-        return out
-
-    manager.bitmask = timed_bitmask
-    process_s: list[float] = []  # the engine taking a step's output (on a grammar step's critical path)
-    original_process = engine._process
-
-    def timed_process(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = original_process(*args, **kwargs)
-        process_s.append(time.perf_counter() - t0)
-        return out
-
-    engine._process = timed_process
+    # Host time of the masks' filling, and of the engine taking a step's output (both on a grammar
+    # step's critical path), by wrapping the bound methods on the instances.
+    fill_s = _time_calls(engine.structured, "bitmask")
+    process_s = _time_calls(engine, "_process")
     reset_prefix_cache(engine)
     engine.step_log = []
     kinds = StepKinds(engine).install()
@@ -98,7 +96,7 @@ def _run_batch(engine, requests, w, grammar: bool) -> dict:
         elapsed = time.perf_counter() - start
         timer.uninstall()
         step_kinds = kinds.uninstall()
-        del manager.bitmask  # back to the class's methods
+        del engine.structured.bitmask  # back to the class's methods
         del engine._process
     steps, engine.step_log = engine.step_log, None
     seconds = timer.step_seconds()

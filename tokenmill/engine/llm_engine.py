@@ -127,8 +127,8 @@ class LLMEngine:
 
     def _warm_up_step_path(self) -> None:
         """A few tiny requests through the whole step (input preparation, greedy and sampled rows,
-        top-k/top-p, penalties, logprobs, bad words and allowed tokens), so those kernels compile now rather than on the first
-        user's request; then the counters and the prefix cache forget them."""
+        top-k/top-p, penalties, logprobs, bad words and allowed tokens), so those kernels compile now
+        rather than on the first user's request; then the counters and the prefix cache forget them."""
         greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
         sampled = SamplingParams(temperature=0.8, seed=0, max_tokens=3, ignore_eos=True)
         penalised = SamplingParams(temperature=0.0, repetition_penalty=1.1, logprobs=2, max_tokens=3, ignore_eos=True)

@@ -39,6 +39,32 @@ def skinny_qkv_rope_ref(x, weight, residual, norm_weight, eps, positions, cos_si
 
 
 @triton.jit
+def _program_rows(HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's head (q heads, then k, then v), the first of its rotary dims d0, and its
+    BLOCK_N projection rows: dims d0 + [0, PAIRS) of the head and their partners d0 + HALF + [0, PAIRS)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    pid = tl.program_id(0)
+    head = pid // (HALF // PAIRS)
+    d0 = (pid % (HALF // PAIRS)) * PAIRS
+    j = tl.arange(0, BLOCK_N)
+    rows = head * HEAD_DIM + d0 + j % PAIRS + (j // PAIRS) * HALF
+    return pid, head, d0, rows
+
+
+@triton.jit
+def _kv_destination(head, page, offset, k_cache_ptr, v_cache_ptr, stride_kcb, stride_kcs, stride_kch, stride_vcb,
+                    stride_vcs, stride_vch, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr):
+    """Where the cache row of a k head (head < NUM_Q_HEADS + NUM_KV_HEADS) or a v head at `page`,
+    `offset` (scalars, or one per token) starts."""
+    if head < NUM_Q_HEADS + NUM_KV_HEADS:
+        dst = k_cache_ptr + page * stride_kcb + offset * stride_kcs + (head - NUM_Q_HEADS) * stride_kch
+    else:
+        dst = v_cache_ptr + page * stride_vcb + offset * stride_vcs + (head - NUM_Q_HEADS - NUM_KV_HEADS) * stride_vch
+    return dst
+
+
+@triton.jit
 def _qkv_rope_gemv_kernel(
     x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, pos_ptr, slot_ptr, cos_sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
     K, eps, stride_wn, stride_cs, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
@@ -49,12 +75,7 @@ def _qkv_rope_gemv_kernel(
     then v) and, in it, dims d0 + [0, PAIRS) and their partners d0 + HALF + [0, PAIRS)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     PAIRS: tl.constexpr = BLOCK_N // 2
-    pid = tl.program_id(0)
-    head = pid // (HALF // PAIRS)
-    d0 = (pid % (HALF // PAIRS)) * PAIRS
-    j = tl.arange(0, BLOCK_N)
-    dims = d0 + j % PAIRS + (j // PAIRS) * HALF  # row j's dim in its head
-    rows = head * HEAD_DIM + dims
+    pid, head, d0, rows = _program_rows(HEAD_DIM, BLOCK_N)
     y = _gemv_rows(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, rows >= 0, K, eps, stride_wn, pid == 0,
                    2, HAS_RESIDUAL, BLOCK_K)
     # The projection as the unfused path stores it (model dtype), split into the two halves.
@@ -77,12 +98,8 @@ def _qkv_rope_gemv_kernel(
     else:
         slot = tl.load(slot_ptr).to(tl.int64)
         if slot >= 0:  # a padding slot stores nothing
-            page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE
-            if head < NUM_Q_HEADS + NUM_KV_HEADS:
-                dst = k_cache_ptr + page * stride_kcb + offset * stride_kcs + (head - NUM_Q_HEADS) * stride_kch
-            else:
-                dst = v_cache_ptr + page * stride_vcb + offset * stride_vcs + \
-                    (head - NUM_Q_HEADS - NUM_KV_HEADS) * stride_vch
+            dst = _kv_destination(head, slot // PAGE_SIZE, slot % PAGE_SIZE, k_cache_ptr, v_cache_ptr, stride_kcb,
+                                  stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, NUM_Q_HEADS, NUM_KV_HEADS)
             tl.store(dst + d, lo.to(k_cache_ptr.dtype.element_ty))
             tl.store(dst + HALF + d, hi.to(k_cache_ptr.dtype.element_ty))
 
@@ -103,12 +120,7 @@ def _qkv_rope_gemv_multi_kernel(
     HALF: tl.constexpr = HEAD_DIM // 2
     PAIRS: tl.constexpr = BLOCK_N // 2
     Q_STRIDE: tl.constexpr = NUM_Q_HEADS * HEAD_DIM
-    pid = tl.program_id(0)
-    head = pid // (HALF // PAIRS)
-    d0 = (pid % (HALF // PAIRS)) * PAIRS
-    j = tl.arange(0, BLOCK_N)
-    dims = d0 + j % PAIRS + (j // PAIRS) * HALF  # row j's dim in its head
-    rows = head * HEAD_DIM + dims
+    pid, head, d0, rows = _program_rows(HEAD_DIM, BLOCK_N)
     m = tl.arange(0, ROWS)
     m_ok = m < M
     sum_rows = m < tl.where(pid == 0, M, 0)
@@ -136,12 +148,8 @@ def _qkv_rope_gemv_multi_kernel(
     else:
         slot = tl.load(slot_ptr + m, mask=m_ok, other=-1).to(tl.int64)
         store = (slot >= 0)[:, None]  # a padding slot (and a padding token) stores nothing
-        page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE
-        if head < NUM_Q_HEADS + NUM_KV_HEADS:
-            dst = k_cache_ptr + page * stride_kcb + offset * stride_kcs + (head - NUM_Q_HEADS) * stride_kch
-        else:
-            dst = v_cache_ptr + page * stride_vcb + offset * stride_vcs + \
-                (head - NUM_Q_HEADS - NUM_KV_HEADS) * stride_vch
+        dst = _kv_destination(head, slot // PAGE_SIZE, slot % PAGE_SIZE, k_cache_ptr, v_cache_ptr, stride_kcb,
+                              stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, NUM_Q_HEADS, NUM_KV_HEADS)
         dst = dst[:, None] + d[None, :]
         tl.store(dst, lo.to(k_cache_ptr.dtype.element_ty), mask=store)
         tl.store(dst + HALF, hi.to(k_cache_ptr.dtype.element_ty), mask=store)

@@ -1,0 +1,51 @@
+"""Every sampling feature of the engine in one run, with speculation, chunked prefill, preemption,
+the prefix cache and async scheduling all on: each request's output is token for token what it is
+when run alone on a plain engine (greedy, fp32), grammars validate, banned words never appear,
+allowed tokens hold, prompt logprobs are there, and nothing leaks."""
+
+import json
+
+import jsonschema
+
+from tests.engine.conftest import assert_no_leaks, chat_ids, make_llm
+from tests.engine.test_structured_output import NGRAM, SCHEMAS
+from tokenmill.sampling_params import SamplingParams
+
+GREEDY = dict(temperature=0, max_tokens=24)
+NUM_KV_BLOCKS = 16  # of 16 tokens: the largest request fits, the batch does not (preemptions)
+
+
+def test_features_together(smollm):
+    plain = make_llm(smollm)
+    busy = make_llm(smollm, speculative_config=NGRAM, max_num_batched_tokens=48, num_kv_blocks=NUM_KV_BLOCKS)
+    copy = chat_ids(plain, "Repeat exactly: the cat sat on the mat. the cat sat on the mat.")
+    animals = chat_ids(plain, "Name three animals that live in the ocean.")
+    schema = SCHEMAS[0]
+    person = chat_ids(plain, f"Answer in JSON following this schema: {json.dumps(schema)}")
+    reference = plain.generate([animals], SamplingParams(**GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    banned = reference[3]  # a token the plain run emits
+    requests = [
+        (copy, SamplingParams(**GREEDY)),  # speculates (its drafts are found in the prompt)
+        (person, SamplingParams(structured_outputs={"json": schema}, **{**GREEDY, "max_tokens": 60})),
+        (copy, SamplingParams(structured_outputs={"regex": r"(the cat sat on the mat\. ){2}"}, **GREEDY)),
+        (animals, SamplingParams(logit_bias={banned: -100.0}, bad_words=[plain.engine.tokenizer.decode([banned])],
+                                 **GREEDY)),
+        (animals, SamplingParams(allowed_token_ids=sorted(set(reference)), **GREEDY)),
+        (animals, SamplingParams(prompt_logprobs=2, n=2, **GREEDY)),  # bypasses the prefix cache
+        (copy, SamplingParams(bad_words=["sat on"], **GREEDY)),  # several tokens: decodes without drafts
+    ]
+    prompts, params = [p for p, _ in requests], [q for _, q in requests]
+    alone = [plain.generate([p], q, use_tqdm=False)[0] for p, q in requests]
+    together = busy.generate(prompts, params, use_tqdm=False)
+    stats = busy.engine
+    assert stats.scheduler.num_preemptions > 0 and stats.spec_stats.accepted > 0
+    for want, got in zip(alone, together):
+        assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+    jsonschema.validate(json.loads(together[1].outputs[0].text), schema)
+    assert banned not in together[3].outputs[0].token_ids
+    assert set(together[4].outputs[0].token_ids) <= set(reference)
+    lp = together[5].prompt_logprobs
+    assert lp[0] is None and len(lp) == len(animals) and all(lp[i] for i in range(1, len(animals)))
+    assert "sat on" not in together[6].outputs[0].text
+    assert_no_leaks(busy)
+    assert not busy.engine.structured.matchers
