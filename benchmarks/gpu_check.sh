@@ -29,6 +29,15 @@
 #   8b        offline-8b throughput, $REPEAT runs
 #   prefill   prefill-8b throughput, $REPEAT runs
 #   serve     serve-8b through `tokenmill serve` (launched here), Poisson at $SERVE_RATE req/s (default 8)
+#   serve-sweep  serve-8b on one launched server at each of $SERVE_RATES req/s (default "8,16,32,64"), then
+#             `--goodput` (the highest rate with ITL p99 <= 30 ms and TTFT p99 <= 1000 ms: doubling from 8,
+#             then 3 bisections, 200 requests a probe); $SERVE_EXTRA goes to the server's flags (e.g.
+#             "--step-time-target-ms 25"), $SERVE_REQUESTS (default: the workload's 500) bounds the
+#             requests per rate and per probe; tagged sweep. Per rate: output tok/s, TTFT, ITL, mixed steps and
+#             the server's gen-2 GC pauses (`python -m tokenmill.bench.report serve-table bench.json` prints
+#             them as a markdown table; the phase prints it too). Other goodput flags through BENCH_ARGS
+#             in a call of this phase alone (e.g. BENCH_ARGS="--goodput-itl-p99-ms 25"). With 500 requests a
+#             rate the phase takes most of a call: run it alone, or with SERVE_REQUESTS=200
 #   compare   offline-small throughput, 1 run, then transformers continuous batching on the same requests
 #   profile   `tokenmill bench profile` (torch profiler, per-kernel time) of latency-8b decode and of
 #             full-batch offline-small decode                      -> $OUT/profiles.tar.gz
@@ -40,7 +49,7 @@
 # combined figure), summary.txt (the summary table) and gpu_check.log (everything, tee'd).
 # Scratch results go to a fresh temporary directory outside $OUT.
 #
-# Environment: OUT, PHASES, REPEAT, LAT_REPEAT, SERVE_RATE, SPEC_CONFIG, TOKENIZER, BASE_TREE (default build/base), PROFILES (workloads the profile phase
+# Environment: OUT, PHASES, REPEAT, LAT_REPEAT, SERVE_RATE, SERVE_RATES, SERVE_EXTRA, SERVE_REQUESTS, SPEC_CONFIG, TOKENIZER, BASE_TREE (default build/base), PROFILES (workloads the profile phase
 # traces, default "latency-8b offline-small"), PYTHON (default python3), BUDGET_S (seconds
 # this script may take in all, default 585: each phase gets what is left, minus a margin for the final
 # merge, and is interrupted with SIGINT when it runs out), BENCH_ARGS (extra flags for every bench).
@@ -55,6 +64,9 @@ PHASES=${PHASES:-"tests kernels small eager noasync latency"}
 REPEAT=${REPEAT:-3}
 LAT_REPEAT=${LAT_REPEAT:-5}
 SERVE_RATE=${SERVE_RATE:-8}
+SERVE_RATES=${SERVE_RATES:-"8,16,32,64"}
+SERVE_EXTRA=${SERVE_EXTRA:-}
+SERVE_REQUESTS=${SERVE_REQUESTS:-}
 PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-585}
 BENCH_ARGS=${BENCH_ARGS:-}
@@ -195,6 +207,12 @@ for phase in $PHASES; do
                 --out "$RES" "${EXTRA[@]}"
             # The server's own warnings (e.g. a Triton kernel compiled on the step path) into our log.
             grep -h "WARNING\|ERROR" "$RES"/server-*.log 2>/dev/null | tail -40 | tee -a "$LOG" ;;
+        serve-sweep)
+            SWEEP_N=()
+            [ -n "$SERVE_REQUESTS" ] && SWEEP_N=(--num-prompts "$SERVE_REQUESTS" --goodput-requests "$SERVE_REQUESTS")
+            run_phase serve-sweep "${BENCH[@]}" serve --workload serve-8b --launch --rates "$SERVE_RATES" --goodput \
+                --server-args "$SERVE_EXTRA" "${SWEEP_N[@]}" --tag sweep --out "$RES" "${EXTRA[@]}"
+            grep -h "WARNING\|ERROR" "$RES"/server-*-sweep.log 2>/dev/null | tail -40 | tee -a "$LOG" ;;
         compare)
             run_phase compare "${BENCH[@]}" throughput --workload offline-small --repeat 1 --compare transformers \
                 --tag compare --out "$RES" "${EXTRA[@]}" ;;
@@ -205,7 +223,7 @@ for phase in $PHASES; do
                 --workload offline-small --skip-steps 300 --steps 20 --trace --out "$WORK/profiles" "${EXTRA[@]}"
             [ -d "$WORK/profiles" ] && tar -C "$WORK" -czf "$OUT/profiles.tar.gz" profiles ;;
         *)
-            log "unknown phase '$phase' (tests kernels gemv overhead small eager noasync latency latency-spec small-spec serve-spec latency-unfused latency-base small-base 8b prefill serve compare profile)"
+            log "unknown phase '$phase' (tests kernels gemv overhead small eager noasync latency latency-spec small-spec serve-spec latency-unfused latency-base small-base 8b prefill serve serve-sweep compare profile)"
             STATUS+=("$phase: unknown") ;;
     esac
 done

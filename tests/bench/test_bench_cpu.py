@@ -288,8 +288,10 @@ def test_step_histogram_parsing():
     after = step_histograms(scrape([("0.005", 108.0), ("0.03", 110.0), ("+Inf", 110.0)],
                                    [("0.005", 0.0), ("0.03", 3.0), ("+Inf", 4.0)]))
     s = histogram_summary(before, after)
-    assert s["decode"] == {"count": 100, "mean_ms": pytest.approx(5.0), "p50_le_ms": 5.0, "p99_le_ms": 30.0}
+    assert s["decode"] == {"count": 100, "mean_ms": pytest.approx(5.0), "p50_le_ms": 5.0, "p99_le_ms": 30.0,
+                           "max_le_ms": 30.0}
     assert s["mixed"]["count"] == 4 and s["mixed"]["p50_le_ms"] == 30.0 and s["mixed"]["p99_le_ms"] == float("inf")
+    assert s["mixed"]["max_le_ms"] == float("inf")
 
 
 def test_server_side_counters_and_histograms():
@@ -307,7 +309,8 @@ def test_server_side_counters_and_histograms():
 
     seen = server_side(scrape(3, 1), scrape(5, 4))
     assert seen["kernel_compiles"] == 2 and seen["kernel_compile_s"] == pytest.approx(1.0)
-    assert seen["gc_pauses"]["2"] == {"count": 3, "mean_ms": pytest.approx(20.0), "p50_le_ms": 50.0, "p99_le_ms": 50.0}
+    assert seen["gc_pauses"]["2"] == {"count": 3, "mean_ms": pytest.approx(20.0), "p50_le_ms": 50.0, "p99_le_ms": 50.0,
+                                      "max_le_ms": 50.0}
     assert seen["steps"] == {} and seen["itl"] == {}
 
 

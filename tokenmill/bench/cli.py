@@ -83,6 +83,22 @@ def register(subparsers) -> None:
     sv.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (default: none)")
     sv.add_argument("--request-timeout", type=float, default=3600.0, help="seconds, for the whole run")
     sv.add_argument("--keep-requests", action="store_true", help="keep every request's TTFT in the JSON")
+    gp = sv.add_argument_group("goodput (the highest rate that meets latency targets)")
+    gp.add_argument("--goodput", action="store_true",
+                    help="find the highest request rate whose ITL p99 and TTFT p99 meet the thresholds below (and "
+                         "no request fails): from --goodput-start, double until a rate fails (or --goodput-max-rate "
+                         "passes), then bisect between the last pass and the first fail; every probe is in the "
+                         "JSON's goodput.probes. With --rates, runs after that sweep on the same server; alone, "
+                         "instead of the single --request-rate run (default: off)")
+    gp.add_argument("--goodput-itl-p99-ms", type=float, default=30.0, help="ITL p99 threshold, ms")
+    gp.add_argument("--goodput-ttft-p99-ms", type=float, default=1000.0, help="TTFT p99 threshold, ms")
+    gp.add_argument("--goodput-start", type=float, default=None,
+                    help="first rate probed, req/s (default: the workload's rate, after --request-rate)")
+    gp.add_argument("--goodput-max-rate", type=float, default=None,
+                    help="highest rate probed, req/s (default: 64 x the start rate)")
+    gp.add_argument("--goodput-rounds", type=int, default=3, help="bisection rounds after the first failing rate")
+    gp.add_argument("--goodput-requests", type=int, default=200,
+                    help="requests per probe (the workload's first N, Poisson arrivals at the probe's rate, seeded)")
     sv.set_defaults(func=functools.partial(_run, "serve"))
 
     st = add_command(sub, "structured", help="step time of one batch with and without JSON-schema grammars")

@@ -154,6 +154,15 @@ def summary_rows(merged: dict) -> list[list[str]]:
                          f"{_fmt(a.get('itl_ms_p99'), '.1f')} ms, {a.get('failed', '-')} failed"
                          + _spec_note(rate.get("speculative")))
                 rows.append([kind, name, tag, _fmt(a.get("output_tok_per_s")), "-", "-", other, dev])
+            g = r.get("goodput")
+            if g:
+                # the output rate at the goodput: of the fastest probe that met the targets
+                at = [p for p in g.get("probes") or [] if p.get("passed")]
+                best = (max(at, key=lambda p: p.get("request_rate") or 0) if at else {}).get("summary") or {}
+                other = (f"goodput {_fmt(g.get('goodput_req_per_s'), 'g', 'none')} req/s (ITL p99 <= "
+                         f"{_fmt(g.get('itl_p99_ms_max'), 'g')} ms, TTFT p99 <= {_fmt(g.get('ttft_p99_ms_max'), 'g')} ms, "
+                         f"{len(g.get('probes') or [])} probes)")
+                rows.append([kind, name, tag, _fmt(best.get("output_tok_per_s")), "-", "-", other, dev])
         elif kind == "structured":
             other = (f"batch {s.get('batch')}: step {_fmt(s.get('plain_step_ms'), '.2f')} ms plain, "
                      f"{_fmt(s.get('json_step_ms'), '.2f')} ms JSON ({_fmt(s.get('ratio'), '.3f')}x), "
@@ -162,6 +171,71 @@ def summary_rows(merged: dict) -> list[list[str]]:
         else:
             rows.append([kind, name, tag, "-", "-", "-", r.get("error", ""), dev])
     return rows
+
+
+SERVE_TABLE_COLUMNS = ["rate", "output tok/s", "TTFT p99", "ITL p50/p99", "mixed steps mean/p99", "GC gen-2 pauses"]
+
+
+def _rate_label(rate) -> str:
+    return str(rate) if isinstance(rate, str) else f"{rate:g}"
+
+
+def serve_table_row(entry: dict) -> list[str]:
+    """One rate of a serve result (an entry of "rates" or of goodput "probes") as the serve table's cells.
+    Milliseconds throughout; "p99 <= X" is a server histogram's bucket bound (it gives no finer answer)."""
+    a = entry.get("summary") or {}
+    mixed = (entry.get("server_steps") or {}).get("mixed")
+    if entry.get("server_side") is None:
+        mixed_cell = "-"  # no /metrics
+    elif not mixed:
+        mixed_cell = "none"
+    else:
+        mixed_cell = f"{mixed['mean_ms']:.1f} / <= {_fmt(mixed.get('p99_le_ms'), 'g', 'inf')} ms"
+    def gc_cell(gc: Optional[dict]) -> str:
+        if gc is None:
+            return "-"  # not exported
+        if not gc.get("count"):
+            return "0"
+        return f"{gc['count']}, mean {gc['mean_ms']:.1f} ms, max <= {_fmt(gc.get('max_le_ms'), 'g', 'inf')} ms"
+
+    gc = gc_cell(entry.get("gc_gen2"))
+    if entry.get("engine_gc_gen2") is not None:  # an engine process of its own: its pauses stop the steps
+        gc = f"server {gc}; engine {gc_cell(entry['engine_gc_gen2'])}"
+    return [_rate_label(entry.get("request_rate")), _fmt(a.get("output_tok_per_s")),
+            f"{_fmt(a.get('ttft_ms_p99'), '.0f')} ms",
+            f"{_fmt(a.get('itl_ms_p50'), '.1f')} / {_fmt(a.get('itl_ms_p99'), '.1f')} ms", mixed_cell, gc]
+
+
+def markdown_table(rows: list[list[str]]) -> str:
+    """A GitHub markdown table; the first row is the header."""
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "|".join("---" for _ in rows[0]) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows[1:]]
+    return "\n".join(lines)
+
+
+def serve_table(result: dict) -> str:
+    """The serve result's rates as a markdown table: rate | output tok/s | TTFT p99 | ITL p50/p99 |
+    mixed steps mean/p99 | GC gen-2 pauses (count, mean and the bucket bound of the largest; the server
+    process's, and the engine process's too where the server exports them apart). With a
+    goodput search, its probes follow in a second table of the same columns and a pass/fail column, and
+    a line with the goodput. `python -m tokenmill.bench.report serve-table FILE` prints it from a file."""
+    parts = []
+    rates = result.get("rates") or []
+    if rates:
+        parts.append(markdown_table([SERVE_TABLE_COLUMNS] + [serve_table_row(e) for e in rates]))
+    g = result.get("goodput")
+    if g:
+        probes = [serve_table_row(p) + ["pass" if p.get("passed") else
+                                        "fail: " + "; ".join(p.get("fail_reasons") or [])]
+                  for p in g.get("probes") or []]
+        if probes:
+            parts.append(markdown_table([SERVE_TABLE_COLUMNS + ["goodput"]] + probes))
+        value = g.get("goodput_req_per_s")
+        parts.append(f"goodput (ITL p99 <= {_fmt(g.get('itl_p99_ms_max'), 'g')} ms, TTFT p99 <= "
+                     f"{_fmt(g.get('ttft_p99_ms_max'), 'g')} ms): "
+                     + ("none" if value is None else f"{value:g} req/s")
+                     + (f" ({g['note']})" if g.get("note") else ""))
+    return "\n\n".join(parts) if parts else "(no rates)"
 
 
 def format_table(rows: list[list[str]]) -> str:
@@ -175,7 +249,8 @@ def format_table(rows: list[list[str]]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """python -m tokenmill.bench.report merge OUT.json IN.json... [--png OUT.png] | table IN.json..."""
+    """python -m tokenmill.bench.report merge OUT.json IN.json... [--png OUT.png] | table IN.json... |
+    serve-table IN.json... (the markdown rate table of every serve result: see serve_table)"""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m tokenmill.bench.report")
@@ -186,8 +261,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     m.add_argument("--png", default=None, help="also draw one figure: the summary, then every result's own figure")
     t = sub.add_parser("table", help="print the summary table of result files")
     t.add_argument("inputs", nargs="+")
+    st = sub.add_parser("serve-table", help="print the markdown rate table (rate, output tok/s, TTFT p99, ITL "
+                                            "p50/p99, mixed steps, GC gen-2 pauses) of serve result files")
+    st.add_argument("inputs", nargs="+")
     args = p.parse_args(argv)
     merged = merge(args.inputs)
+    if args.cmd == "serve-table":
+        serves = [r for r in merged["results"] if r.get("kind") == "serve"]
+        for r in serves:
+            if len(serves) > 1:
+                name = (r.get("workload") or {}).get("name", "?")
+                print(f"### {r.get('file', '?')}: {name} {r.get('tag') or ''}".rstrip() + "\n")
+            print(serve_table(r) + ("\n" if len(serves) > 1 else ""))
+        if not serves:
+            print("no serve results in " + ", ".join(args.inputs), file=sys.stderr)
+            return 1
+        return 0
     if args.cmd == "merge":
         write_json(merged, args.out)
         if args.png:

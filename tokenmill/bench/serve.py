@@ -20,7 +20,17 @@ from an earlier one's prompts. Warm-up requests also use other token ids.
 With speculation on the server, each rate's `speculative` (and the summary's, of the best rate)
 holds the acceptance figures of that rate's requests, from the server's speculative-decoding
 counters scraped from `/metrics` before and after the load (acceptance rate, mean accepted length,
-acceptance by draft position; see bench/common.py: spec_summary).
+acceptance by draft position; see bench/common.py: spec_summary). Each rate also holds the server's
+generation-2 garbage-collection pauses during its load (`gc_gen2`: count, mean and the bucket bound
+of the largest, from the `tokenmill:gc_pause_seconds` histogram's increase between the scrapes;
+`engine_gc_gen2` the same of `tokenmill:engine_gc_pause_seconds` where a server exports it).
+
+`--goodput` finds the highest rate at which ITL p99 <= --goodput-itl-p99-ms and TTFT p99 <=
+--goodput-ttft-p99-ms with no failed request (goodput_search: from --goodput-start, double until a
+rate fails, then bisect --goodput-rounds times); each probe is a rate run of the first
+--goodput-requests requests, recorded in the result's `goodput.probes`, the answer in
+`goodput.goodput_req_per_s` (None when even the first rate fails). report.serve_table writes the
+rates and probes as a markdown table (also `python -m tokenmill.bench.report serve-table FILE`).
 """
 
 from __future__ import annotations
@@ -276,8 +286,26 @@ def histogram_summary(before: dict, after: dict) -> dict:
             return next((le for le, c in cum if c >= q * count), float("inf"))
 
         summary[kind] = {"count": int(count), "mean_ms": 1e3 * (a["sum"] - b["sum"]) / count,
-                         "p50_le_ms": 1e3 * bound(0.5), "p99_le_ms": 1e3 * bound(0.99)}
+                         "p50_le_ms": 1e3 * bound(0.5), "p99_le_ms": 1e3 * bound(0.99),
+                         "max_le_ms": 1e3 * bound(1.0)}
     return summary
+
+
+GC_HISTOGRAM = "tokenmill:gc_pause_seconds"  # the server (API) process's collections
+ENGINE_GC_HISTOGRAM = "tokenmill:engine_gc_pause_seconds"  # an engine process of its own, where exported
+
+
+def gc_pauses(before: str, after: str, generation: str = "2", name: str = GC_HISTOGRAM) -> Optional[dict]:
+    """The server's garbage-collection pauses of one generation between two /metrics scrapes (from the
+    histogram `name`): count, mean_ms and max_le_ms (the bucket bound that holds the largest pause);
+    count 0 when there was none. None when the server exports no such histogram or a scrape is missing."""
+    if not before or not after or not re.search(r"^# TYPE " + re.escape(name) + r" ", after, re.M):
+        return None
+    seen = histogram_summary(histograms(before, name, "generation"),
+                             histograms(after, name, "generation")).get(generation)
+    if seen is None:
+        return {"count": 0, "mean_ms": None, "max_le_ms": None}
+    return {"count": seen["count"], "mean_ms": seen["mean_ms"], "max_le_ms": seen["max_le_ms"]}
 
 
 def server_side(before: str, after: str) -> dict:
@@ -417,12 +445,14 @@ def server_log_line(server: dict) -> str:
 
 
 def _requests_for_rate(w: Workload, rate: Optional[float], index: int, fresh_ids: bool,
-                       vocab_size: Optional[int]) -> list[BenchRequest]:
+                       vocab_size: Optional[int], num_requests: Optional[int] = None) -> list[BenchRequest]:
     """The workload's requests with arrivals at `rate`; with fresh_ids, the same prompt and output
-    lengths but other token ids (seed + 1000 x index), so an earlier rate's prefix cache cannot help."""
+    lengths but other token ids (seed + 1000 x index), so an earlier rate's prefix cache cannot help.
+    With num_requests, the first that many (the workload grown to that many if it has fewer)."""
     import random
 
-    reqs = generate_requests(replace(w, request_rate=None), vocab_size)
+    n = w.num_requests if num_requests is None else num_requests
+    reqs = generate_requests(replace(w, request_rate=None, num_requests=max(n, w.num_requests)), vocab_size)[:n]
     if fresh_ids:
         rng = random.Random(w.seed + 1000 * index)
         top = w.max_token_id if vocab_size is None else min(w.max_token_id, vocab_size - 1)
@@ -455,18 +485,181 @@ def _device_name(device: Optional[str]) -> str:
     return "unknown (server side)"
 
 
+@dataclass
+class _Target:
+    """Where the load goes: the server, the model name it serves, the workload and its vocabulary."""
+    base_url: str
+    model: str
+    w: Workload
+    vocab: Optional[int]
+    args: object
+    log: object
+
+
+def run_rate(t: _Target, rate: float, index: int, num_requests: Optional[int] = None) -> dict:
+    """One rate's load against the server: forget the prefix cache (or, when the server cannot, give
+    every load after the first other token ids), scrape /metrics, send the requests at Poisson
+    arrivals, scrape again; returns the rate's entry of the result (client summary, server side, GC)."""
+    from tokenmill.bench.common import format_spec
+
+    args, log = t.args, t.log
+    status = _post(t.base_url.rstrip("/") + "/reset_prefix_cache")
+    fresh = index > 0 and status != 200
+    reqs = _requests_for_rate(t.w, rate, index, fresh, t.vocab, num_requests)
+    log(f"rate {rate} req/s: {len(reqs)} requests"
+        + (f", max concurrency {args.max_concurrency}" if args.max_concurrency else ""))
+    metrics_before = _scrape(t.base_url)
+    records, duration = asyncio.run(run_load(t.base_url, t.model, reqs, t.w.temperature, args.max_concurrency,
+                                             args.request_timeout))
+    metrics_after = _scrape(t.base_url)
+    seen = server_side(metrics_before, metrics_after) if metrics_before and metrics_after else None
+    s = summarize_records(records, duration)
+    entry = {"request_rate": rate if rate != float("inf") else "inf", "max_concurrency": args.max_concurrency,
+             "num_requests": len(reqs), "prefix_cache_reset": status == 200, "fresh_token_ids": fresh,
+             "summary": s, "server_steps": seen["steps"] if seen else None, "server_side": seen,
+             "gc_gen2": gc_pauses(metrics_before, metrics_after, "2"),
+             "engine_gc_gen2": gc_pauses(metrics_before, metrics_after, "2", ENGINE_GC_HISTOGRAM),
+             "speculative": seen["speculative"] if seen else None,
+             "ttft_ms": [1e3 * (r.token_times[0] - r.send_time) if r.token_times else None
+                         for r in records] if args.keep_requests else None}
+    log(f"  {s['completed']} ok, {s['failed']} failed in {duration:.1f} s: {s['output_tok_per_s'] or 0:.0f} "
+        f"output tok/s, {s['requests_per_s'] or 0:.2f} req/s; TTFT p50/p90/p99 "
+        f"{s['ttft_ms_p50'] or 0:.0f}/{s['ttft_ms_p90'] or 0:.0f}/{s['ttft_ms_p99'] or 0:.0f} ms; ITL "
+        f"p50/p90/p99 {s['itl_ms_p50'] or 0:.1f}/{s['itl_ms_p90'] or 0:.1f}/{s['itl_ms_p99'] or 0:.1f} ms")
+    if seen:
+        log("  " + server_log_line(seen))
+        if seen["speculative"]:
+            log("  " + format_spec(seen["speculative"]))
+    if s["errors"]:
+        log(f"  errors: {s['errors']}")
+    return entry
+
+
+# ---- goodput: the highest rate that meets the latency targets ------------------------------------
+
+
+GOODPUT_MAX_FACTOR = 64  # the search's default cap: 64 x the start rate (six doublings)
+
+
+def goodput_search(passes, start: float, rounds: int = 3, max_rate: Optional[float] = None
+                   ) -> tuple[Optional[float], list[tuple[float, bool]]]:
+    """The highest request rate for which `passes(rate)` holds, found by a short sweep: `start`, then
+    doubling until a rate fails (or `max_rate`, default 64 x start, is reached and passes), then
+    `rounds` bisections between the last rate that passed and the first that failed. Returns the
+    rate (None when `start` itself fails) and every (rate, passed) probed, in order. Assumes that a
+    rate which fails would fail at any higher rate too (the search probes each rate once)."""
+    if not (0 < start < float("inf")):
+        raise ValueError(f"the goodput search needs a finite start rate > 0, got {start}")
+    max_rate = start * GOODPUT_MAX_FACTOR if max_rate is None else max_rate
+    probed: list[tuple[float, bool]] = []
+
+    def check(rate: float) -> bool:
+        ok = bool(passes(rate))
+        probed.append((rate, ok))
+        return ok
+
+    if not check(start):
+        return None, probed
+    lo, hi = start, None
+    while lo < max_rate:
+        rate = min(2 * lo, max_rate)
+        if not check(rate):
+            hi = rate
+            break
+        lo = rate
+    if hi is None:
+        return lo, probed
+    for _ in range(rounds):
+        mid = float(f"{(lo + hi) / 2:.3g}")  # readable rates; stop once the interval is that fine
+        if not lo < mid < hi:
+            break
+        if check(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, probed
+
+
+def goodput_verdict(summary: dict, itl_p99_ms: float, ttft_p99_ms: float) -> list[str]:
+    """Why a probe's client summary misses the targets ([] = it meets them): ITL p99 and TTFT p99 at
+    most their thresholds, every request completed."""
+    reasons = []
+    if summary.get("failed"):
+        reasons.append(f"{summary['failed']} requests failed")
+    for key, limit, what in (("itl_ms_p99", itl_p99_ms, "ITL p99"), ("ttft_ms_p99", ttft_p99_ms, "TTFT p99")):
+        value = summary.get(key)
+        if value is None:
+            reasons.append(f"no {what} measured")
+        elif value > limit:
+            reasons.append(f"{what} {value:.1f} ms > {limit:g} ms")
+    return reasons
+
+
+def goodput_start(args, w: Workload) -> float:
+    """--goodput's first rate: --goodput-start, else the workload's rate (SystemExit when neither is a
+    finite rate > 0, or the other goodput flags are out of range)."""
+    start = args.goodput_start if args.goodput_start is not None else w.request_rate
+    if start is None or not 0 < start < float("inf"):
+        raise SystemExit(f"--goodput needs a finite start rate > 0: give --goodput-start (the workload's rate is "
+                         f"{w.request_rate})")
+    if args.goodput_requests < 1 or args.goodput_rounds < 0:
+        raise SystemExit("--goodput-requests must be >= 1 and --goodput-rounds >= 0")
+    if args.goodput_max_rate is not None and args.goodput_max_rate < start:
+        raise SystemExit(f"--goodput-max-rate {args.goodput_max_rate:g} is below the start rate {start:g}")
+    return float(start)
+
+
+def run_goodput(t: _Target, first_index: int) -> dict:
+    """`--goodput`: goodput_search over run_rate probes of --goodput-requests requests each."""
+    args, log = t.args, t.log
+    start = goodput_start(args, t.w)
+    itl_max, ttft_max = args.goodput_itl_p99_ms, args.goodput_ttft_p99_ms
+    log(f"goodput search: ITL p99 <= {itl_max:g} ms and TTFT p99 <= {ttft_max:g} ms, from {start:g} req/s, "
+        f"{args.goodput_requests} requests a probe, {args.goodput_rounds} bisection rounds")
+    probes: list[dict] = []
+
+    def passes(rate: float) -> bool:
+        entry = run_rate(t, rate, first_index + len(probes), args.goodput_requests)
+        s = entry["summary"]
+        reasons = goodput_verdict(s, itl_max, ttft_max)
+        entry.update({"itl_ms_p99": s["itl_ms_p99"], "ttft_ms_p99": s["ttft_ms_p99"],
+                      "output_tok_per_s": s["output_tok_per_s"], "passed": not reasons, "fail_reasons": reasons})
+        probes.append(entry)
+        log(f"  goodput probe {rate:g} req/s: " + ("pass" if not reasons else "FAIL (" + "; ".join(reasons) + ")"))
+        return not reasons
+
+    best, _ = goodput_search(passes, start, args.goodput_rounds, args.goodput_max_rate)
+    max_rate = args.goodput_max_rate if args.goodput_max_rate is not None else GOODPUT_MAX_FACTOR * start
+    if best is None:
+        note = (f"even the first rate, {start:g} req/s, misses the targets ({'; '.join(probes[0]['fail_reasons'])}): "
+                "no goodput; try a lower --goodput-start")
+    elif best >= max_rate:
+        note = f"every rate passed up to the search's cap, {max_rate:g} req/s (--goodput-max-rate): a lower bound"
+    else:
+        note = None
+    log(f"goodput: {'none' if best is None else f'{best:g} req/s'}" + (f" ({note})" if note else ""))
+    return {"goodput_req_per_s": best, "note": note, "itl_p99_ms_max": itl_max, "ttft_p99_ms_max": ttft_max,
+            "start_rate": start, "max_rate": max_rate, "rounds": args.goodput_rounds,
+            "requests_per_probe": args.goodput_requests, "probes": probes}
+
+
 def run(args, log=None) -> dict:
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    from tokenmill.bench.common import format_spec, resolve_workload, speculative_config
+    from tokenmill.bench.common import resolve_workload, speculative_config
 
     w = resolve_workload(args, "serve-8b")
     if args.base_url and not args.launch and speculative_config(args) is not None:
         log("note: --speculative-config / --synthetic-acceptance configure a server that --launch starts; the "
             "server at --base-url runs with its own configuration")
+    goodput_on = bool(getattr(args, "goodput", False))
     if args.rates:
         rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    elif goodput_on:
+        rates = []  # only the goodput search
     else:
         rates = [args.request_rate if args.request_rate is not None else (w.request_rate or float("inf"))]
+    if goodput_on:
+        goodput_start(args, w)  # refuse bad goodput flags before a server is started
     server = None
     base_url = args.base_url
     if args.launch:
@@ -480,45 +673,19 @@ def run(args, log=None) -> dict:
         log(f"server healthy after {time.perf_counter() - t0:.1f} s")
     elif not base_url:
         raise SystemExit("bench serve needs --launch or --base-url")
+    goodput = None
     try:
-        model = served_model_name(base_url, w.model)
-        vocab = _vocab_size(w.model)
+        target = _Target(base_url, served_model_name(base_url, w.model), w, _vocab_size(w.model), args, log)
         if args.warmup_requests > 0:
-            warm = _requests_for_rate(w, None, 99, True, vocab)[: args.warmup_requests]
+            warm = _requests_for_rate(w, None, 99, True, target.vocab)[: args.warmup_requests]
             warm = [replace(r, max_tokens=min(r.max_tokens, 16)) for r in warm]
-            records, _ = asyncio.run(run_load(base_url, model, warm, w.temperature))
+            records, _ = asyncio.run(run_load(base_url, target.model, warm, w.temperature))
             bad = [r.error for r in records if not r.ok]
             if bad:
                 raise RuntimeError(f"warm-up requests failed: {bad[0]}")
-        per_rate = []
-        for i, rate in enumerate(rates):
-            status = _post(base_url.rstrip("/") + "/reset_prefix_cache")
-            fresh = i > 0 and status != 200
-            reqs = _requests_for_rate(w, rate, i, fresh, vocab)
-            log(f"rate {rate} req/s: {len(reqs)} requests"
-                + (f", max concurrency {args.max_concurrency}" if args.max_concurrency else ""))
-            metrics_before = _scrape(base_url)
-            records, duration = asyncio.run(run_load(base_url, model, reqs, w.temperature, args.max_concurrency,
-                                                     args.request_timeout))
-            metrics_after = _scrape(base_url)
-            seen = server_side(metrics_before, metrics_after) if metrics_before and metrics_after else None
-            s = summarize_records(records, duration)
-            per_rate.append({"request_rate": rate if rate != float("inf") else "inf", "max_concurrency": args.max_concurrency,
-                             "prefix_cache_reset": status == 200, "fresh_token_ids": fresh, "summary": s,
-                             "server_steps": seen["steps"] if seen else None, "server_side": seen,
-                             "speculative": seen["speculative"] if seen else None,
-                             "ttft_ms": [1e3 * (r.token_times[0] - r.send_time) if r.token_times else None
-                                         for r in records] if args.keep_requests else None})
-            log(f"  {s['completed']} ok, {s['failed']} failed in {duration:.1f} s: {s['output_tok_per_s'] or 0:.0f} "
-                f"output tok/s, {s['requests_per_s'] or 0:.2f} req/s; TTFT p50/p90/p99 "
-                f"{s['ttft_ms_p50'] or 0:.0f}/{s['ttft_ms_p90'] or 0:.0f}/{s['ttft_ms_p99'] or 0:.0f} ms; ITL "
-                f"p50/p90/p99 {s['itl_ms_p50'] or 0:.1f}/{s['itl_ms_p90'] or 0:.1f}/{s['itl_ms_p99'] or 0:.1f} ms")
-            if seen:
-                log("  " + server_log_line(seen))
-                if seen["speculative"]:
-                    log("  " + format_spec(seen["speculative"]))
-            if s["errors"]:
-                log(f"  errors: {s['errors']}")
+        per_rate = [run_rate(target, rate, i) for i, rate in enumerate(rates)]
+        if goodput_on:
+            goodput = run_goodput(target, len(per_rate))
     except BaseException:
         if server is not None:
             log("server log tail:\n" + server.tail())
@@ -531,15 +698,19 @@ def run(args, log=None) -> dict:
                    "device": None, "device_name": _device_name(args.device), "base_url": base_url,
                    "launched": bool(args.launch), "server_command": server.cmd if server else None,
                    "ceilings": None, "roofline": None, "rates": per_rate,
-                   "results": {"rates": per_rate}})
-    best = max(per_rate, key=lambda r: r["summary"]["output_tok_per_s"] or 0)
+                   "results": {"rates": per_rate}, "goodput": goodput})
+    runs = per_rate or (goodput["probes"] if goodput else [])
+    best = max(runs, key=lambda r: r["summary"]["output_tok_per_s"] or 0)
     result["summary"] = {"output_tok_per_s": best["summary"]["output_tok_per_s"], "rates": rates,
-                         "speculative": best["speculative"]}
+                         "speculative": best["speculative"],
+                         "goodput_req_per_s": goodput["goodput_req_per_s"] if goodput else None}
     return result
 
 
 def print_summary(result: dict, out=None) -> None:
     out = out or sys.stdout  # looked up per call (a test may have replaced it)
-    from tokenmill.bench.report import format_table, summary_rows
+    from tokenmill.bench.report import format_table, serve_table, summary_rows
 
     print(format_table(summary_rows({"results": [result]})), file=out)
+    print("", file=out)
+    print(serve_table(result), file=out)
