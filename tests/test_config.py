@@ -66,6 +66,7 @@ def test_llm_keywords_reach_the_configs(monkeypatch):
 
     monkeypatch.setattr(llm_module, "LLMEngine", FakeEngine)
     changed = dict(max_model_len=128, max_num_seqs=3, max_num_batched_tokens=64, max_prefill_tokens_with_decodes=16,
+                   step_time_target_ms=25.0,
                    block_size=32, num_kv_blocks=9, gpu_memory_utilization=0.5, kv_cache_memory_gb=0.25,
                    enable_prefix_caching=False, async_scheduling=False, enforce_eager=True, cuda_graph_max_batch=8,
                    piecewise_cuda_graph_max_tokens=0, fused_small_batch_linear=False, seed=7,
@@ -184,3 +185,6 @@ def test_cpu_default_chunks_long_prompts_beside_decodes():
     assert EngineConfig().resolve_prefill_cap("cpu") == CPU_PREFILL_TOKENS_WITH_DECODES
     assert EngineConfig().resolve_prefill_cap("cuda") is None
     assert EngineConfig(max_prefill_tokens_with_decodes=1024).resolve_prefill_cap("cpu") == 1024
+    # a step-time target chooses the chunks itself (engine/step_budget.py); an explicit cap still holds
+    assert EngineConfig(step_time_target_ms=50).resolve_prefill_cap("cpu") is None
+    assert EngineConfig(step_time_target_ms=50, max_prefill_tokens_with_decodes=64).resolve_prefill_cap("cpu") == 64

@@ -156,7 +156,15 @@ class EngineConfig:
     # A cap shortens the longest steps but makes more of them mixed (see docs/PERFORMANCE.md, serve-8b).
     max_prefill_tokens_with_decodes: Optional[int] = option(
         None, "prompt tokens a step may take while it also runs decodes; bounds inter-token latency",
-        default_help=f"{CPU_PREFILL_TOKENS_WITH_DECODES} on the CPU, up to the step budget on CUDA", minimum=1)
+        default_help=f"{CPU_PREFILL_TOKENS_WITH_DECODES} on the CPU unless step_time_target_ms is set, up to the "
+                     "step budget on CUDA", minimum=1)
+    # engine/step_budget.py: a lower target holds inter-token latency down but spreads prompts over
+    # more steps (a longer time to first token).
+    step_time_target_ms: Optional[float] = option(
+        None, "a step that runs decodes takes only the prompt tokens a step-time model (timed at start-up, "
+              "updated from measured steps) predicts fit in this many milliseconds beside them (at least one "
+              "KV block's worth; within max_num_batched_tokens and max_prefill_tokens_with_decodes); steps "
+              "without decodes are not limited", default_help="off")
     block_size: int = option(16, "tokens per KV-cache block", choices=(8, 16, 32, 64, 128))
     num_kv_blocks: Optional[int] = option(
         None, "explicit KV-cache size in blocks", default_help="derived from memory", minimum=1)
@@ -199,11 +207,14 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.step_time_target_ms is not None and not self.step_time_target_ms > 0:
+            raise ConfigError(f"step_time_target_ms must be > 0, got {self.step_time_target_ms}")
 
     def resolve_prefill_cap(self, device_type: str) -> Optional[int]:
         """max_prefill_tokens_with_decodes on this device: on the CPU, where a step of thousands of
-        prompt tokens takes seconds, a long prompt is chunked while other requests decode."""
-        if self.max_prefill_tokens_with_decodes is None and device_type == "cpu":
+        prompt tokens takes seconds, a long prompt is chunked while other requests decode (unless a
+        step-time target chooses the chunks)."""
+        if self.max_prefill_tokens_with_decodes is None and device_type == "cpu" and self.step_time_target_ms is None:
             return CPU_PREFILL_TOKENS_WITH_DECODES
         return self.max_prefill_tokens_with_decodes
 

@@ -21,6 +21,7 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerLimits
 from tokenmill.engine.spec_stats import SpecDecodeStats
+from tokenmill.engine.step_budget import StepBudget
 from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.errors import InvalidRequestError
 from tokenmill.loader import LoadedModel, load_model
@@ -84,12 +85,16 @@ class LLMEngine:
             self.runner.capture_cuda_graphs()
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         spec = self.config.speculative_config
+        # step_time_target_ms: caps the prompt tokens of steps with decodes once calibrated (below)
+        self.step_budget = (StepBudget(self.config.step_time_target_ms, self.config.max_num_batched_tokens,
+                                       self.config.block_size, synchronous=not on_gpu)
+                            if self.config.step_time_target_ms is not None else None)
         self.scheduler = Scheduler(SchedulerLimits(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                                    self.max_model_len,
                                                    self.config.resolve_prefill_cap(self.loaded.device.type),
                                                    spec.num_speculative_tokens if spec else 0,
                                                    spec.num_lookahead_tokens if spec else 0),
-                                   self.kv)
+                                   self.kv, self.step_budget)
         self.outputs = OutputProcessor(self.tokenizer)
         # Structured output: grammars compiled (and cached) on validation, a matcher per request.
         self.structured = StructuredOutputManager(self.tokenizer, arch.vocab_size, list(self.loaded.eos_token_ids))
@@ -104,6 +109,9 @@ class LLMEngine:
         if on_gpu:
             self._warm_up_step_path()
             self.compile_watch.mark_warm()
+        if self.step_budget is not None:  # after warm-up: its compiles are not the steps' cost
+            self.step_budget.calibrate_runner(self.runner, min(self.config.max_num_batched_tokens, self.max_model_len),
+                                              self.config.max_num_seqs)
 
     def _load_draft(self, draft_loaded: Optional[LoadedModel]) -> Optional[LoadedModel]:
         """Speculative method draft_model: its draft, loaded like the target (same loader, dtype and
@@ -276,6 +284,8 @@ class LLMEngine:
                     q = np.fromiter((e.num_tokens for e in sched.batch), np.int64, len(sched.batch))
                     start = np.fromiter((e.start_pos for e in sched.batch), np.int64, len(sched.batch))
                     self.step_log.append(StepShape(q, start + q))
+                if self.step_budget is not None:
+                    self.step_budget.begin()
                 self.runner.execute_model(sched)
                 bitmask = None
                 if self.structured.in_step(sched):
@@ -284,6 +294,8 @@ class LLMEngine:
                     completed = self._complete(0, results, emit_unfinished)
                     bitmask = self.structured.bitmask(sched, self.scheduler.requests)
                 self._inflight.append((sched, self.runner.sample_tokens(bitmask)))
+                if self.step_budget is not None:
+                    self.step_budget.launched()
                 launched = True
             elif sched.freed_req_ids:
                 self.runner.release(sched.freed_req_ids)
@@ -304,7 +316,10 @@ class LLMEngine:
             self.steps_completed += 1
             completed += 1
             self.last_step_kind = sched.kind
-            results.extend(self._process(sched, pending.get(), emit_unfinished))
+            out = pending.get()
+            if self.step_budget is not None:  # the step's measured time feeds the step-time model
+                self.step_budget.completed(sched.num_tokens, len(sched.batch))
+            results.extend(self._process(sched, out, emit_unfinished))
         return completed
 
     def _process(self, sched: SchedulerOutput, out: ModelRunnerOutput, emit_unfinished: bool) -> list[RequestOutput]:

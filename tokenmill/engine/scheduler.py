@@ -5,8 +5,12 @@ arrival order, until the token budget (max_num_batched_tokens) or max_num_seqs i
 that does not fit the remaining budget is prefilled in chunks over several steps, mixed with the
 decodes. With `max_prefill_tokens_with_decodes` set, a step that runs decodes takes at most that many
 prompt tokens, so one long prompt cannot stall every running request's next token for long (off by
-default: on serve-8b a cap of 512 raised the inter-token latency's p90 and p99, docs/PERFORMANCE.md). When KV blocks run out, the most recently admitted request is preempted: its blocks are
-freed and it goes back to the front of the queue, to be recomputed from prompt + generated tokens.
+default: on serve-8b a cap of 512 raised the inter-token latency's p90 and p99, docs/PERFORMANCE.md).
+With a step budget (engine/step_budget.py, EngineConfig.step_time_target_ms), a step that runs
+decodes takes at most the prompt tokens its step-time model predicts fit under the target beside
+them (the lower of the two caps when both are set). When KV blocks run out, the most recently
+admitted request is preempted: its blocks are freed and it goes back to the front of the queue, to
+be recomputed from prompt + generated tokens.
 
 The scheduler may run one step ahead of the results (async scheduling): a request whose step is
 in flight counts its coming token as `num_pending`, so its next decode can be scheduled before the
@@ -23,6 +27,7 @@ from typing import Optional
 
 from tokenmill.engine.kv_cache_manager import KVCacheManager, cdiv
 from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.step_budget import StepBudget
 from tokenmill.errors import InvalidRequestError
 from tokenmill.messages import NewRequestData, ScheduledRequest, SchedulerOutput
 
@@ -40,9 +45,10 @@ class SchedulerLimits:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager):
+    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager, step_budget: Optional[StepBudget] = None):
         self.limits = limits
         self.kv = kv
+        self.step_budget = step_budget  # caps the prompt tokens of a step with decodes (step-time target)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -93,7 +99,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.limits.max_num_batched_tokens
         prefill_budget = budget  # capped once a decode is in the step
-        num_decodes = 0
+        num_decodes = decode_tokens = prefill_tokens = 0
+        capped_at = 0  # num_decodes when prefill_budget was last capped
         batch: list[ScheduledRequest] = []
         new_requests: list[NewRequestData] = []
         scheduled: set[str] = set()
@@ -106,6 +113,9 @@ class Scheduler:
             if request.request_id in preempted_now:
                 continue
             prefilling = request.num_computed_tokens < request.num_prefill_tokens  # its prompt is not done
+            if prefilling and num_decodes > capped_at:
+                prefill_budget, capped_at = self._cap_prefill(prefill_budget, num_decodes, decode_tokens,
+                                                              prefill_tokens), num_decodes
             num_new, speculative = self._running_tokens(request, prefilling, budget, prefill_budget)
             if num_new == 0:
                 continue
@@ -124,11 +134,13 @@ class Scheduler:
             budget -= num_new
             if prefilling:
                 prefill_budget -= num_new
+                prefill_tokens += num_new
             else:
                 num_decodes += 1
-                if self.limits.max_prefill_tokens_with_decodes is not None:
-                    prefill_budget = min(prefill_budget, self.limits.max_prefill_tokens_with_decodes)
+                decode_tokens += num_new
 
+        if num_decodes > capped_at:
+            prefill_budget = self._cap_prefill(prefill_budget, num_decodes, decode_tokens, prefill_tokens)
         while (self.waiting and min(budget, prefill_budget) > 0
                and len(self.running) < self.limits.max_num_seqs):
             request = self.waiting[0]
@@ -156,6 +168,16 @@ class Scheduler:
 
         return SchedulerOutput(batch=batch, new_requests=new_requests, freed_req_ids=self.take_freed_ids(),
                                num_decodes=num_decodes)
+
+    def _cap_prefill(self, prefill_budget: int, num_decodes: int, decode_tokens: int, prefill_tokens: int) -> int:
+        """The prompt tokens a step with decodes may still take: the step's prompt tokens (those
+        already taken included) stay within max_prefill_tokens_with_decodes and what the step
+        budget fits beside the decodes (counted with one more request: the prefill)."""
+        cap = self.limits.max_prefill_tokens_with_decodes
+        if self.step_budget is not None:
+            fit = self.step_budget.prefill_cap(decode_tokens, num_decodes + 1)
+            cap = fit if cap is None else min(cap, fit)
+        return prefill_budget if cap is None else min(prefill_budget, max(0, cap - prefill_tokens))
 
     def take_freed_ids(self) -> list[str]:
         """Requests whose runner rows can be released (finished or preempted since the last call)."""
