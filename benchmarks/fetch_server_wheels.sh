@@ -30,6 +30,8 @@ PACKAGES=(
   anyio==4.16.0                 # fallback, see above
   xgrammar==0.2.9               # structured output (bench structured, GPU tests)
   apache-tvm-ffi==0.1.15.post2  # xgrammar
+  pyzmq==27.3.0                 # the channel between the API server and the engine process
+  msgpack==1.2.4                # its messages
 )
 
 mkdir -p "$DEST"

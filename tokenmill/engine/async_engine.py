@@ -50,6 +50,7 @@ from tokenmill.sampling_params import SamplingParams
 logger = init_logger(__name__)
 
 DEFAULT_PREPARE_WORKERS = 4
+HEALTH_CHECK_SECONDS = 1.0  # how often an idle engine thread checks the engine (a process of its own may die)
 
 
 class EngineOverloadedError(TokenmillError):
@@ -115,6 +116,9 @@ class EngineObserver(Protocol):
 
     def finished(self, output: RequestOutput, seconds: float) -> None:
         """An engine request ended (aborted ones included), `seconds` after its arrival."""
+
+    def engine_gc_pause(self, generation: int, seconds: float) -> None:
+        """A garbage collection in the engine process (one of its own) took `seconds`."""
 
 
 @dataclass
@@ -398,6 +402,8 @@ class AsyncLLMEngine:
             self._commands.put(AbortCommand(request_id))
 
     def _dead_error(self) -> EngineDeadError:
+        if isinstance(self.error, EngineDeadError):
+            return EngineDeadError(str(self.error))
         if self.error is not None:
             return EngineDeadError(f"the engine has failed: {self.error!r}")
         return EngineDeadError("the server is shutting down")
@@ -421,12 +427,18 @@ class AsyncLLMEngine:
                     self._num_steps += 1
                     self._observe_step(engine.last_step_kind if engine.steps_completed > completed else None)
                     self._dispatch(outputs)
+                    if self.observer is not None:
+                        for generation, seconds in engine.take_gc_pauses():
+                            self.observer.engine_gc_pause(generation, seconds)
                 else:
                     self._last_step_end = None  # idle: the next interval starts afresh
                 self._stats = self._snapshot()
                 self._flush()
-        except BaseException as e:  # a bug in the engine: fail everyone, loudly
-            logger.exception("the engine thread failed")
+        except BaseException as e:  # a bug in the engine, or its process died: fail everyone, loudly
+            if isinstance(e, EngineDeadError):
+                logger.error("the engine is gone: %s", e)
+            else:
+                logger.exception("the engine thread failed")
             self.error = e
             for group in self._groups.values():
                 self._deliveries.append((group.stream, self._dead_error()))
@@ -462,8 +474,12 @@ class AsyncLLMEngine:
 
     def _take_commands(self, block: bool) -> list[Command]:
         commands = []
-        if block:
-            commands.append(self._commands.get())
+        while block and not commands:  # idle: wait, looking at the engine's health now and then
+            try:
+                commands.append(self._commands.get(timeout=HEALTH_CHECK_SECONDS))
+            except queue.Empty:
+                self.engine.check_health()
+                self._stats = self._snapshot()  # an engine process may have sent its last counters since
         while True:
             try:
                 commands.append(self._commands.get_nowait())
@@ -498,7 +514,7 @@ class AsyncLLMEngine:
     def _check_waiting(self, sequences: int) -> None:
         if self.max_waiting is None:
             return
-        waiting = len(self.engine.scheduler.waiting)  # sequences: each of a request's n samples waits
+        waiting = self.engine.num_waiting_sequences()
         if waiting + sequences > self.max_waiting:
             raise EngineOverloadedError(
                 f"the server is overloaded ({waiting} sequences waiting, at most {self.max_waiting}; this request "
@@ -597,14 +613,11 @@ class AsyncLLMEngine:
         self._flush()
 
     def _snapshot(self) -> ServerStats:
-        s = self.engine.stats()
-        kv = self.engine.kv
-        compiles = self.engine.compile_watch.stats()  # this engine's Triton compiles
-        spec = self.engine.spec_stats
-        return ServerStats(s.num_running, s.num_waiting, s.kv_cache_usage, kv.num_free_blocks, kv.num_blocks,
+        s = self.engine.snapshot()
+        return ServerStats(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_free_blocks, s.num_blocks,
                            s.prefix_cache_hit_rate, s.num_preemptions, s.prompt_tokens, s.generation_tokens,
-                           len(self._groups), self._num_steps, compiles.compiles_after_warm,
-                           compiles.seconds_after_warm, None if spec is None else spec.snapshot())
+                           len(self._groups), self._num_steps, s.kernel_compiles_after_warmup,
+                           s.kernel_compile_seconds_after_warmup, s.spec_decode)
 
     def _flush(self) -> None:
         if not self._deliveries:

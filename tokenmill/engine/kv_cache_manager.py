@@ -11,6 +11,18 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def fits_problem(num_prompt_tokens: int, max_tokens: int, max_model_len: int, num_blocks: int,
+                 block_size: int) -> Optional[str]:
+    """Why a request of this size could never run (None if it could)."""
+    if num_prompt_tokens + max_tokens > max_model_len:
+        return (f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                f"context length of {max_model_len} tokens")
+    blocks = cdiv(num_prompt_tokens + max_tokens, block_size)
+    if blocks > num_blocks:
+        return f"the request needs {blocks} KV-cache blocks but the cache has only {num_blocks}"
+    return None
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size

@@ -22,7 +22,9 @@ from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerLimits
 from tokenmill.engine.spec_stats import SpecDecodeStats
 from tokenmill.engine.step_budget import StepBudget
+from tokenmill.engine.request_validator import RequestValidator
 from tokenmill.engine.structured_output import StructuredOutputManager
+from tokenmill.engine.engine_snapshot import EngineSnapshot
 from tokenmill.errors import InvalidRequestError
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.logger import init_logger
@@ -98,6 +100,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         # Structured output: grammars compiled (and cached) on validation, a matcher per request.
         self.structured = StructuredOutputManager(self.tokenizer, arch.vocab_size, list(self.loaded.eos_token_ids))
+        self.validator = RequestValidator(self.tokenizer, arch.vocab_size, self.max_model_len, num_blocks,
+                                          self.config.block_size, self.structured)
         self._inflight: deque[tuple[SchedulerOutput, AsyncOutput]] = deque()
         self._rng = random.Random(self.config.seed)
         self._ids = itertools.count()
@@ -175,46 +179,17 @@ class LLMEngine:
     def model_name(self) -> str:
         return self.loaded.source.name
 
+    @property
+    def vocab_size(self) -> int:
+        return self.loaded.arch.vocab_size
+
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer: pass the prompt as token ids")
-            ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-        else:
-            raise InvalidRequestError("a prompt must be a string or a list of token ids")
-        self._check_prompt_ids(ids)
-        return ids
-
-    def _check_prompt_ids(self, ids: list[int]) -> None:
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = self.loaded.arch.vocab_size
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]!r} is outside the vocabulary (size {vocab})")
+        return self.validator.tokenize(prompt, add_special_tokens)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Checks that need the model; returns the resolved max_tokens."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling parameters must be SamplingParams, got {type(params).__name__}")
-        params.validate()
-        params.check_vocab(self.loaded.arch.vocab_size)
-        params.resolve_bad_words(self.tokenizer)
-        self._check_prompt_ids(prompt_ids)
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt_ids)} tokens, but the context length is {self.max_model_len}")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
-        if params.min_tokens > max_tokens:
-            raise InvalidRequestError(f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens the "
-                                      "context leaves for output")
-        self.scheduler.check_fits(len(prompt_ids), max_tokens)
-        if params.structured_outputs is not None:  # compiled here: on a prepare thread under the server
-            self.structured.compile(params.structured_outputs)
-        return max_tokens
+        return self.validator.validate(prompt_ids, params)
 
     def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None, prompt_ids: Optional[list[int]] = None) -> str:
@@ -393,3 +368,29 @@ class LLMEngine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,
                            self.kv.prefix_hit_rate, self.scheduler.num_preemptions,
                            self.scheduler.num_prefill_tokens, self.generation_tokens)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The counters a server shows (its stats and /metrics), as one value safe to hand on."""
+        kv, compiles, spec = self.kv, self.compile_watch.stats(), self.spec_stats
+        return EngineSnapshot(len(self.scheduler.running), len(self.scheduler.waiting), kv.usage,
+                              kv.num_free_blocks, kv.num_blocks, kv.prefix_hit_rate, self.scheduler.num_preemptions,
+                              self.scheduler.num_prefill_tokens, self.generation_tokens,
+                              compiles.compiles_after_warm, compiles.seconds_after_warm,
+                              None if spec is None else spec.snapshot())
+
+    def num_waiting_sequences(self) -> int:
+        return len(self.scheduler.waiting)  # each of a request's n samples waits
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache; only when no request runs (False otherwise)."""
+        if self.has_unfinished_requests():
+            return False
+        self.kv.reset_prefix_cache()
+        return True
+
+    def check_health(self) -> None:
+        """An in-process engine is alive while its caller is (the engine-process client checks more)."""
+
+    def take_gc_pauses(self) -> list[tuple[int, float]]:
+        """Collections timed by the engine itself: none in-process (the server's own hook sees them)."""
+        return []

@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
-from tokenmill.engine.kv_cache_manager import KVCacheManager, cdiv
+from tokenmill.engine.kv_cache_manager import KVCacheManager, fits_problem
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.step_budget import StepBudget
 from tokenmill.errors import InvalidRequestError
@@ -59,17 +59,10 @@ class Scheduler:
     # ---- admission ------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Refuse, with a reason, a request that could never run."""
-        limit = self.limits.max_model_len
-        if num_prompt_tokens + max_tokens > limit:
-            raise InvalidRequestError(
-                f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                f"context length of {limit} tokens"
-            )
-        blocks = cdiv(num_prompt_tokens + max_tokens, self.kv.block_size)
-        if blocks > self.kv.num_blocks:
-            raise InvalidRequestError(
-                f"the request needs {blocks} KV-cache blocks but the cache has only {self.kv.num_blocks}"
-            )
+        problem = fits_problem(num_prompt_tokens, max_tokens, self.limits.max_model_len, self.kv.num_blocks,
+                               self.kv.block_size)
+        if problem:
+            raise InvalidRequestError(problem)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:

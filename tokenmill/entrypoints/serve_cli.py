@@ -50,6 +50,13 @@ def register(subparsers) -> None:
     g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the HTTP server's own log level")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    g.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                   help="API server processes (HTTP, tokenizing, detokenizing) sharing the port and the one "
+                        "engine process, for when the front end is the bottleneck; each serves its own "
+                        "/metrics")
+    g.add_argument("--no-engine-process", dest="engine_process", action="store_false",
+                   help="run the engine on a thread of the server's process instead of a process of its own "
+                        "(default: its own process, so HTTP, tokenizing and detokenizing never share its GIL)")
     g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) used instead of the model's; a "
                         "request's chat_template (with --trust-request-chat-template) still wins (default: the "
@@ -107,9 +114,9 @@ def load_chat_template(value: Optional[str]) -> Optional[str]:
     raise ConfigError(f"--chat-template {value!r} is neither a readable file nor a Jinja template")
 
 
-def startup_summary(engine, host: str, port: int) -> str:
+def engine_summary(engine) -> str:
     """One line on what is served and how: model, architecture, dtype, device, context length, KV
-    cache, CUDA graphs, speculative decoding (when on), address."""
+    cache, CUDA graphs, speculative decoding (when on)."""
     loaded, config = engine.loaded, engine.config
     blocks = engine.kv.num_blocks
     if loaded.device.type != "cuda":
@@ -117,14 +124,20 @@ def startup_summary(engine, host: str, port: int) -> str:
     else:
         graphs = "off (enforce_eager)" if config.enforce_eager else "on"
     dtype = str(loaded.dtype).replace("torch.", "")
-    address = f"[{host}]" if ":" in host else host
     spec = config.speculative_config
     speculation = "" if spec is None else (
         f", speculative decoding {spec.method} k={spec.num_speculative_tokens}"
         + ("" if spec.synthetic_acceptance is None else f" (synthetic acceptance {spec.synthetic_acceptance:g})"))
     return (f"serving {engine.model_name} ({loaded.arch.architecture}, {dtype} on {loaded.device}): "
             f"context length {engine.max_model_len}, KV cache {blocks} blocks x {config.block_size} = "
-            f"{blocks * config.block_size} tokens, CUDA graphs {graphs}{speculation}; binding http://{address}:{port}")
+            f"{blocks * config.block_size} tokens, CUDA graphs {graphs}{speculation}")
+
+
+def startup_summary(engine, host: str, port: int) -> str:
+    """engine_summary (an in-process engine, or the summary the engine process sent) and the address."""
+    summary = engine if isinstance(engine, str) else engine_summary(engine)
+    address = f"[{host}]" if ":" in host else host
+    return f"{summary}; binding http://{address}:{port}"
 
 
 def _check_server_args(args: argparse.Namespace) -> Optional[str]:
@@ -139,6 +152,10 @@ def _check_server_args(args: argparse.Namespace) -> Optional[str]:
         return "--max-sequences-per-request must be at least 1"
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         return "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)"
+    if args.api_server_count < 1:
+        return "--api-server-count must be at least 1"
+    if args.api_server_count > 1 and not args.engine_process:
+        return "--api-server-count above 1 needs the engine in its own process (leave out --no-engine-process)"
     return None
 
 
@@ -154,18 +171,47 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"error: the server needs the 'serve' extra (pip install 'tokenmill[serve]'): {e}", file=sys.stderr)
         return 2
-    from tokenmill.entrypoints.cli import engine_from_args
+    if args.engine_process:
+        engine = _start_engine_process(args)
+        summary = engine.summary
+    else:
+        from tokenmill.entrypoints.cli import engine_from_args
 
-    engine = engine_from_args(args)
-    names = args.served_model_name
-    if not names:  # the model's name, and the reference it was started with (e.g. a path) as an alias
-        names = [engine.model_name] + ([args.model] if args.model and args.model != engine.model_name else [])
-    settings = ServerSettings(served_model_names=names, api_key=api_key, max_waiting=args.max_waiting,
-                              max_sequences_per_request=args.max_sequences_per_request,
-                              max_body_bytes=args.max_body_bytes, chat_template=chat_template,
-                              enable_auto_tool_choice=args.enable_auto_tool_choice,
-                              tool_call_parser=args.tool_call_parser,
-                              trust_request_chat_template=args.trust_request_chat_template)
-    logger.info("%s", startup_summary(engine, args.host, args.port))
-    return run_server(engine, host=args.host, port=args.port, settings=settings, shutdown_grace=args.shutdown_grace,
-                      log_level=args.uvicorn_log_level, access_log=args.access_log)
+        engine = engine_from_args(args)
+        summary = engine_summary(engine)
+    try:
+        names = args.served_model_name
+        if not names:  # the model's name, and the reference it was started with (e.g. a path) as an alias
+            names = [engine.model_name] + ([args.model] if args.model and args.model != engine.model_name else [])
+        settings = ServerSettings(served_model_names=names, api_key=api_key, max_waiting=args.max_waiting,
+                                  max_sequences_per_request=args.max_sequences_per_request,
+                                  max_body_bytes=args.max_body_bytes, chat_template=chat_template,
+                                  enable_auto_tool_choice=args.enable_auto_tool_choice,
+                                  tool_call_parser=args.tool_call_parser,
+                                  trust_request_chat_template=args.trust_request_chat_template)
+        logger.info("%s", startup_summary(summary, args.host, args.port))
+        if args.api_server_count > 1:
+            from tokenmill.entrypoints.api_servers import serve_with_several
+
+            return serve_with_several(engine, args, settings)
+        return run_server(engine, host=args.host, port=args.port, settings=settings,
+                          shutdown_grace=args.shutdown_grace, log_level=args.uvicorn_log_level,
+                          access_log=args.access_log)
+    finally:
+        if args.engine_process:
+            engine.close()
+
+
+def _start_engine_process(args: argparse.Namespace):
+    """Validate the options here (a ConfigError before anything starts), then start the engine process
+    and wait until its model is loaded and warmed up."""
+    import logging
+
+    from tokenmill.engine.core_client import EngineCoreClient
+    from tokenmill.engine.core_process import EngineLaunch
+    from tokenmill.entrypoints.cli import engine_config_from_args, load_config_from_args
+
+    load, config = load_config_from_args(args), engine_config_from_args(args)
+    launch = EngineLaunch(load.model, config, dtype=load.dtype, device=load.device, load_format=load.load_format,
+                          tokenizer=load.tokenizer, log_level=logging.getLogger("tokenmill").level)
+    return EngineCoreClient.launch(launch)

@@ -14,10 +14,11 @@ import asyncio
 import contextlib
 import gc
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -196,13 +197,7 @@ def _add_engine_routes(app: FastAPI, engine: AsyncLLMEngine, completions: OpenAI
     @app.post("/reset_prefix_cache", responses=_errors(key, 409, 413, 503))
     async def reset_prefix_cache():
         """Forget the prefix cache (benchmarks call it between runs); only while no request runs."""
-        def reset(e) -> bool:
-            if e.has_unfinished_requests():
-                return False
-            e.kv.reset_prefix_cache()
-            return True
-
-        if not await engine.call(reset):
+        if not await engine.call(lambda e: e.reset_prefix_cache()):
             raise APIError(409, "requests are running; the prefix cache can only be reset when idle",
                            code="engine_busy")
         return {"status": "ok"}
@@ -236,10 +231,12 @@ class Server(uvicorn.Server):
       KeyboardInterrupt instead of an exit status of ours).
     """
 
-    def __init__(self, config, engine: AsyncLLMEngine, grace: Optional[float]):
+    def __init__(self, config, engine: AsyncLLMEngine, grace: Optional[float],
+                 on_signal: Optional[Callable[[int], None]] = None):
         super().__init__(config)
         self.engine = engine
         self.grace = grace
+        self.on_signal = on_signal  # told of each signal (e.g. to pass it on to the other API servers)
         self.forced_by: Optional[int] = None  # the second signal, if one came
 
     def handle_exit(self, sig: int, frame) -> None:
@@ -247,6 +244,8 @@ class Server(uvicorn.Server):
         if self.should_exit and self.forced_by is None:
             self.forced_by = sig
         self.should_exit = True
+        if self.on_signal is not None:
+            self.on_signal(sig)
 
     async def shutdown(self, sockets=None):
         stopper = asyncio.create_task(self._abort_when_due())
@@ -288,8 +287,11 @@ class Server(uvicorn.Server):
 
 
 def run_server(engine, *, host: str = "127.0.0.1", port: int = 8000, settings: Optional[ServerSettings] = None,
-               shutdown_grace: Optional[float] = 30.0, log_level: str = "info", access_log: bool = False) -> int:
-    """Serve an LLMEngine until SIGINT/SIGTERM; returns the exit status: 0 after a graceful shutdown,
+               shutdown_grace: Optional[float] = 30.0, log_level: str = "info", access_log: bool = False,
+               sock: Optional[socket.socket] = None, on_signal: Optional[Callable[[int], None]] = None) -> int:
+    """Serve an engine (an LLMEngine, or an EngineCoreClient of an engine process) until SIGINT/SIGTERM,
+    on `sock` if given (a listening socket shared by several API server processes), else on
+    host:port; on_signal hears of each signal. Returns the exit status: 0 after a graceful shutdown,
     128 + the signal's number after a second signal forced it, 1 if the engine failed or the server
     could not start."""
     async_engine = AsyncLLMEngine(engine)
@@ -297,7 +299,7 @@ def run_server(engine, *, host: str = "127.0.0.1", port: int = 8000, settings: O
     backstop = None if shutdown_grace is None else shutdown_grace + 10.0
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=backstop, lifespan="on", timeout_keep_alive=30)
-    server = Server(config, async_engine, shutdown_grace)
+    server = Server(config, async_engine, shutdown_grace, on_signal)
     # What exists now (model, tokenizer, modules) lives as long as the process: keep it out of the
     # collector's full passes, whose pauses stop the engine thread too. Unfrozen afterwards, so the
     # collections at interpreter exit free it: frozen objects are never freed, and native extensions
@@ -305,7 +307,7 @@ def run_server(engine, *, host: str = "127.0.0.1", port: int = 8000, settings: O
     gc.collect()
     gc.freeze()
     try:
-        server.run()
+        server.run(sockets=[sock] if sock is not None else None)
     finally:
         gc.unfreeze()
     if async_engine.error is not None:

@@ -143,6 +143,9 @@ class ServerMetrics:
                              "Python garbage-collection pauses, by generation (a pause stops every thread).",
                              lbl + ["generation"], buckets=_ITL_BUCKETS, registry=r)
         self._gc_start: float = 0.0
+        self._engine_gc = Histogram("tokenmill:engine_gc_pause_seconds",
+                                    "Garbage-collection pauses in the engine process, by generation (a pause "
+                                    "stops its steps).", lbl + ["generation"], buckets=_ITL_BUCKETS, registry=r)
         self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens of finished requests.", lbl,
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated.", lbl,
@@ -177,6 +180,9 @@ class ServerMetrics:
         for c in output.outputs:
             self.generation_tokens.inc(len(c.token_ids))
             self._success.labels(self.model_name, c.finish_reason or "abort").inc()
+
+    def engine_gc_pause(self, generation: int, seconds: float) -> None:
+        self._engine_gc.labels(self.model_name, str(generation)).observe(seconds)
 
     def gc_callback(self, phase: str, info: dict) -> None:
         """For gc.callbacks (the app's lifespan adds and removes it): times each collection."""

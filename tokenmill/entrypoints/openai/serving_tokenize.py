@@ -26,7 +26,7 @@ class OpenAIServingTokenization:
         self.chat = chat
         self.engine = chat.engine
         self.tokenizer = chat.engine.engine.tokenizer  # read-only, as on the prepare workers
-        self.vocab_size = chat.engine.engine.loaded.arch.vocab_size
+        self.vocab_size = chat.engine.engine.vocab_size
 
     def _need_tokenizer(self) -> None:
         if self.tokenizer is None:

@@ -1,0 +1,382 @@
+"""The engine process seen from the API server: EngineCoreClient starts it and stands in for the
+LLMEngine that AsyncLLMEngine drives.
+
+The API server process tokenizes, renders chat templates, validates, detokenizes and streams; the
+engine process (core_process) schedules and runs the model. Between them, two ZeroMQ sockets over
+Unix-domain (ipc) paths carry compact msgpack messages (core_messages): requests and aborts one way,
+one message per engine step the other.
+
+AsyncLLMEngine's engine thread becomes the client's thread: `add_request` / `abort_request` send at
+once; `step()` takes the next step message (waiting for it a short while at most, so that new
+commands are not held up) and turns its deltas back into RequestOutputs, the same cumulative
+outputs the in-process engine returns; the text is made on the detokenizing thread as before.
+Validation needs no engine state, so it runs here (RequestValidator over the engine's facts, with a
+grammar compiler of its own), and an invalid request never reaches the engine process.
+
+A dead engine process (killed, crashed, or failed with an error) turns into EngineDeadError on the
+next `step()` or `check_health()`: AsyncLLMEngine then fails every open stream and the server
+answers 503; the log says what happened.
+"""
+
+import multiprocessing
+import os
+import pickle
+import shutil
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Optional
+
+from tokenmill.engine.async_engine import EngineDeadError
+from tokenmill.engine.core_messages import (EngineFacts, EngineSnapshot, logprobs_from_wire, pack,
+                                            params_to_wire, prompt_logprobs_from_wire, unpack)
+from tokenmill.engine.core_process import EngineLaunch, addresses, run_engine_process
+from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.engine.request_validator import RequestValidator
+from tokenmill.engine.structured_output import StructuredOutputManager
+from tokenmill.errors import InvalidRequestError
+from tokenmill.logger import init_logger
+from tokenmill.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+STEP_WAIT_S = 0.02  # step() waits at most this long for a message, then lets commands in
+STARTUP_TIMEOUT_S = 3600.0  # loading a large model from a slow disk
+STOP_TIMEOUT_S = 30.0
+
+
+class EngineProcessError(EngineDeadError):
+    """The engine process failed, exited or could not start."""
+
+
+@dataclass
+class _Sample:
+    token_ids: list = field(default_factory=list)
+    logprobs: Optional[list] = None
+    cumulative_logprob: Optional[float] = None
+    finish_reason: Optional[str] = None
+    stop_reason: object = None
+
+
+@dataclass
+class _Live:
+    """A request in the engine process, as far as its step messages have told."""
+
+    prompt: Optional[str]
+    prompt_token_ids: list
+    samples: list
+    arrival: float
+    num_cached: int = 0
+    prompt_logprobs: Optional[list] = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+    def output(self, request_id: str) -> RequestOutput:
+        outputs = [CompletionOutput(i, "", list(s.token_ids), s.cumulative_logprob,
+                                    None if s.logprobs is None else list(s.logprobs), s.finish_reason,
+                                    s.stop_reason) for i, s in enumerate(self.samples)]
+        return RequestOutput(request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
+                             RequestMetrics(self.arrival, num_cached_prompt_tokens=self.num_cached),
+                             self.prompt_logprobs)
+
+
+class _OutputSwitch:
+    """AsyncLLMEngine turns detokenization off on the engine it drives; the engine process has it
+    off already (the text is made here)."""
+
+    detokenize = False
+
+
+class EngineCoreClient:
+    """API server `index`'s side of the engine process. `EngineCoreClient.launch(...)` starts the
+    engine process (as server 0, which owns it: it alone shuts it down); servers 1..N-1 of
+    `--api-server-count` connect to the running engine with `EngineCoreClient(engine_dir, index,
+    engine_pid=...)`."""
+
+    @classmethod
+    def launch(cls, launch: EngineLaunch, startup_timeout: float = STARTUP_TIMEOUT_S) -> "EngineCoreClient":
+        return cls(tempfile.mkdtemp(prefix="tokenmill-engine-"), 0, launch=launch, startup_timeout=startup_timeout)
+
+    def __init__(self, engine_dir: str, index: int, *, launch: Optional[EngineLaunch] = None,
+                 engine_pid: Optional[int] = None, startup_timeout: float = STARTUP_TIMEOUT_S):
+        import zmq
+
+        self._zmq = zmq
+        self._dir = engine_dir
+        self.index = index
+        self._owner = launch is not None
+        self._ctx = zmq.Context(io_threads=1)
+        in_addr, out_addr = addresses(engine_dir, index)
+        self._out = self._ctx.socket(zmq.PULL)  # from the engine (bound first: the engine connects to it)
+        self._out.setsockopt(zmq.LINGER, 0)
+        self._out.bind(out_addr)
+        self._in = self._ctx.socket(zmq.PUSH)  # to the engine
+        self._in.setsockopt(zmq.LINGER, 1000)
+        self._in.connect(in_addr)
+        self._poller = zmq.Poller()
+        self._poller.register(self._out, zmq.POLLIN)
+        self._proc = None
+        if self._owner:
+            ctx = multiprocessing.get_context("spawn")
+            self._proc = ctx.Process(target=run_engine_process, args=(launch, engine_dir, os.getpid()),
+                                     name="tokenmill-engine", daemon=False)
+            self._proc.start()
+            engine_pid = self._proc.pid
+        else:
+            self._in.send(pack(["hello", index]))
+        self.pid = engine_pid
+        self._closed = False
+        self.error: Optional[str] = None
+        try:
+            facts = self._wait_ready(startup_timeout)
+        except BaseException:
+            self.close(timeout=5.0)
+            raise
+        self.facts = facts
+        self.tokenizer = pickle.loads(facts.tokenizer) if facts.tokenizer is not None else None
+        self.model_name = facts.model_name
+        self.max_model_len = facts.max_model_len
+        self.vocab_size = facts.vocab_size
+        self.summary = facts.summary
+        self.structured = StructuredOutputManager(self.tokenizer, facts.vocab_size, list(facts.eos_token_ids))
+        self.validator = RequestValidator(self.tokenizer, facts.vocab_size, facts.max_model_len, facts.num_blocks,
+                                          facts.block_size, self.structured)
+        self.outputs = _OutputSwitch()
+        self._live: dict[str, _Live] = {}
+        self._snapshot = EngineSnapshot(num_blocks=facts.num_blocks, num_free_blocks=facts.num_blocks)
+        self._gc_pauses: list[tuple[int, float]] = []
+        self._calls = count()
+        self._results: dict[int, tuple[bool, object]] = {}
+        self._unseen_adds: deque[int] = deque()  # n of each add the engine had not taken at its last step
+        self._adds_taken = 0  # adds the engine has carried out
+        self._backlog: list[RequestOutput] = []  # outputs that came while waiting for a call's result
+        self.steps_completed = 0
+        self.last_step_kind: Optional[str] = None
+        logger.info("engine process %d ready (%s)", self.pid, facts.summary)
+
+    @property
+    def engine_dir(self) -> str:
+        return self._dir
+
+    # ---- start-up and shutdown -------------------------------------------------------------
+    def _engine_exit(self) -> Optional[str]:
+        """Why the engine process is gone, or None while it runs."""
+        if self._proc is not None:
+            code = self._proc.exitcode
+            if code is None:
+                return None
+            why = f"the engine process {self.pid} exited with code {code}"
+            return why + (f" (killed by signal {-code})" if code < 0 else "")
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                state = f.read().rsplit(") ", 1)[1][0]
+        except OSError:
+            state = None
+        return None if state not in (None, "Z", "X") else f"the engine process {self.pid} is gone"
+
+    def _wait_ready(self, timeout: float) -> EngineFacts:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._poller.poll(200):
+                message = unpack(self._out.recv())
+                if message[0] == "ready":
+                    return EngineFacts(**message[1])
+                if message[0] == "failed":
+                    raise EngineProcessError(message[1])
+            else:
+                gone = self._engine_exit()
+                if gone is not None:
+                    raise EngineProcessError(f"{gone} while starting (its log above says why)")
+        raise EngineProcessError(f"the engine process was not ready within {timeout:.0f} s")
+
+    def close(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Server 0: stop the engine process (what still runs there is aborted) and wait for it to
+        end. Other servers: detach (their requests are aborted there)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._engine_exit() is None:
+            try:
+                self._in.send(pack(["shutdown"] if self._owner else ["detach", self.index]),
+                              flags=self._zmq.NOBLOCK)
+            except self._zmq.ZMQError:
+                pass
+            deadline = time.monotonic() + timeout
+            while self._engine_exit() is None and time.monotonic() < deadline:
+                if self._poller.poll(100):
+                    if unpack(self._out.recv())[0] == "bye" and not self._owner:
+                        break
+            if self._owner and self._proc.exitcode is None:
+                logger.warning("the engine process %d did not stop within %.0f s; killing it", self.pid, timeout)
+                self._proc.kill()
+        if self._proc is not None:
+            self._proc.join(5.0)
+        self._in.close()
+        self._out.close()
+        self._ctx.term()
+        if self._owner:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def check_health(self) -> None:
+        """Raise EngineProcessError if the engine process has ended or failed. Also takes the
+        messages that came meanwhile (an idle engine's last counters, after an abort)."""
+        while self.error is None and self._poller.poll(0):
+            outputs = self._handle(unpack(self._out.recv()))
+            if outputs:
+                self._backlog.extend(outputs)
+        if self.error is not None:
+            raise EngineProcessError(self.error)
+        gone = self._engine_exit()
+        if gone is not None:
+            self.error = gone
+            logger.error("%s", self.error)
+            raise EngineProcessError(self.error)
+
+    # ---- what AsyncLLMEngine drives ------------------------------------------------------------
+    def tokenize(self, prompt, add_special_tokens: bool = True) -> list[int]:
+        return self.validator.tokenize(prompt, add_special_tokens)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        return self.validator.validate(prompt_ids, params)
+
+    def add_request(self, prompt, params: SamplingParams, request_id: str, prompt_ids: list[int]) -> str:
+        """Send a validated request to the engine process."""
+        if request_id in self._live:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.check_health()
+        wants_logprobs = params.logprobs is not None
+        samples = [_Sample(logprobs=[] if wants_logprobs else None, cumulative_logprob=0.0 if wants_logprobs else None)
+                   for _ in range(params.n)]
+        self._live[request_id] = _Live(prompt if isinstance(prompt, str) else None, list(prompt_ids), samples,
+                                       time.monotonic(), prompt_logprobs=None)
+        self._in.send(pack(["add", self.index, f"{self.index}/{request_id}", list(prompt_ids),
+                            params_to_wire(params)]))
+        self._unseen_adds.append(params.n)
+        return request_id
+
+    def abort_request(self, request_id: str, sample: Optional[int] = None) -> Optional[RequestOutput]:
+        """Abort a request (or one of its samples) there; its output as it stands, marked aborted,
+        comes back at once (final once every sample has ended)."""
+        live = self._live.get(request_id)
+        if live is None:
+            return None
+        for s in live.samples if sample is None else live.samples[sample:sample + 1]:
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
+        if self.error is None:
+            self._in.send(pack(["abort", f"{self.index}/{request_id}", sample]))
+        out = live.output(request_id)
+        if out.finished:
+            del self._live[request_id]
+        return out
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._live)
+
+    def num_waiting_sequences(self) -> int:
+        """What the last step message said waits, plus the sequences sent since that the engine had
+        not taken yet (they wait too)."""
+        return self._snapshot.num_waiting + sum(self._unseen_adds)
+
+    def snapshot(self) -> EngineSnapshot:
+        return self._snapshot
+
+    def take_gc_pauses(self) -> list[tuple[int, float]]:
+        pauses, self._gc_pauses = self._gc_pauses, []
+        return pauses
+
+    def step(self) -> list[RequestOutput]:
+        """The outputs of the engine's next step (waits STEP_WAIT_S at most; [] if none came)."""
+        if self._backlog:
+            outputs, self._backlog = self._backlog, []
+            return outputs
+        wait_ms = int(STEP_WAIT_S * 1000)  # (with nothing live: the step an abort or a call asked for)
+        while True:
+            if not self._poller.poll(wait_ms):
+                self.check_health()
+                return []
+            outputs = self._handle(unpack(self._out.recv()))
+            if outputs is not None:
+                return outputs
+            wait_ms = 0
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self._call("reset_prefix_cache"))
+
+    def _call(self, name: str):
+        call_id = next(self._calls)
+        self._in.send(pack(["call", self.index, call_id, name]))
+        while call_id not in self._results:
+            if not self._poller.poll(100):
+                self.check_health()
+                continue
+            outputs = self._handle(unpack(self._out.recv()))
+            if outputs:
+                self._backlog.extend(outputs)
+        ok, result = self._results.pop(call_id)
+        if not ok:
+            raise EngineProcessError(f"the engine call {name} failed: {result}")
+        return result
+
+    # ---- messages from the engine ------------------------------------------------------------------
+    def _handle(self, message: list) -> Optional[list[RequestOutput]]:
+        """Apply one message; a step message returns its outputs, the others None."""
+        kind = message[0]
+        if kind == "step":
+            _, steps, step_kind, deltas, snapshot, pauses, adds_seen = message
+            self.steps_completed, self.last_step_kind = steps, step_kind
+            while self._adds_taken < adds_seen:
+                self._unseen_adds.popleft()
+                self._adds_taken += 1
+            self._snapshot = EngineSnapshot.from_wire(snapshot)
+            self._gc_pauses.extend((g, s) for g, s in pauses)
+            return [out for out in (self._apply(d) for d in deltas) if out is not None]
+        if kind == "add_error":
+            _, request_id, error = message
+            request_id = request_id.split("/", 1)[1]
+            logger.warning("the engine process refused request %s: %s", request_id, error)
+            live = self._live.get(request_id)
+            if live is not None:
+                for s in live.samples:
+                    s.finish_reason = s.finish_reason or "abort"
+                self._backlog.append(live.output(request_id))
+                del self._live[request_id]
+            return None
+        if kind == "call_result":
+            _, call_id, ok, result = message
+            self._results[call_id] = (ok, result)
+            return None
+        if kind == "failed":
+            self.error = f"the engine process failed: {message[1]}"
+            logger.error("%s", self.error)
+            raise EngineProcessError(self.error)
+        if kind == "bye":
+            return None
+        raise EngineProcessError(f"unknown message {kind!r} from the engine process")
+
+    def _apply(self, delta: list) -> Optional[RequestOutput]:
+        request_id, finished, cached, prompt_lps, samples = delta
+        request_id = request_id.split("/", 1)[1]  # "<this server's index>/<its id>"
+        live = self._live.get(request_id)
+        if live is None:
+            return None  # aborted here meanwhile
+        live.num_cached = cached
+        if prompt_lps is not None:
+            live.prompt_logprobs = prompt_logprobs_from_wire(prompt_lps)
+        for index, new_ids, finish_reason, stop_reason, cumulative, new_lps in samples:
+            s = live.samples[index]
+            if s.finish_reason is not None:
+                continue  # ended here (a stop string, an abort): what came after is dropped
+            s.token_ids.extend(new_ids)
+            if new_lps is not None and s.logprobs is not None:
+                s.logprobs.extend(logprobs_from_wire(new_lps))
+            s.cumulative_logprob = cumulative
+            s.finish_reason, s.stop_reason = finish_reason, stop_reason
+        out = live.output(request_id)
+        if out.finished:
+            del self._live[request_id]
+        return out

@@ -1,0 +1,140 @@
+"""The messages between the API server process and the engine process, and their wire format.
+
+Each message is one msgpack array whose first element names its kind; the payloads are plain lists
+of ints, floats and strings (no pickled objects on the step path). A step's outputs travel as one
+message: for every request that changed, only what is new since the last message (token ids,
+their logprobs), so a message stays small however long the outputs grow.
+
+To the engine:   ("hello", server index)                    a further API server joins (index 0 is there
+                                                            from the start)
+                 ("add", server index, request_id, prompt_ids, params)   params: SamplingParams as a dict;
+                                                            request_id is "<server index>/<its own id>"
+                 ("abort", request_id, sample or None)
+                 ("call", server index, call_id, name)      a named engine call (see CALLS)
+                 ("detach", server index)                   that server goes away (its requests are aborted)
+                 ("shutdown",)                              from server 0 only
+From the engine: ("ready", EngineFacts as a dict)
+                 ("step", steps_completed, last_step_kind, [delta, ...], EngineSnapshot as a list,
+                  its GC pauses [[generation, seconds], ...], the add messages carried out so far)
+                 ("add_error", request_id, message)
+                 ("call_result", call_id, ok, result or error message)
+                 ("failed", message)                        the engine thread raised; the process ends
+                 ("bye",)                                   after a shutdown: the last message
+
+A delta: [request_id, finished, num_cached_prompt_tokens, prompt_logprobs or None,
+[[index, new_token_ids, finish_reason, stop_reason, cumulative_logprob, new_logprobs or None], ...]]
+where new_logprobs holds one [[token_id, logprob, rank], ...] list per new token.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import msgpack
+
+from tokenmill.engine.outputs import Logprob
+from tokenmill.engine.engine_snapshot import EngineSnapshot  # noqa: F401 (part of the wire format)
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_outputs import StructuredOutputsParams
+
+# Engine calls the API server may make by name (a callable cannot cross the process boundary).
+CALLS = ("reset_prefix_cache",)
+
+
+def pack(message) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(data: bytes):
+    # Integer map keys: logit_bias is {token id: bias}.
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+# ---- sampling parameters --------------------------------------------------------------------
+def params_to_wire(params: SamplingParams) -> dict:
+    out = {}
+    for f in dataclasses.fields(params):
+        if not f.init:
+            continue  # derived on validation (bad words' token ids, stop strings), again in the engine
+        value = getattr(params, f.name)
+        if isinstance(value, StructuredOutputsParams):
+            value = {g.name: getattr(value, g.name) for g in dataclasses.fields(value)}
+        out[f.name] = value
+    return out
+
+
+def params_from_wire(d: dict) -> SamplingParams:
+    d = dict(d)
+    spec = d.get("structured_outputs")
+    if spec is not None:
+        d["structured_outputs"] = StructuredOutputsParams(**spec)
+    return SamplingParams(**d)
+
+
+# ---- what the API server needs to know of the engine -----------------------------------------
+@dataclass
+class EngineFacts:
+    """The engine's fixed facts, sent once when it is ready: what validation and the API need."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_blocks: int
+    block_size: int
+    summary: str  # one line on what is served and how (the start-up log line)
+    pid: int
+    tokenizer: Optional[bytes] = None  # the tokenizer, pickled (once, at start-up)
+
+
+# ---- outputs ----------------------------------------------------------------------------------
+def logprobs_to_wire(entries: list[dict[int, Logprob]]) -> list:
+    return [[[t, lp.logprob, lp.rank] for t, lp in entry.items()] for entry in entries]
+
+
+def logprobs_from_wire(entries: list) -> list[dict[int, Logprob]]:
+    return [{t: Logprob(lp, rank) for t, lp, rank in entry} for entry in entries]
+
+
+def prompt_logprobs_to_wire(entries: list) -> list:
+    return [None if e is None else [[t, lp.logprob, lp.rank] for t, lp in e.items()] for e in entries]
+
+
+def prompt_logprobs_from_wire(entries: list) -> list:
+    return [None if e is None else {t: Logprob(lp, rank) for t, lp, rank in e} for e in entries]
+
+
+@dataclass
+class SampleProgress:
+    """What the engine process has sent of one sample."""
+
+    tokens: int = 0
+    logprobs: int = 0
+
+
+@dataclass
+class RequestProgress:
+    samples: dict[int, SampleProgress] = field(default_factory=dict)
+    prompt_logprobs_sent: bool = False
+
+
+def output_delta(out, progress: RequestProgress) -> list:
+    """The wire delta of a RequestOutput (cumulative) given what was sent before; updates progress."""
+    samples = []
+    for c in out.outputs:
+        p = progress.samples.setdefault(c.index, SampleProgress())
+        new_ids = c.token_ids[p.tokens:]
+        new_lps = None
+        if c.logprobs is not None:
+            new_lps = logprobs_to_wire(c.logprobs[p.logprobs:])
+            p.logprobs = len(c.logprobs)
+        p.tokens = len(c.token_ids)
+        samples.append([c.index, list(new_ids), c.finish_reason, c.stop_reason, c.cumulative_logprob, new_lps])
+    prompt_lps = None
+    if out.prompt_logprobs is not None and not progress.prompt_logprobs_sent and (out.finished or any(
+            c.token_ids for c in out.outputs)):
+        # Sent once, complete: with the first generated token (or the end), after every prompt chunk.
+        prompt_lps = prompt_logprobs_to_wire(out.prompt_logprobs)
+        progress.prompt_logprobs_sent = True
+    cached = out.metrics.num_cached_prompt_tokens if out.metrics is not None else 0
+    return [out.request_id, out.finished, cached, prompt_lps, samples]
