@@ -54,12 +54,16 @@ class GCPolicy:
 
     def on_idle(self) -> None:
         """Call when there is no work: runs a due full collection now rather than during a step."""
+        if self._thresholds is None:
+            return  # not started: the collector's own schedule applies
         now = time.monotonic()
         if now - self._last_full >= self.min_interval_s and gc.get_count()[2] > 0:
             self._full(now)
 
     def on_busy(self) -> None:
         """Call now and then while busy: a full collection once every max_interval_s at most."""
+        if self._thresholds is None:
+            return
         now = time.monotonic()
         if now - self._last_full >= self.max_interval_s:
             self._full(now)

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill import __version__
 from tokenmill.config import ConfigError
+from tokenmill.engine.gc_policy import GCPolicy
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.entrypoints.openai.errors import APIError, install_error_handlers
 from tokenmill.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
@@ -42,6 +43,7 @@ from tokenmill.logger import init_logger
 logger = init_logger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+GC_CHECK_SECONDS = 1.0  # how often the server looks for an idle moment to collect garbage in
 FORCED_CLOSE_SECONDS = 2.0  # after a second signal: how long aborted streams get to send their last events
 
 
@@ -124,20 +126,33 @@ def build_app(engine: AsyncLLMEngine, settings: Optional[ServerSettings] = None)
                              trust_request_chat_template=settings.trust_request_chat_template)
     tokenization = OpenAIServingTokenization(chat)
 
+    gc_policy = GCPolicy()
+
+    async def collect_when_idle() -> None:
+        while True:
+            await asyncio.sleep(GC_CHECK_SECONDS)
+            if engine.stats.num_active_groups == 0:
+                gc_policy.on_idle()
+            else:
+                gc_policy.on_busy()
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         gc.callbacks.append(metrics.gc_callback)
         engine.start()
         logger.info("engine started; serving %s", ", ".join(names))
+        collector = asyncio.create_task(collect_when_idle())
         try:
             yield
         finally:
+            collector.cancel()
             gc.callbacks.remove(metrics.gc_callback)
             await engine.stop(settings.engine_stop_timeout)
 
     app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible completions and chat completions served by tokenmill.")
     app.state.engine = engine
+    app.state.gc_policy = gc_policy  # run_server starts it (freezes what exists) once the app is built
     app.state.metrics = metrics
     install_error_handlers(app)
     _without_422(app)
@@ -300,16 +315,16 @@ def run_server(engine, *, host: str = "127.0.0.1", port: int = 8000, settings: O
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=backstop, lifespan="on", timeout_keep_alive=30)
     server = Server(config, async_engine, shutdown_grace, on_signal)
-    # What exists now (model, tokenizer, modules) lives as long as the process: keep it out of the
-    # collector's full passes, whose pauses stop the engine thread too. Unfrozen afterwards, so the
-    # collections at interpreter exit free it: frozen objects are never freed, and native extensions
-    # (Triton's, built with nanobind) then report each of theirs as leaked on stderr.
-    gc.collect()
-    gc.freeze()
+    # What exists now (model or tokenizer, modules) lives as long as the process: frozen out of the
+    # collector's full passes, which run only while no request does (GCPolicy; their pauses stop every
+    # thread: the streams, and an in-process engine). Unfrozen afterwards, so the collections at
+    # interpreter exit free it: frozen objects are never freed, and native extensions (Triton's,
+    # built with nanobind) then report each of theirs as leaked on stderr.
+    app.state.gc_policy.start()
     try:
         server.run(sockets=[sock] if sock is not None else None)
     finally:
-        gc.unfreeze()
+        app.state.gc_policy.stop()
     if async_engine.error is not None:
         logger.error("the engine failed: %r", async_engine.error)
         return 1
