@@ -28,7 +28,8 @@
 #             smollm2-135m-instruct: the embedded model's, from the installed package or a GGUF path)
 #   8b        offline-8b throughput, $REPEAT runs
 #   prefill   prefill-8b throughput, $REPEAT runs
-#   serve     serve-8b through `tokenmill serve` (launched here), Poisson at $SERVE_RATE req/s (default 8)
+#   serve     serve-8b through `tokenmill serve` (launched here), Poisson at $SERVE_RATE req/s (default 8);
+#             $SERVE_EXTRA goes to the server's flags, $SERVE_REQUESTS bounds the requests
 #   serve-sweep  serve-8b on one launched server at each of $SERVE_RATES req/s (default "8,16,32,64"), then
 #             `--goodput` (the highest rate with ITL p99 <= 30 ms and TTFT p99 <= 1000 ms: doubling from 8,
 #             then 3 bisections, 200 requests a probe); $SERVE_EXTRA goes to the server's flags (e.g.
@@ -203,8 +204,10 @@ for phase in $PHASES; do
         prefill)
             run_phase prefill "${BENCH[@]}" throughput --workload prefill-8b --repeat "$REPEAT" --out "$RES" "${EXTRA[@]}" ;;
         serve)
+            SERVE_N=()
+            [ -n "$SERVE_REQUESTS" ] && SERVE_N=(--num-prompts "$SERVE_REQUESTS")
             run_phase serve "${BENCH[@]}" serve --workload serve-8b --launch --request-rate "$SERVE_RATE" \
-                --out "$RES" "${EXTRA[@]}"
+                --server-args "$SERVE_EXTRA" "${SERVE_N[@]}" --out "$RES" "${EXTRA[@]}"
             # The server's own warnings (e.g. a Triton kernel compiled on the step path) into our log.
             grep -h "WARNING\|ERROR" "$RES"/server-*.log 2>/dev/null | tail -40 | tee -a "$LOG" ;;
         serve-sweep)
