@@ -9,7 +9,9 @@ process holding a model and thousands of requests' state it takes tens of millis
   reference counting, and short-lived cycles die young.
 - `on_idle()`: at a moment with no work, a full collection if one is due (the young collections
   moved objects to the old generation since the last one, and `min_interval_s` has passed), then
-  freeze again, so survivors leave the scanned set.
+  freeze again, so survivors leave the scanned set. (The price: a reference cycle frozen while alive
+  and dropped later is never freed. Idle moments hold little beyond the long-lived state, so little
+  is at stake; memory that grows across idle periods would point here.)
 - a long busy stretch still gets a full collection once every `max_interval_s`, so memory held by
   old cycles stays bounded.
 
