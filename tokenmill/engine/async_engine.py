@@ -141,7 +141,7 @@ class ServerStats:
     prompt_tokens: int = 0  # prompt (and recomputed) tokens prefilled so far
     generation_tokens: int = 0
     num_active_groups: int = 0  # submissions not yet finished
-    num_steps: int = 0
+    num_steps: int = 0  # engine steps whose results came back
     kernel_compiles_after_warmup: int = 0  # Triton compiles on the step path (each one stalls a step)
     kernel_compile_seconds_after_warmup: float = 0.0
     # Speculative decoding's counts (a frozen copy of the engine's tally); None when speculation is off.
@@ -296,7 +296,6 @@ class AsyncLLMEngine:
         self._group_of: dict[str, tuple[str, int]] = {}  # engine request id -> (group id, prompt index)
         self._deliveries: list[tuple[Any, Any]] = []  # (RequestStream or call future, item)
         self._needs_step = False
-        self._num_steps = 0
         self._last_step_end: Optional[float] = None
         self._stats = self._snapshot()
 
@@ -424,7 +423,6 @@ class AsyncLLMEngine:
                     self._needs_step = False
                     completed = engine.steps_completed
                     outputs = engine.step()
-                    self._num_steps += 1
                     self._observe_step(engine.last_step_kind if engine.steps_completed > completed else None)
                     self._dispatch(outputs)
                     if self.observer is not None:
@@ -616,7 +614,7 @@ class AsyncLLMEngine:
         s = self.engine.snapshot()
         return ServerStats(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_free_blocks, s.num_blocks,
                            s.prefix_cache_hit_rate, s.num_preemptions, s.prompt_tokens, s.generation_tokens,
-                           len(self._groups), self._num_steps, s.kernel_compiles_after_warmup,
+                           len(self._groups), self.engine.steps_completed, s.kernel_compiles_after_warmup,
                            s.kernel_compile_seconds_after_warmup, s.spec_decode)
 
     def _flush(self) -> None:

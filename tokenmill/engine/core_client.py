@@ -147,7 +147,8 @@ class EngineCoreClient:
                                           facts.block_size, self.structured)
         self.outputs = _OutputSwitch()
         self._live: dict[str, _Live] = {}
-        self._snapshot = EngineSnapshot(num_blocks=facts.num_blocks, num_free_blocks=facts.num_blocks)
+        self._snapshot = (EngineSnapshot.from_wire(facts.snapshot) if facts.snapshot is not None
+                          else EngineSnapshot(num_blocks=facts.num_blocks, num_free_blocks=facts.num_blocks))
         self._gc_pauses: list[tuple[int, float]] = []
         self._calls = count()
         self._results: dict[int, tuple[bool, object]] = {}

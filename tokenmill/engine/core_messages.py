@@ -85,6 +85,7 @@ class EngineFacts:
     summary: str  # one line on what is served and how (the start-up log line)
     pid: int
     tokenizer: Optional[bytes] = None  # the tokenizer, pickled (once, at start-up)
+    snapshot: Optional[list] = None  # the counters before any step (EngineSnapshot.to_wire)
 
 
 # ---- outputs ----------------------------------------------------------------------------------

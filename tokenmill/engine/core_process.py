@@ -192,7 +192,8 @@ class EngineCore:
 
     def send_ready(self, index: int) -> None:
         self.adds_seen.setdefault(index, 0)
-        self.outs.send(index, ["ready", self.facts()])
+        facts = dict(self.facts(), snapshot=self.engine.snapshot().to_wire())
+        self.outs.send(index, ["ready", facts])
 
     # ---- the receiver thread ---------------------------------------------------------------
     def receive(self, sock, parent_pid: int) -> None:
