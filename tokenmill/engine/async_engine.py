@@ -8,7 +8,9 @@ Four kinds of threads take part:
   (the tokenizer and the limits never change), so it never runs on the step loop: a long prompt, or
   a huge body that ends in a 400, does not stall the streams of others;
 - the engine thread, the only one that touches the (not thread-safe) LLMEngine: adding, aborting,
-  stepping. Handlers talk to it through a thread-safe queue of typed commands (AddCommand,
+  stepping. The engine may also be an EngineCoreClient (core_client), which stands in for an
+  LLMEngine running in a process of its own (`tokenmill serve`'s default): this thread then sends
+  it requests and takes its step messages, and nothing else changes here. Handlers talk to it through a thread-safe queue of typed commands (AddCommand,
   AbortCommand, CallCommand, StopCommand) and get their outputs back through one asyncio queue per
   submission. With no work, it blocks on the command queue (it does not spin). It makes token ids
   and logprob values only (its OutputProcessor does not detokenize);
@@ -36,13 +38,13 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Optional, Protocol, Union
 
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.output_processor import RequestDetokenizer
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.spec_stats import SpecDecodeCounts
+from tokenmill.engine.engine_snapshot import EngineSnapshot
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.logger import init_logger
 from tokenmill.sampling_params import SamplingParams
@@ -128,24 +130,12 @@ class PromptInfo:
 
 
 @dataclass
-class ServerStats:
-    """A snapshot the engine thread publishes after every step; safe to read from any thread."""
+class ServerStats(EngineSnapshot):
+    """A snapshot the engine thread publishes after every step; safe to read from any thread: the
+    engine's counters (EngineSnapshot) and the front end's own."""
 
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_free_blocks: int = 0
-    num_blocks: int = 0
-    prefix_cache_hit_rate: float = 0.0
-    num_preemptions: int = 0
-    prompt_tokens: int = 0  # prompt (and recomputed) tokens prefilled so far
-    generation_tokens: int = 0
     num_active_groups: int = 0  # submissions not yet finished
     num_steps: int = 0  # engine steps whose results came back
-    kernel_compiles_after_warmup: int = 0  # Triton compiles on the step path (each one stalls a step)
-    kernel_compile_seconds_after_warmup: float = 0.0
-    # Speculative decoding's counts (a frozen copy of the engine's tally); None when speculation is off.
-    spec_decode: Optional[SpecDecodeCounts] = None
 
 
 class RequestStream:
@@ -612,10 +602,8 @@ class AsyncLLMEngine:
 
     def _snapshot(self) -> ServerStats:
         s = self.engine.snapshot()
-        return ServerStats(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_free_blocks, s.num_blocks,
-                           s.prefix_cache_hit_rate, s.num_preemptions, s.prompt_tokens, s.generation_tokens,
-                           len(self._groups), self.engine.steps_completed, s.kernel_compiles_after_warmup,
-                           s.kernel_compile_seconds_after_warmup, s.spec_decode)
+        return ServerStats(**{f.name: getattr(s, f.name) for f in fields(EngineSnapshot)},
+                           num_active_groups=len(self._groups), num_steps=self.engine.steps_completed)
 
     def _flush(self) -> None:
         if not self._deliveries:
