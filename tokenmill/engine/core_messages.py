@@ -121,21 +121,41 @@ class RequestProgress:
 
 def output_delta(out, progress: RequestProgress) -> list:
     """The wire delta of a RequestOutput (cumulative) given what was sent before; updates progress."""
-    samples = []
-    for c in out.outputs:
-        p = progress.samples.setdefault(c.index, SampleProgress())
-        new_ids = c.token_ids[p.tokens:]
-        new_lps = None
-        if c.logprobs is not None:
-            new_lps = logprobs_to_wire(c.logprobs[p.logprobs:])
-            p.logprobs = len(c.logprobs)
-        p.tokens = len(c.token_ids)
-        samples.append([c.index, list(new_ids), c.finish_reason, c.stop_reason, c.cumulative_logprob, new_lps])
-    prompt_lps = None
-    if out.prompt_logprobs is not None and not progress.prompt_logprobs_sent and (out.finished or any(
-            c.token_ids for c in out.outputs)):
-        # Sent once, complete: with the first generated token (or the end), after every prompt chunk.
-        prompt_lps = prompt_logprobs_to_wire(out.prompt_logprobs)
-        progress.prompt_logprobs_sent = True
+    samples = ((c.index, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason, c.cumulative_logprob)
+               for c in out.outputs)
     cached = out.metrics.num_cached_prompt_tokens if out.metrics is not None else 0
-    return [out.request_id, out.finished, cached, prompt_lps, samples]
+    return _delta(out.request_id, out.finished, cached, out.prompt_logprobs, samples, progress)
+
+
+def state_delta(user, progress: RequestProgress) -> list:
+    """The same from an unfinished request's live state (output_processor.UserRequestState), read
+    in place: nothing is copied but what is new."""
+    samples = []
+    for s in user.samples:
+        req = s.request
+        done = s.finish_reason is not None
+        samples.append((req.index, req.output_token_ids, s.logprobs, s.finish_reason,
+                        req.stop_reason if done else None, s.cumulative_logprob))
+    return _delta(user.request_id, user.finished, user.samples[0].request.num_cached_tokens, user.prompt_logprobs,
+                  samples, progress)
+
+
+def _delta(request_id: str, finished: bool, cached: int, prompt_logprobs, samples, progress: RequestProgress) -> list:
+    wire = []
+    any_tokens = False
+    for index, token_ids, logprobs, finish_reason, stop_reason, cumulative in samples:
+        p = progress.samples.setdefault(index, SampleProgress())
+        new_ids = token_ids[p.tokens:]
+        new_lps = None
+        if logprobs is not None:
+            new_lps = logprobs_to_wire(logprobs[p.logprobs:])
+            p.logprobs = len(logprobs)
+        p.tokens = len(token_ids)
+        any_tokens = any_tokens or p.tokens > 0
+        wire.append([index, new_ids, finish_reason, stop_reason, cumulative, new_lps])
+    prompt_lps = None
+    if prompt_logprobs is not None and not progress.prompt_logprobs_sent and (finished or any_tokens):
+        # Sent once, complete: with the first generated token (or the end), after every prompt chunk.
+        prompt_lps = prompt_logprobs_to_wire(prompt_logprobs)
+        progress.prompt_logprobs_sent = True
+    return [request_id, finished, cached, prompt_lps, wire]

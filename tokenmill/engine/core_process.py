@@ -36,7 +36,7 @@ from typing import Optional
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_messages import (CALLS, EngineFacts, RequestProgress, output_delta, pack,
-                                            params_from_wire, unpack)
+                                            params_from_wire, state_delta, unpack)
 from tokenmill.engine.gc_policy import GCPolicy
 from tokenmill.errors import TokenmillError
 from tokenmill.logger import init_logger
@@ -238,7 +238,7 @@ class EngineCore:
                 if engine.has_unfinished_requests() or self.needs_step:
                     self.needs_step = False
                     completed = engine.steps_completed
-                    outputs = engine.step()
+                    outputs = engine.step(emit_unfinished=False)  # the others: engine.changed_unfinished
                     kind = engine.last_step_kind if engine.steps_completed > completed else None
                     self._send_step(outputs, kind)
                     self.gc.on_busy()
@@ -310,15 +310,19 @@ class EngineCore:
         self.needs_step = True
 
     def _send_step(self, outputs: list, kind: Optional[str]) -> None:
+        """Send each API server the step's news of its requests: the finished ones' final outputs, and
+        what is new of the others read from their live state (engine.changed_unfinished)."""
         deltas: dict[int, list] = {index: [] for index in self.outs.sockets}
-        for out in outputs:
-            progress = self.progress.get(out.request_id)
+        states = self.engine.outputs.states
+        for request_id, out in [(o.request_id, o) for o in outputs] + [(r, None) for r in
+                                                                       self.engine.changed_unfinished]:
+            progress = self.progress.get(request_id)
             if progress is None:
                 continue  # aborted meanwhile
-            delta = output_delta(out, progress)
-            if out.finished:
-                del self.progress[out.request_id]
-            target = deltas.get(client_of(out.request_id))
+            delta = output_delta(out, progress) if out is not None else state_delta(states[request_id], progress)
+            if out is not None and out.finished:
+                del self.progress[request_id]
+            target = deltas.get(client_of(request_id))
             if target is not None:
                 target.append(delta)
         snapshot, pauses = self.engine.snapshot().to_wire(), self.gc.take_pauses()

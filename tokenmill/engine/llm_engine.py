@@ -109,6 +109,9 @@ class LLMEngine:
         self.generation_tokens = 0
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec else None
         self.steps_completed = 0  # steps whose results came back
+        # With step(emit_unfinished=False): the requests the step changed but did not finish (their
+        # state is in self.outputs.states; the engine process sends what is new of it, no copies)
+        self.changed_unfinished: list[str] = []
         self.last_step_kind: Optional[str] = None  # "decode", "mixed" or "prefill": the last of those
         if on_gpu:
             self._warm_up_step_path()
@@ -249,6 +252,7 @@ class LLMEngine:
             return self._step(emit_unfinished)
 
     def _step(self, emit_unfinished: bool) -> list[RequestOutput]:
+        self.changed_unfinished = []
         launched = False
         results: list[RequestOutput] = []
         completed = 0
@@ -312,6 +316,7 @@ class LLMEngine:
         results = []
         for user_id in changed:
             if not emit_unfinished and not self.outputs.states[user_id].finished:
+                self.changed_unfinished.append(user_id)
                 continue
             output = self.outputs.make_output(user_id)
             results.append(output)
