@@ -159,3 +159,28 @@ def test_a_second_api_server_gets_its_own_outputs(client, chat_prompt_ids, hf_gr
     finally:
         other.close()
     run_all(client, {})  # the first goes on alone
+
+
+def test_every_feature_together_through_the_engine_process(smollm):
+    """test_features_together's requests (grammars with n-gram speculation, bad words, allowed
+    tokens, logit bias, prompt logprobs, n=2), with chunked prefill, preemption, the prefix cache
+    and a step-time target, through an engine process: token for token each request run alone in
+    process."""
+    from tests.engine.test_features_together import BUSY, feature_requests
+
+    plain = make_llm(smollm)
+    requests, _, _ = feature_requests(plain)
+    alone = [plain.generate([p], q, use_tqdm=False)[0] for p, q in requests]
+    busy = EngineCoreClient.launch(EngineLaunch(None, EngineConfig(step_time_target_ms=20.0, **BUSY),
+                                                dtype="float32", device="cpu"))
+    try:
+        final = run_all(busy, {f"f{i}": (p, q) for i, (p, q) in enumerate(requests)})
+        assert busy.snapshot().num_preemptions > 0 and busy.snapshot().spec_decode.accepted > 0
+        assert busy.snapshot().num_free_blocks == busy.snapshot().num_blocks
+    finally:
+        busy.close()
+    for i, want in enumerate(alone):
+        got = final[f"f{i}"]
+        assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+    lp = final["f5"].prompt_logprobs
+    assert len(lp) == len(requests[5][0]) and lp[0] is None and all(lp[1:])

@@ -1,5 +1,6 @@
 """Every sampling feature of the engine in one run, with speculation, chunked prefill, preemption,
-the prefix cache and async scheduling all on: each request's output is token for token what it is
+the prefix cache, async scheduling and a step-time target all on (and through the engine process:
+tests/engine/test_engine_process.py): each request's output is token for token what it is
 when run alone on a plain engine (greedy, fp32), grammars validate, banned words never appear,
 allowed tokens hold, prompt logprobs are there, and nothing leaks."""
 
@@ -15,9 +16,12 @@ GREEDY = dict(temperature=0, max_tokens=24)
 NUM_KV_BLOCKS = 16  # of 16 tokens: the largest request fits, the batch does not (preemptions)
 
 
-def test_features_together(smollm):
-    plain = make_llm(smollm)
-    busy = make_llm(smollm, speculative_config=NGRAM, max_num_batched_tokens=48, num_kv_blocks=NUM_KV_BLOCKS)
+BUSY = dict(speculative_config=NGRAM, max_num_batched_tokens=48, num_kv_blocks=NUM_KV_BLOCKS)
+
+
+def feature_requests(plain) -> tuple[list, list[int], int]:
+    """(prompt ids, params) pairs using every sampling feature, the plain greedy reference of the
+    `animals` prompt, and the token the bad-words requests ban."""
     copy = chat_ids(plain, "Repeat exactly: the cat sat on the mat. the cat sat on the mat.")
     animals = chat_ids(plain, "Name three animals that live in the ocean.")
     schema = SCHEMAS[0]
@@ -34,6 +38,16 @@ def test_features_together(smollm):
         (animals, SamplingParams(prompt_logprobs=2, n=2, **GREEDY)),  # bypasses the prefix cache
         (copy, SamplingParams(bad_words=["sat on"], **GREEDY)),  # several tokens: decodes without drafts
     ]
+    return requests, reference, banned
+
+
+def test_features_together(smollm):
+    plain = make_llm(smollm)
+    # A step-time target too: it changes the chunks, never the tokens.
+    busy = make_llm(smollm, step_time_target_ms=20.0, **BUSY)
+    requests, reference, banned = feature_requests(plain)
+    schema = SCHEMAS[0]
+    animals = requests[3][0]
     prompts, params = [p for p, _ in requests], [q for _, q in requests]
     alone = [plain.generate([p], q, use_tqdm=False)[0] for p, q in requests]
     together = busy.generate(prompts, params, use_tqdm=False)
