@@ -2,7 +2,8 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "LoRARequest",
+           "__version__"]
 
 
 def __getattr__(name):
@@ -19,6 +20,10 @@ def __getattr__(name):
         from tokenmill.structured_outputs import StructuredOutputsParams
 
         return StructuredOutputsParams
+    if name == "LoRARequest":
+        from tokenmill.lora.request import LoRARequest
+
+        return LoRARequest
     if name in ("RequestOutput", "CompletionOutput"):
         from tokenmill.engine import outputs
 

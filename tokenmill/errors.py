@@ -15,3 +15,8 @@ class UnsupportedArchitectureError(ModelLoadError):
 
 class InvalidRequestError(TokenmillError, ValueError):
     """A request or its sampling parameters are invalid."""
+
+
+class LoRAError(InvalidRequestError):
+    """A LoRA adapter could not be loaded or used (a bad directory, an unsupported option, a rank
+    above max_lora_rank, a module the model lacks); or LoRA is not enabled."""
