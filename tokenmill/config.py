@@ -186,6 +186,14 @@ class EngineConfig:
               "RMSNorm / SiLU-and-mul before it fused in; off: cuBLAS and separate kernels")
     seed: int = option(0, "seeds dummy weights and requests that bring no seed of their own",
                        aliases=("--engine-seed",))
+    # lora/: adapters in GPU slots, chosen per request (LoRARequest).
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT directories) on top of the model, one per request")
+    max_loras: int = option(1, "LoRA adapters resident on the device at once (and distinct adapters in one batch)",
+                            minimum=1)
+    max_lora_rank: int = option(16, "the largest LoRA rank accepted (the slots' size)", minimum=1)
+    max_cpu_loras: Optional[int] = option(
+        None, "LoRA adapters kept loaded in host memory (least recently used evicted)", default_help="max_loras",
+        minimum=1)
     speculative_config: Optional[SpeculativeConfig] = option(
         None, 'speculative decoding as JSON: {"method": "ngram", "num_speculative_tokens": 3, '
               '"prompt_lookup_max": 4, "prompt_lookup_min": 2}, {"method": "draft_model", "model": PATH, '
@@ -209,6 +217,8 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.step_time_target_ms is not None and not self.step_time_target_ms > 0:
             raise ConfigError(f"step_time_target_ms must be > 0, got {self.step_time_target_ms}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
 
     def resolve_prefill_cap(self, device_type: str) -> Optional[int]:
         """max_prefill_tokens_with_decodes on this device: on the CPU, where a step of thousands of
