@@ -1,0 +1,461 @@
+"""Batched multi-LoRA: the shrink (x -> s = A x) and expand (y += B s) halves of a LoRA delta for a
+batch whose tokens each use one of S adapter slots (slot 0: no adapter).
+
+    s = lora_shrink(x, a_stack, token_slots, prologue, norm_weight, eps)   # [T, R] fp32
+    lora_expand(s, b_stack, token_slots, y, slice_rank, slice_starts)      # y[t] += B_slot(t) s[t]
+
+a_stack [S, R, K] and b_stack [S, N, slice_rank] hold every slot's matrices (slot 0 all zeros and
+never read; the LoRA scaling is folded into B). The shrink applies the base layer's prologue to x
+(skinny_gemm's PLAIN / SILU_MUL / ADD_RMSNORM), so it reads the same activations the base
+projection reads; merged layers (q/k/v, gate/up) take one shrink over the stacked A rows of all
+their slices (R = slices * slice_rank) and one expand whose output row n uses the slice j = number
+of slice_starts <= n, i.e. s[:, j*slice_rank:(j+1)*slice_rank].
+
+Design (the kernels run inside CUDA graphs, so the grids depend on the shapes alone, never on the
+slots' values, and nothing syncs with the host):
+
+* Two kernel shapes per op, picked on the host from T (a shape):
+  - "gemv" (T <= GEMV_MAX_T, decode steps): one program per (token, block of rank rows) for the
+    shrink, per (token, block of output rows) for the expand. A token's program loads its slot and
+    masks every load with slot > 0, so a slot-0 (or padding) token reads no A/B/x bytes and its
+    y row is not even loaded. At T = 1 and K = 4096 the shrink is R programs each streaming one
+    8 KiB row of A in one or two wide loads (one DRAM round trip, no split-K, hence no atomics,
+    no zero-fill launch and a deterministic sum); the expand is N / BLOCK_N programs each loading
+    a [BLOCK_N, rank] tile of B. Fixed cost is one launch per op.
+  - "tile" (larger T: prefill, mixed and big decode batches): one program per (block of BM tokens,
+    block of rank rows) for the shrink / (BM tokens, BLOCK_N output rows) for the expand. The
+    program walks the distinct nonzero slots of its token block in increasing order (a data-
+    dependent while loop inside the program: cur = min of the block's slots > previous), and for
+    each slot runs a tensor-core tile product (tl.dot) with the block's rows of other slots masked
+    off. Tokens of one request are contiguous and share a slot, so a prefill block nearly always
+    takes one iteration (a plain tiled GEMM); a decode block with d distinct adapters takes d
+    iterations, each reading that slot's A/B tile (from L2 after the first block), instead of one
+    gather per token. A block of slot-0 tokens does no iteration and no A/B reads.
+* Precision: products accumulate in fp32. The shrink's tl.dot takes x's dtype when x and A match
+  (bf16 x bf16 products are exact in fp32) and IEEE fp32 otherwise. The expand's s is fp32: for
+  16-bit B it is split into hi + lo parts in B's dtype and both are multiplied (about 16 mantissa
+  bits, so s is not rounded to bf16), for fp32 B the dot is IEEE fp32. y is read once, the fp32
+  delta added and rounded once.
+* ADD_RMSNORM (x the summed residual stream): rms_norm(x) A^T = ((x * norm_weight) A^T) / rms(x),
+  so the sum of squares accumulates beside the products and the division comes last (one pass
+  over x, as kernels/skinny_gemm.py does). It skips the reference's rounding of the normalised
+  row to x's dtype, so it agrees to that rounding. SILU_MUL rounds as kernels/activation.py does.
+* R (total rank rows) 1..128 is padded to a power of two (>= 16 for tl.dot) with masks; K and N
+  take any size. Slot * stride and token * stride offsets are int64.
+* Slices: up to MAX_SLICES output slices, their starts compile into the expand (constexpr); a tile
+  that straddles a boundary masks B's rows per slice, so slice sizes need not be multiples of the
+  tile.
+"""
+
+import logging
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels._dispatch import use_triton
+from tokenmill.kernels.activation import silu_and_mul_ref
+from tokenmill.kernels.norm import rms_norm_ref
+from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, PLAIN, SILU_MUL
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PLAIN", "SILU_MUL", "ADD_RMSNORM", "MAX_SLICES", "GEMV_MAX_T", "lora_shrink", "lora_expand",
+           "lora_shrink_ref", "lora_expand_ref", "lora_shrink_triton", "lora_expand_triton",
+           "lora_shrink_config", "lora_expand_config"]
+
+MAX_RANK = 128
+MAX_SLICES = 4
+# Up to this many tokens the per-token ("gemv") kernels run; above it the token-block tile kernels.
+GEMV_MAX_T = 16
+_NO_SLOT = 2 ** 31 - 1  # larger than every slot: ends the tile kernels' walk over the slots
+
+
+# ---------------------------------------------------------------------------------------------
+# Torch references
+# ---------------------------------------------------------------------------------------------
+
+def _lora_input(x: torch.Tensor, prologue: int, norm_weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """The base projection's input: x, silu(gate) * up, or rms_norm(x) * norm_weight."""
+    if prologue == SILU_MUL:
+        return silu_and_mul_ref(x)
+    if prologue == ADD_RMSNORM:
+        assert norm_weight is not None, "ADD_RMSNORM needs norm_weight"
+        return rms_norm_ref(x, norm_weight, eps)
+    assert prologue == PLAIN, f"unknown prologue {prologue}"
+    return x
+
+
+def _slot_groups(token_slots: torch.Tensor):
+    """(slot, token indices) for each distinct nonzero slot in token_slots (host loop over the
+    distinct slots; the reference path only, where a sync costs nothing)."""
+    slots = token_slots.long()
+    for slot in torch.unique(slots).tolist():
+        if slot != 0:
+            yield slot, torch.nonzero(slots == slot).squeeze(1)
+
+
+def lora_shrink_ref(x: torch.Tensor, a_stack: torch.Tensor, token_slots: torch.Tensor, prologue: int = PLAIN,
+                    norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6) -> torch.Tensor:
+    """s[t] = a_stack[token_slots[t]] @ a(x)[t] in fp32, [T, R]; rows of slot-0 tokens are 0.
+
+    Tokens are grouped by slot (one matmul per distinct slot), the prologue a() as the base layer
+    computes it (kernels/activation.py, kernels/norm.py)."""
+    inp = _lora_input(x, prologue, norm_weight, eps)
+    T, R = x.shape[0], a_stack.shape[1]
+    assert inp.shape[1] == a_stack.shape[2], "x does not match a_stack's K"
+    s = torch.zeros(T, R, dtype=torch.float32, device=x.device)
+    for slot, idx in _slot_groups(token_slots):
+        s[idx] = inp[idx].float() @ a_stack[slot].float().t()
+    return s
+
+
+def _slice_bounds(n: int, slice_starts: Sequence[int]) -> list:
+    bounds = [0, *[int(v) for v in slice_starts], n]
+    assert all(lo <= hi for lo, hi in zip(bounds, bounds[1:])), f"slice_starts {tuple(slice_starts)} out of order"
+    return bounds
+
+
+def lora_expand_ref(s: torch.Tensor, b_stack: torch.Tensor, token_slots: torch.Tensor, y: torch.Tensor,
+                    slice_rank: int, slice_starts: Sequence[int] = ()) -> None:
+    """y[t, n] += b_stack[slot, n] . s[t, j*slice_rank:(j+1)*slice_rank] (j the slice of row n) in
+    fp32, added once and rounded once to y's dtype; rows of slot-0 tokens are left as they are."""
+    N = y.shape[1]
+    bounds = _slice_bounds(N, slice_starts)
+    assert s.shape[1] >= (len(bounds) - 1) * slice_rank, "s has fewer columns than slices * slice_rank"
+    assert b_stack.shape[1] == N and b_stack.shape[2] == slice_rank
+    for slot, idx in _slot_groups(token_slots):
+        sv = s[idx].float()
+        b = b_stack[slot].float()
+        delta = torch.cat([sv[:, j * slice_rank:(j + 1) * slice_rank] @ b[lo:hi].t()
+                           for j, (lo, hi) in enumerate(zip(bounds, bounds[1:]))], dim=1)
+        y[idx] = (y[idx].float() + delta).to(y.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _prologue(x_ptr, nw_ptr, offs, kk, mask, K, PROLOGUE: tl.constexpr):
+    """a(x) at x_ptr + offs (any shape; kk the K index of each element, broadcastable) in fp32,
+    and the squares of x (ADD_RMSNORM's sum of squares; zeros otherwise). Masked elements are 0
+    and read nothing."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if PROLOGUE == 1:  # SILU_MUL: the row holds [gate | up]
+        gate = x.to(tl.float32)
+        up = tl.load(x_ptr + offs + K, mask=mask, other=0.0)
+        act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+        a = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype).to(tl.float32)
+        sq = a * 0.0
+    elif PROLOGUE == 2:  # ADD_RMSNORM: (x * w); the division by rms(x) comes after the products
+        h = x.to(tl.float32)
+        w = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        a = h * w
+        sq = h * h
+    else:
+        a = x.to(tl.float32)
+        sq = a * 0.0
+    return a, sq
+
+
+@triton.jit
+def _shrink_gemv_kernel(
+    x_ptr, a_ptr, nw_ptr, slots_ptr, s_ptr,
+    R, K, eps, stride_xt, stride_as, stride_ar, stride_st,
+    PROLOGUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Grid (T, cdiv(R, BLOCK_R)): s[t, r-block] for one token t."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    k_lim = tl.where(slot > 0, K, 0)  # slot 0: every load masked off (a scalar-bool & is no block mask)
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+    sq = tl.zeros([BLOCK_K], tl.float32)
+    a_rows = a_ptr + slot * stride_as + r.to(tl.int64)[:, None] * stride_ar
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        k_ok = kk < k_lim
+        a, sq_k = _prologue(x_ptr, nw_ptr, t * stride_xt + kk, kk, k_ok, K, PROLOGUE)
+        sq += sq_k
+        w = tl.load(a_rows + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * a[None, :]
+    out = tl.sum(acc, axis=1)
+    if PROLOGUE == 2:
+        out = out * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+    tl.store(s_ptr + t * stride_st + r, out, mask=r_ok)
+
+
+@triton.jit
+def _next_slot(sl, prev):
+    """The smallest slot in sl above prev (_NO_SLOT when none)."""
+    return tl.min(tl.where(sl > prev, sl, 2147483647), axis=0)
+
+
+@triton.jit
+def _shrink_tile_kernel(
+    x_ptr, a_ptr, nw_ptr, slots_ptr, s_ptr,
+    T, R, K, eps, stride_xt, stride_as, stride_ar, stride_st,
+    PROLOGUE: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
+):
+    """Grid (cdiv(T, BM), cdiv(R, BLOCK_R)): s for BM tokens and BLOCK_R rank rows, one tl.dot
+    tile product per distinct nonzero slot of the token block."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    m_ok = m < T
+    sl = tl.load(slots_ptr + m, mask=m_ok, other=0)
+    m64 = m.to(tl.int64)
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BM, BLOCK_R], tl.float32)
+    sq = tl.zeros([BM], tl.float32)
+    cur = _next_slot(sl, 0)
+    while cur < 2147483647:
+        sel = m_ok & (sl == cur)
+        a_rows = a_ptr + cur.to(tl.int64) * stride_as + r.to(tl.int64)[None, :] * stride_ar
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < K
+            a, sq_k = _prologue(x_ptr, nw_ptr, m64[:, None] * stride_xt + kk[None, :], kk[None, :],
+                                sel[:, None] & k_ok[None, :], K, PROLOGUE)
+            if PROLOGUE == 2:
+                sq += tl.sum(sq_k, axis=1)
+            w = tl.load(a_rows + kk[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_R]
+            if DOT_IEEE:
+                acc = tl.dot(a, w.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a.to(w.dtype), w, acc)
+        cur = _next_slot(sl, cur)
+    if PROLOGUE == 2:
+        acc = acc * tl.rsqrt(sq / K + eps)[:, None]
+    tl.store(s_ptr + m64[:, None] * stride_st + r[None, :], acc, mask=m_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _slice_rows(n, n_ok, j: tl.constexpr, NUM_SLICES: tl.constexpr, N,
+                S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr):
+    """n_ok restricted to the output rows of slice j (bounds [0, S1, S2, S3, N][: NUM_SLICES + 1])."""
+    if j == 0:
+        lo_ok = n >= 0
+    elif j == 1:
+        lo_ok = n >= S1
+    elif j == 2:
+        lo_ok = n >= S2
+    else:
+        lo_ok = n >= S3
+    if j == NUM_SLICES - 1:
+        hi_ok = n < N
+    elif j == 0:
+        hi_ok = n < S1
+    elif j == 1:
+        hi_ok = n < S2
+    else:
+        hi_ok = n < S3
+    return n_ok & lo_ok & hi_ok
+
+
+@triton.jit
+def _expand_gemv_kernel(
+    s_ptr, b_ptr, slots_ptr, y_ptr,
+    N, stride_st, stride_bs, stride_bn, stride_yt,
+    RANK: tl.constexpr, RANK_P: tl.constexpr, NUM_SLICES: tl.constexpr,
+    S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (T, cdiv(N, BLOCK_N)): y[t, n-block] += B_slot[n-block] s[t, slice] for one token t."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    n_lim = tl.where(slot > 0, N, 0)  # slot 0: nothing read, y untouched
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < n_lim
+    rr = tl.arange(0, RANK_P)
+    rr_ok = rr < tl.where(slot > 0, RANK, 0)
+    b_rows = b_ptr + slot * stride_bs + n.to(tl.int64)[:, None] * stride_bn + rr[None, :]
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(NUM_SLICES):
+        in_j = _slice_rows(n, n_ok, j, NUM_SLICES, N, S1, S2, S3)
+        sv = tl.load(s_ptr + t * stride_st + j * RANK + rr, mask=rr_ok, other=0.0)
+        b = tl.load(b_rows, mask=in_j[:, None] & rr_ok[None, :], other=0.0)
+        acc += tl.sum(b.to(tl.float32) * sv[None, :], axis=1)
+    y_at = y_ptr + t * stride_yt + n
+    y = tl.load(y_at, mask=n_ok, other=0.0)
+    tl.store(y_at, (y.to(tl.float32) + acc).to(y.dtype), mask=n_ok)
+
+
+@triton.jit
+def _expand_tile_kernel(
+    s_ptr, b_ptr, slots_ptr, y_ptr,
+    T, N, stride_st, stride_bs, stride_bn, stride_yt,
+    RANK: tl.constexpr, RANK_P: tl.constexpr, NUM_SLICES: tl.constexpr,
+    S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr,
+    BM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_IEEE: tl.constexpr,
+):
+    """Grid (cdiv(T, BM), cdiv(N, BLOCK_N)): y[m-block, n-block] += s B^T, one tile product per
+    distinct nonzero slot of the token block (and per slice the n-block overlaps)."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    m_ok = m < T
+    sl = tl.load(slots_ptr + m, mask=m_ok, other=0)
+    m64 = m.to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    rr = tl.arange(0, RANK_P)
+    rr_ok = rr < RANK
+    acc = tl.zeros([BM, BLOCK_N], tl.float32)
+    cur = _next_slot(sl, 0)
+    while cur < 2147483647:
+        sel = m_ok & (sl == cur)
+        b_rows = b_ptr + cur.to(tl.int64) * stride_bs + n.to(tl.int64)[None, :] * stride_bn + rr[:, None]
+        for j in tl.static_range(NUM_SLICES):
+            in_j = _slice_rows(n, n_ok, j, NUM_SLICES, N, S1, S2, S3)
+            sv = tl.load(s_ptr + m64[:, None] * stride_st + j * RANK + rr[None, :],
+                         mask=sel[:, None] & rr_ok[None, :], other=0.0)  # [BM, RANK_P] fp32
+            b = tl.load(b_rows, mask=rr_ok[:, None] & in_j[None, :], other=0.0)  # [RANK_P, BLOCK_N]
+            if DOT_IEEE:
+                acc = tl.dot(sv, b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                # s in two parts of B's dtype (hi + lo carry ~16 bits), so s is not rounded to 16 bits.
+                s_hi = sv.to(b.dtype)
+                s_lo = (sv - s_hi.to(tl.float32)).to(b.dtype)
+                acc = tl.dot(s_hi, b, acc)
+                acc = tl.dot(s_lo, b, acc)
+        cur = _next_slot(sl, cur)
+    y_mask = (m_ok & (sl > 0))[:, None] & n_ok[None, :]
+    y_at = y_ptr + m64[:, None] * stride_yt + n[None, :]
+    y = tl.load(y_at, mask=y_mask, other=0.0)
+    tl.store(y_at, (y.to(tl.float32) + acc).to(y.dtype), mask=y_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch configs and host wrappers
+# ---------------------------------------------------------------------------------------------
+
+def _tile_bm(T: int) -> int:
+    return 16 if T <= 256 else 32 if T <= 1024 else 64
+
+
+def lora_shrink_config(T: int, R: int, K: int, prologue: int = PLAIN) -> dict:
+    """Launch choice for the shrink at T tokens (shapes only). Tune here."""
+    r_p = triton.next_power_of_2(R)
+    if T <= GEMV_MAX_T:
+        # One rank row per program while that leaves few programs (latency: one wide load of the
+        # row of A), more rows per program for bigger batches (fewer re-reads of x from L2).
+        block_r = 1 if T * R <= 512 else min(r_p, 4)
+        block_k = min(triton.next_power_of_2(K), 4096 // block_r, 2048 if prologue == SILU_MUL else 4096)
+        return dict(mode="gemv", block_r=block_r, block_k=max(block_k, 16), num_warps=4, num_stages=1)
+    block_r = max(16, r_p)
+    bm = _tile_bm(T)
+    return dict(mode="tile", bm=bm, block_r=block_r, block_k=64 if block_r <= 64 else 32, num_warps=4, num_stages=3)
+
+
+def lora_expand_config(T: int, N: int, slice_rank: int) -> dict:
+    """Launch choice for the expand at T tokens (shapes only). Tune here."""
+    rank_p = triton.next_power_of_2(slice_rank)
+    if T <= GEMV_MAX_T:
+        block_n = max(16, min(256, 2048 // rank_p, triton.next_power_of_2(N)))
+        return dict(mode="gemv", block_n=block_n, num_warps=4, num_stages=1)
+    return dict(mode="tile", bm=_tile_bm(T), block_n=64 if T <= 256 else 128, num_warps=4, num_stages=2)
+
+
+def _dot_ieee(*dtypes: torch.dtype) -> bool:
+    """Whether the tile product runs in IEEE fp32 (else in the operands' shared 16-bit dtype)."""
+    return not (all(d == dtypes[0] for d in dtypes) and dtypes[0] in (torch.bfloat16, torch.float16))
+
+
+def _last_unit(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def lora_shrink_triton(x: torch.Tensor, a_stack: torch.Tensor, token_slots: torch.Tensor, prologue: int = PLAIN,
+                       norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                       config: Optional[dict] = None) -> torch.Tensor:
+    """Triton path of lora_shrink_ref; x [T, K] ([T, 2K] for SILU_MUL), any row stride."""
+    assert x.dim() == 2 and a_stack.dim() == 3 and token_slots.dim() == 1
+    T = x.shape[0]
+    S, R, K = a_stack.shape
+    assert x.shape[1] == (2 * K if prologue == SILU_MUL else K), "x does not match a_stack's K"
+    assert token_slots.shape[0] == T
+    assert 1 <= R <= MAX_RANK, f"rank rows {R} not in 1..{MAX_RANK}"
+    x, a_stack = _last_unit(x), _last_unit(a_stack)
+    slots = token_slots if token_slots.dtype == torch.int32 else token_slots.to(torch.int32)
+    s = torch.empty(T, R, dtype=torch.float32, device=x.device)
+    if T == 0:
+        return s
+    if prologue == ADD_RMSNORM:
+        assert norm_weight is not None and norm_weight.shape == (K,), "ADD_RMSNORM needs norm_weight [K]"
+        nw = norm_weight.contiguous()
+    else:
+        nw = x
+    cfg = {**lora_shrink_config(T, R, K, prologue), **(config or {})}
+    if cfg["mode"] == "gemv":
+        grid = (T, triton.cdiv(R, cfg["block_r"]))
+        _shrink_gemv_kernel[grid](
+            x, a_stack, nw, slots, s, R, K, eps, x.stride(0), a_stack.stride(0), a_stack.stride(1), s.stride(0),
+            PROLOGUE=prologue, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    else:
+        assert cfg["bm"] >= 16 and cfg["block_r"] >= 16 and cfg["block_k"] >= 16, "tl.dot tiles are >= 16"
+        ieee = _dot_ieee(x.dtype, a_stack.dtype)
+        grid = (triton.cdiv(T, cfg["bm"]), triton.cdiv(R, cfg["block_r"]))
+        _shrink_tile_kernel[grid](
+            x, a_stack, nw, slots, s, T, R, K, eps, x.stride(0), a_stack.stride(0), a_stack.stride(1), s.stride(0),
+            PROLOGUE=prologue, BM=cfg["bm"], BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
+            DOT_IEEE=ieee, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return s
+
+
+def lora_expand_triton(s: torch.Tensor, b_stack: torch.Tensor, token_slots: torch.Tensor, y: torch.Tensor,
+                       slice_rank: int, slice_starts: Sequence[int] = (), config: Optional[dict] = None) -> None:
+    """Triton path of lora_expand_ref; y [T, N] (unit last stride) is updated in place."""
+    assert s.dim() == 2 and b_stack.dim() == 3 and y.dim() == 2 and token_slots.dim() == 1
+    T, N = y.shape
+    assert y.stride(-1) == 1, "y needs a unit last stride (it is updated in place)"
+    assert b_stack.shape[1] == N and b_stack.shape[2] == slice_rank, "b_stack must be [S, N, slice_rank]"
+    starts = tuple(int(v) for v in slice_starts)
+    _slice_bounds(N, starts)
+    num_slices = len(starts) + 1
+    assert num_slices <= MAX_SLICES, f"at most {MAX_SLICES} slices"
+    assert s.shape[0] == T and s.shape[1] >= num_slices * slice_rank and s.dtype == torch.float32
+    assert 1 <= slice_rank <= MAX_RANK
+    assert token_slots.shape[0] == T
+    if T == 0 or N == 0:
+        return
+    s, b_stack = _last_unit(s), _last_unit(b_stack)
+    slots = token_slots if token_slots.dtype == torch.int32 else token_slots.to(torch.int32)
+    padded = (*starts, *([N] * (MAX_SLICES - 1 - len(starts))))
+    cfg = {**lora_expand_config(T, N, slice_rank), **(config or {})}
+    if cfg["mode"] == "gemv":
+        grid = (T, triton.cdiv(N, cfg["block_n"]))
+        _expand_gemv_kernel[grid](
+            s, b_stack, slots, y, N, s.stride(0), b_stack.stride(0), b_stack.stride(1), y.stride(0),
+            RANK=slice_rank, RANK_P=triton.next_power_of_2(slice_rank), NUM_SLICES=num_slices,
+            S1=padded[0], S2=padded[1], S3=padded[2], BLOCK_N=cfg["block_n"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    else:
+        assert cfg["bm"] >= 16 and cfg["block_n"] >= 16, "tl.dot tiles are >= 16"
+        ieee = _dot_ieee(b_stack.dtype)
+        grid = (triton.cdiv(T, cfg["bm"]), triton.cdiv(N, cfg["block_n"]))
+        _expand_tile_kernel[grid](
+            s, b_stack, slots, y, T, N, s.stride(0), b_stack.stride(0), b_stack.stride(1), y.stride(0),
+            RANK=slice_rank, RANK_P=max(16, triton.next_power_of_2(slice_rank)), NUM_SLICES=num_slices,
+            S1=padded[0], S2=padded[1], S3=padded[2], BM=cfg["bm"], BLOCK_N=cfg["block_n"], DOT_IEEE=ieee,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, token_slots: torch.Tensor, prologue: int = PLAIN,
+                norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6) -> torch.Tensor:
+    """s [T, R] fp32 = per-token a_stack[slot] @ a(x); Triton on CUDA, the reference elsewhere."""
+    if use_triton(x):
+        return lora_shrink_triton(x, a_stack, token_slots, prologue, norm_weight, eps)
+    return lora_shrink_ref(x, a_stack, token_slots, prologue, norm_weight, eps)
+
+
+def lora_expand(s: torch.Tensor, b_stack: torch.Tensor, token_slots: torch.Tensor, y: torch.Tensor,
+                slice_rank: int, slice_starts: Sequence[int] = ()) -> None:
+    """y += per-token b_stack[slot] @ s (per output slice), in place; Triton on CUDA, the reference elsewhere."""
+    if use_triton(y):
+        lora_expand_triton(s, b_stack, token_slots, y, slice_rank, slice_starts)
+    else:
+        lora_expand_ref(s, b_stack, token_slots, y, slice_rank, slice_starts)
