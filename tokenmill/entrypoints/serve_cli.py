@@ -71,6 +71,11 @@ def register(subparsers) -> None:
                    help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen) or "
                         "llama3_json (a JSON object {name, parameters}: Llama 3.1+); also the format tools are "
                         "described in for chat templates that ignore them (default: none; hermes for that)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters to serve (needs --enable-lora), each as name=path or as JSON "
+                        '\'{"name": "a", "path": "/p", "base_model_name": "m"}\'; requests name one as `model`. '
+                        "Loaded at start-up (a bad one stops it); POST /v1/load_lora_adapter and "
+                        "/v1/unload_lora_adapter change the set while serving (one API server process only)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve, log_level_default="INFO")
 
@@ -156,7 +161,37 @@ def _check_server_args(args: argparse.Namespace) -> Optional[str]:
         return "--api-server-count must be at least 1"
     if args.api_server_count > 1 and not args.engine_process:
         return "--api-server-count above 1 needs the engine in its own process (leave out --no-engine-process)"
+    if args.lora_modules and not args.enable_lora:
+        return "--lora-modules needs --enable-lora"
     return None
+
+
+def lora_specs(args: argparse.Namespace) -> list:
+    """--lora-modules parsed and checked before anything slow starts (ConfigError)."""
+    from tokenmill.entrypoints.openai.lora import check_adapter_dir, parse_lora_module
+
+    specs = [parse_lora_module(v) for v in args.lora_modules or []]
+    for spec in specs:
+        problem = check_adapter_dir(spec.path)
+        if problem:
+            raise ConfigError(f"--lora-modules {spec.name}: {problem}")
+    return specs
+
+
+def add_lora_modules(engine, specs: list, names: list[str]) -> list:
+    """Give the adapters ids 1, 2, ... and load each into the engine (LLMEngine or EngineCoreClient)
+    before the server starts; ConfigError naming the adapter if one cannot be served."""
+    from tokenmill.entrypoints.openai.lora import assign_ids
+    from tokenmill.errors import InvalidRequestError
+
+    modules = assign_ids(specs, names)
+    for module in modules:
+        try:
+            engine.add_lora(module.request)
+        except InvalidRequestError as e:  # LoRAError: a bad adapter, a rank above --max-lora-rank...
+            raise ConfigError(f"cannot serve LoRA adapter {module.name!r} from {module.path}: {e}") from None
+        logger.info("LoRA adapter %s (id %d) loaded from %s", module.name, module.request.lora_int_id, module.path)
+    return modules
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -166,6 +201,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     api_key = resolve_api_key(args.api_key, args.api_key_file)  # before anything slow
     chat_template = load_chat_template(args.chat_template)
+    specs = lora_specs(args)
+    if args.served_model_name:
+        from tokenmill.entrypoints.openai.lora import assign_ids
+
+        assign_ids(specs, args.served_model_name)  # names unique and not a served name: before the model loads
     try:
         from tokenmill.entrypoints.openai.api_server import ServerSettings, run_server
     except ImportError as e:
@@ -183,12 +223,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         names = args.served_model_name
         if not names:  # the model's name, and the reference it was started with (e.g. a path) as an alias
             names = [engine.model_name] + ([args.model] if args.model and args.model != engine.model_name else [])
+        modules = add_lora_modules(engine, specs, names)
         settings = ServerSettings(served_model_names=names, api_key=api_key, max_waiting=args.max_waiting,
                                   max_sequences_per_request=args.max_sequences_per_request,
                                   max_body_bytes=args.max_body_bytes, chat_template=chat_template,
                                   enable_auto_tool_choice=args.enable_auto_tool_choice,
                                   tool_call_parser=args.tool_call_parser,
-                                  trust_request_chat_template=args.trust_request_chat_template)
+                                  trust_request_chat_template=args.trust_request_chat_template,
+                                  enable_lora=args.enable_lora, lora_modules=modules,
+                                  api_server_count=args.api_server_count)
         logger.info("%s", startup_summary(summary, args.host, args.port))
         if args.api_server_count > 1:
             from tokenmill.entrypoints.api_servers import serve_with_several

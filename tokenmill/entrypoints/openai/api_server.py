@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize,
 GET /v1/models(/{id}), GET /health, GET /metrics (Prometheus text), GET /version,
-POST /reset_prefix_cache (for benchmarks). The engine
+POST /reset_prefix_cache (for benchmarks), POST /v1/load_lora_adapter and POST
+/v1/unload_lora_adapter (LoRA adapters served by name: entrypoints/openai/lora.py). The engine
 runs on its own thread (AsyncLLMEngine), started and stopped with the app's lifespan. On SIGINT or
 SIGTERM uvicorn stops accepting and waits for in-flight requests; after the grace period the engine
 is stopped, which aborts what still runs (see Server below); then the process exits 0. A second
@@ -17,27 +18,30 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tokenmill import __version__
 from tokenmill.config import ConfigError
 from tokenmill.engine.gc_policy import GCPolicy
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.entrypoints.openai.errors import APIError, install_error_handlers
+from tokenmill.entrypoints.openai.lora import LoRAModule, LoRARegistry, LoRARegistryError
 from tokenmill.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from tokenmill.entrypoints.openai.middleware import GuardMiddleware
 from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                   ErrorResponse, TokenizeRequest)
+                                                   ErrorResponse, LoadLoRAAdapterRequest, TokenizeRequest,
+                                                   UnloadLoRAAdapterRequest)
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_common import DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from tokenmill.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from tokenmill.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from tokenmill.errors import InvalidRequestError, LoRAError
 from tokenmill.logger import init_logger
 
 logger = init_logger(__name__)
@@ -66,6 +70,12 @@ class ServerSettings:
     tool_call_parser: Optional[str] = None
     # Requests may carry their own chat_template (a Jinja template the server runs); off: a 400.
     trust_request_chat_template: bool = False
+    # LoRA: the engine runs with enable_lora (None: as its config says, off if it has none to read);
+    # lora_modules are already loaded into the engine (serve_cli adds them at start-up) and served
+    # by name. api_server_count > 1: run-time loading and unloading is refused (per-process registry).
+    enable_lora: Optional[bool] = None
+    lora_modules: list[LoRAModule] = field(default_factory=list)
+    api_server_count: int = 1
 
     def __post_init__(self):
         if self.max_sequences_per_request < 1:
@@ -81,7 +91,7 @@ class ServerSettings:
 _ERROR_DESCRIPTIONS = {
     400: "Invalid request: the message says what is wrong (and `param` which field, when one is)",
     401: "Missing or wrong API key (send 'Authorization: Bearer <key>')",
-    404: "No such model (or route)",
+    404: "No such model (or route, or LoRA adapter)",
     409: "Requests are running; try again when the server is idle",
     413: "The request body is larger than the server's limit",
     503: "Overloaded (retry after the Retry-After header's seconds) or the engine is not running",
@@ -115,12 +125,13 @@ def build_app(engine: AsyncLLMEngine, settings: Optional[ServerSettings] = None)
     """The app around an AsyncLLMEngine that is not started yet (the app's lifespan starts it)."""
     settings = settings or ServerSettings()
     names = list(settings.served_model_names or [engine.model_name])
+    loras = lora_registry(engine, names, settings)
     metrics = ServerMetrics(names[0])
     metrics.attach(engine)
     if settings.max_waiting is not None:
         engine.max_waiting = settings.max_waiting if settings.max_waiting > 0 else None
-    completions = OpenAIServingCompletion(engine, names, metrics, settings.max_sequences_per_request)
-    chat = OpenAIServingChat(engine, names, metrics, settings.max_sequences_per_request,
+    completions = OpenAIServingCompletion(engine, names, metrics, settings.max_sequences_per_request, loras=loras)
+    chat = OpenAIServingChat(engine, names, metrics, settings.max_sequences_per_request, loras=loras,
                              chat_template=settings.chat_template, tool_call_parser=settings.tool_call_parser,
                              enable_auto_tool_choice=settings.enable_auto_tool_choice,
                              trust_request_chat_template=settings.trust_request_chat_template)
@@ -154,23 +165,42 @@ def build_app(engine: AsyncLLMEngine, settings: Optional[ServerSettings] = None)
     app.state.engine = engine
     app.state.gc_policy = gc_policy  # run_server starts it (freezes what exists) once the app is built
     app.state.metrics = metrics
+    app.state.loras = loras  # the LoRA adapters this process serves, by name
     install_error_handlers(app)
     _without_422(app)
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
-    _add_info_routes(app, engine, names, metrics, settings.api_key)
+    _add_info_routes(app, engine, names, loras, metrics, settings.api_key)
     _add_engine_routes(app, engine, completions, chat, settings.api_key)
+    _add_lora_routes(app, engine, loras, settings.api_key)
     _add_tokenize_routes(app, tokenization, settings.api_key)
     return app
 
 
-def _add_info_routes(app: FastAPI, engine: AsyncLLMEngine, names: list[str], metrics: ServerMetrics,
-                     key: Optional[str]) -> None:
+def lora_registry(engine: AsyncLLMEngine, names: list[str], settings: ServerSettings) -> LoRARegistry:
+    enabled = settings.enable_lora
+    if enabled is None:
+        enabled = bool(getattr(getattr(engine.engine, "config", None), "enable_lora", False))
+    if settings.lora_modules and not enabled:
+        raise ConfigError("LoRA modules were given but LoRA is not enabled (--enable-lora)")
+    refusal = (f"loading and unloading LoRA adapters at run time is not supported with --api-server-count "
+               f"{settings.api_server_count} (each API server process has its own list of adapters); serve "
+               "them with --lora-modules, or run one API server process")
+    return LoRARegistry(names, settings.lora_modules, enabled=enabled, dynamic=settings.api_server_count <= 1,
+                        dynamic_refusal=refusal)
+
+
+def _add_info_routes(app: FastAPI, engine: AsyncLLMEngine, names: list[str], loras: LoRARegistry,
+                     metrics: ServerMetrics, key: Optional[str]) -> None:
     """Health, metrics, models and version."""
     created = int(time.time())
 
     def model_card(name: str) -> dict:
+        module = loras.get(name) if name not in names else None
+        if module is not None:  # a LoRA adapter (vLLM's card: root its path, parent its base model)
+            return {"id": name, "object": "model", "created": created, "owned_by": "tokenmill",
+                    "root": module.path, "parent": loras.parent_of(module), "max_model_len": engine.max_model_len}
         return {"id": name, "object": "model", "created": created, "owned_by": "tokenmill",
-                "root": engine.model_name, "max_model_len": engine.max_model_len}
+                "root": engine.model_name, "parent": None, "max_model_len": engine.max_model_len}
 
     @app.get("/health", responses=_errors(None, 503))
     async def health():
@@ -184,11 +214,11 @@ def _add_info_routes(app: FastAPI, engine: AsyncLLMEngine, names: list[str], met
 
     @app.get("/v1/models", responses=_errors(key))
     async def list_models():
-        return {"object": "list", "data": [model_card(n) for n in names]}
+        return {"object": "list", "data": [model_card(n) for n in names + loras.names()]}
 
     @app.get("/v1/models/{model_id:path}", responses=_errors(key, 404))
     async def get_model(model_id: str):
-        if model_id not in names:
+        if model_id not in names and loras.get(model_id) is None:
             raise APIError(404, f"the model `{model_id}` does not exist", param="model", code="model_not_found")
         return model_card(model_id)
 
@@ -216,6 +246,47 @@ def _add_engine_routes(app: FastAPI, engine: AsyncLLMEngine, completions: OpenAI
             raise APIError(409, "requests are running; the prefix cache can only be reset when idle",
                            code="engine_busy")
         return {"status": "ok"}
+
+
+def _lora_api_error(e: LoRARegistryError) -> APIError:
+    return APIError(e.status, e.message, param=e.param, code=e.code)
+
+
+def _add_lora_routes(app: FastAPI, engine: AsyncLLMEngine, loras: LoRARegistry, key: Optional[str]) -> None:
+    """/v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; plain-text success)."""
+
+    async def add(request) -> None:
+        await engine.call(lambda e: e.add_lora(request))
+
+    async def remove(lora_int_id: int) -> None:
+        if not await engine.call(lambda e: e.remove_lora(lora_int_id)):
+            logger.warning("the engine did not have LoRA adapter id %d when it was unloaded", lora_int_id)
+
+    @app.post("/v1/load_lora_adapter", responses=_errors(key, 400, 413, 503))
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        """Load a LoRA adapter (a PEFT directory on the server's machine); requests then name it as `model`."""
+        try:
+            module = await loras.load(body.lora_name, body.lora_path, add)
+        except LoRARegistryError as e:
+            raise _lora_api_error(e) from None
+        except LoRAError as e:
+            logger.warning("LoRA adapter %r from %s not loaded: %s", body.lora_name, body.lora_path, e)
+            raise APIError(400, f"cannot load the LoRA adapter `{body.lora_name}` from {body.lora_path}: {e}",
+                           param="lora_path", code="invalid_lora_adapter") from None
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), code="invalid_lora_adapter") from None
+        logger.info("loaded LoRA adapter %s (id %d) from %s", module.name, module.request.lora_int_id, module.path)
+        return PlainTextResponse(f"Success: LoRA adapter '{module.name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", responses=_errors(key, 400, 404, 413, 503))
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        """Stop serving a LoRA adapter; requests already running with it finish with it."""
+        try:
+            module = await loras.unload(body.lora_name, body.lora_int_id, remove)
+        except LoRARegistryError as e:
+            raise _lora_api_error(e) from None
+        logger.info("unloaded LoRA adapter %s (id %d)", module.name, module.request.lora_int_id)
+        return PlainTextResponse(f"Success: LoRA adapter '{module.name}' removed successfully.")
 
 
 def _add_tokenize_routes(app: FastAPI, tokenization: OpenAIServingTokenization, key: Optional[str]) -> None:

@@ -135,6 +135,20 @@ class DetokenizeRequest(OpenAIModel):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """POST /v1/load_lora_adapter (vLLM's shape)."""
+
+    lora_name: str = Field(..., description="the name requests give as `model`")
+    lora_path: str = Field(..., description="the adapter's directory as PEFT saves it, on the server's machine")
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    """POST /v1/unload_lora_adapter (vLLM's shape): the adapter's name, or its id."""
+
+    lora_name: Optional[str] = None
+    lora_int_id: Optional[int] = Field(None, ge=1, le=INT32_MAX)
+
+
 class ErrorInfo(BaseModel):
     message: str = Field(..., description="what is wrong, in words")
     type: str = Field(..., description="e.g. invalid_request_error, server_overloaded, service_unavailable_error")

@@ -159,7 +159,7 @@ class OpenAIServingChat(OpenAIServing):
                         output_parser(choice, self.tool_parser, parallel))
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
-        model = self.model_name(req.model)
+        model, lora_request = self.resolve_model(req.model)
         plan = self.tool_plan(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
@@ -183,7 +183,7 @@ class OpenAIServingChat(OpenAIServing):
 
         request_id = self.new_id("chatcmpl")
         try:
-            stream, infos = await self.submit(prepare, params, request_id)
+            stream, infos = await self.submit(prepare, params, request_id, lora_request)
         except ToolRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
         created = now_s()

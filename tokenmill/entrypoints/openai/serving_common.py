@@ -14,9 +14,11 @@ from tokenmill.engine.async_engine import (AsyncLLMEngine, EngineDeadError, Engi
                                            PromptInfo, RequestStream, check_encodable)
 from tokenmill.engine.outputs import Logprob, RequestOutput
 from tokenmill.entrypoints.openai.errors import APIError
+from tokenmill.entrypoints.openai.lora import LoRARegistry
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.protocol import _SamplingFields
 from tokenmill.errors import InvalidRequestError
+from tokenmill.lora.request import LoRARequest
 from tokenmill.entrypoints.openai.structured import structured_outputs_of
 from tokenmill.sampling_params import SamplingParams
 
@@ -32,19 +34,30 @@ class ClientDisconnected(Exception):
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], metrics: Optional[ServerMetrics],
-                 max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST):
+                 max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+                 loras: Optional[LoRARegistry] = None):
         self.engine = engine
         self.served_model_names = served_model_names
         self.metrics = metrics
         self.max_sequences_per_request = max_sequences_per_request
+        self.loras = loras  # LoRA adapters served by name (None: none)
 
     def model_name(self, requested: Optional[str]) -> str:
+        """The served name a request's `model` stands for: a base model's or a LoRA adapter's."""
+        return self.resolve_model(requested)[0]
+
+    def resolve_model(self, requested: Optional[str]) -> tuple[str, Optional[LoRARequest]]:
+        """The served name and, for a LoRA adapter's name, its LoRARequest; 404 for any other name."""
         if requested is None or requested == "":
-            return self.served_model_names[0]
-        if requested not in self.served_model_names:
-            raise APIError(404, f"the model `{requested}` does not exist; this server serves "
-                                f"{', '.join(self.served_model_names)}", param="model", code="model_not_found")
-        return requested
+            return self.served_model_names[0], None
+        if requested in self.served_model_names:
+            return requested, None
+        module = self.loras.get(requested) if self.loras is not None else None
+        if module is not None:
+            return requested, module.request
+        served = self.served_model_names + (self.loras.names() if self.loras is not None else [])
+        raise APIError(404, f"the model `{requested}` does not exist; this server serves "
+                            f"{', '.join(served)}", param="model", code="model_not_found")
 
     def check_sequences(self, num_prompts: int, n: int, param: str) -> None:
         """One request may ask for at most max_sequences_per_request sequences (prompts x n)."""
@@ -91,10 +104,14 @@ class OpenAIServing:
             structured_outputs=structured_outputs_of(req),
         )
 
-    async def submit(self, prepare: PrepareFn, params: SamplingParams, request_id: str
-                     ) -> tuple[RequestStream, list[PromptInfo]]:
-        """Prepare (on a worker) and queue; returns once the prompts are validated and queued."""
-        stream = self.engine.submit(prepare, params, request_id)
+    async def submit(self, prepare: PrepareFn, params: SamplingParams, request_id: str,
+                     lora_request: Optional[LoRARequest] = None) -> tuple[RequestStream, list[PromptInfo]]:
+        """Prepare (on a worker) and queue, with the LoRA adapter if one is given; returns once the
+        prompts are validated and queued."""
+        if lora_request is None:
+            stream = self.engine.submit(prepare, params, request_id)
+        else:
+            stream = self.engine.submit(prepare, params, request_id, lora_request=lora_request)
         try:
             prompts = await stream.accepted()
         except BaseException as e:

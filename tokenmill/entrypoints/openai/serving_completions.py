@@ -85,7 +85,7 @@ def without_tokens(c: CompletionOutput) -> CompletionOutput:
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw_request: Request):
-        model = self.model_name(req.model)
+        model, lora_request = self.resolve_model(req.model)
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -110,7 +110,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return out
 
         request_id = self.new_id("cmpl")
-        stream, infos = await self.submit(prepare, params, request_id)
+        stream, infos = await self.submit(prepare, params, request_id, lora_request)
         created = now_s()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
