@@ -359,9 +359,12 @@ def lora_expand_config(T: int, N: int, slice_rank: int) -> dict:
     return dict(mode="tile", bm=_tile_bm(T), block_n=64 if T <= 256 else 128, num_warps=4, num_stages=2)
 
 
-def _dot_ieee(*dtypes: torch.dtype) -> bool:
-    """Whether the tile product runs in IEEE fp32 (else in the operands' shared 16-bit dtype)."""
-    return not (all(d == dtypes[0] for d in dtypes) and dtypes[0] in (torch.bfloat16, torch.float16))
+def _dot_ieee(device: torch.device, *dtypes: torch.dtype) -> bool:
+    """Whether the tile product runs in IEEE fp32 (else in the operands' shared 16-bit dtype).
+    Triton's interpreter (CPU) multiplies bf16 tl.dot operands wrongly, so there bf16 takes fp32."""
+    if not all(d == dtypes[0] for d in dtypes):
+        return True
+    return not (dtypes[0] == torch.float16 or (dtypes[0] == torch.bfloat16 and device.type == "cuda"))
 
 
 def _last_unit(t: torch.Tensor) -> torch.Tensor:
@@ -397,7 +400,7 @@ def lora_shrink_triton(x: torch.Tensor, a_stack: torch.Tensor, token_slots: torc
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     else:
         assert cfg["bm"] >= 16 and cfg["block_r"] >= 16 and cfg["block_k"] >= 16, "tl.dot tiles are >= 16"
-        ieee = _dot_ieee(x.dtype, a_stack.dtype)
+        ieee = _dot_ieee(x.device, x.dtype, a_stack.dtype)
         grid = (triton.cdiv(T, cfg["bm"]), triton.cdiv(R, cfg["block_r"]))
         _shrink_tile_kernel[grid](
             x, a_stack, nw, slots, s, T, R, K, eps, x.stride(0), a_stack.stride(0), a_stack.stride(1), s.stride(0),
@@ -435,7 +438,7 @@ def lora_expand_triton(s: torch.Tensor, b_stack: torch.Tensor, token_slots: torc
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     else:
         assert cfg["bm"] >= 16 and cfg["block_n"] >= 16, "tl.dot tiles are >= 16"
-        ieee = _dot_ieee(b_stack.dtype)
+        ieee = _dot_ieee(y.device, b_stack.dtype)
         grid = (triton.cdiv(T, cfg["bm"]), triton.cdiv(N, cfg["block_n"]))
         _expand_tile_kernel[grid](
             s, b_stack, slots, y, T, N, s.stride(0), b_stack.stride(0), b_stack.stride(1), y.stride(0),
