@@ -189,7 +189,7 @@ def add_lora_modules(engine, specs: list, names: list[str]) -> list:
         try:
             engine.add_lora(module.request)
         except InvalidRequestError as e:  # LoRAError: a bad adapter, a rank above --max-lora-rank...
-            raise ConfigError(f"cannot serve LoRA adapter {module.name!r} from {module.path}: {e}") from None
+            raise ConfigError(f"--lora-modules {module.name}={module.path}: {e}") from None
         logger.info("LoRA adapter %s (id %d) loaded from %s", module.name, module.request.lora_int_id, module.path)
     return modules
 

@@ -271,8 +271,7 @@ def _add_lora_routes(app: FastAPI, engine: AsyncLLMEngine, loras: LoRARegistry, 
             raise _lora_api_error(e) from None
         except LoRAError as e:
             logger.warning("LoRA adapter %r from %s not loaded: %s", body.lora_name, body.lora_path, e)
-            raise APIError(400, f"cannot load the LoRA adapter `{body.lora_name}` from {body.lora_path}: {e}",
-                           param="lora_path", code="invalid_lora_adapter") from None
+            raise APIError(400, str(e), param="lora_path", code="invalid_lora_adapter") from None
         except InvalidRequestError as e:
             raise APIError(400, str(e), code="invalid_lora_adapter") from None
         logger.info("loaded LoRA adapter %s (id %d) from %s", module.name, module.request.lora_int_id, module.path)

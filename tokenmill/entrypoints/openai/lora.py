@@ -22,7 +22,7 @@ import asyncio
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from tokenmill.config import ConfigError
 from tokenmill.lora.request import LoRARequest
@@ -121,7 +121,7 @@ class LoRARegistry:
     """Adapter name -> LoRAModule for one API server process. Reads (lookup, list) happen on the
     event loop; loads and unloads are serialized by a lock (each awaits the engine)."""
 
-    def __init__(self, served_model_names: list[str], modules: list[LoRAModule] = (), *, enabled: bool = False,
+    def __init__(self, served_model_names: Sequence[str], modules: Sequence[LoRAModule] = (), *, enabled: bool = False,
                  dynamic: bool = True, dynamic_refusal: str = ""):
         self.served_model_names = list(served_model_names)
         self.enabled = enabled
