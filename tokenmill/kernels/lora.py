@@ -164,7 +164,7 @@ def _prologue(x_ptr, nw_ptr, offs, kk, mask, K, PROLOGUE: tl.constexpr):
 def _shrink_gemv_kernel(
     x_ptr, a_ptr, nw_ptr, slots_ptr, s_ptr,
     R, K, eps, stride_xt, stride_as, stride_ar, stride_st,
-    PROLOGUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    PROLOGUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     """Grid (T, cdiv(R, BLOCK_R)): s[t, r-block] for one token t."""
     t = tl.program_id(0).to(tl.int64)
@@ -176,7 +176,7 @@ def _shrink_gemv_kernel(
     acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
     sq = tl.zeros([BLOCK_K], tl.float32)
     a_rows = a_ptr + slot * stride_as + r.to(tl.int64)[:, None] * stride_ar
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
         kk = k0 + ks
         k_ok = kk < k_lim
         a, sq_k = _prologue(x_ptr, nw_ptr, t * stride_xt + kk, kk, k_ok, K, PROLOGUE)
@@ -198,32 +198,45 @@ def _next_slot(sl, prev):
 @triton.jit
 def _shrink_tile_kernel(
     x_ptr, a_ptr, nw_ptr, slots_ptr, s_ptr,
-    T, R, K, eps, stride_xt, stride_as, stride_ar, stride_st,
+    T, R, K, K_CHUNK, eps, stride_xt, stride_as, stride_ar, stride_st,
     PROLOGUE: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_IEEE: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_IEEE: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
-    """Grid (cdiv(T, BM), cdiv(R, BLOCK_R)): s for BM tokens and BLOCK_R rank rows, one tl.dot
-    tile product per distinct nonzero slot of the token block."""
+    """Grid (cdiv(T, BM), cdiv(R, BLOCK_R), SPLIT_K): s for BM tokens and BLOCK_R rank rows over
+    K_CHUNK columns of K, one tl.dot tile product per distinct nonzero slot of the token block.
+    With SPLIT_K > 1 the partial sums are added into the zeroed s with atomics (and ADD_RMSNORM's
+    programs first take the sum of squares over the whole row, so each can apply 1 / rms)."""
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     m_ok = m < T
     sl = tl.load(slots_ptr + m, mask=m_ok, other=0)
     m64 = m.to(tl.int64)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < R
+    k_start = tl.program_id(2) * K_CHUNK
+    k_end = tl.minimum(k_start + K_CHUNK, K)
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BM, BLOCK_R], tl.float32)
     sq = tl.zeros([BM], tl.float32)
+    if PROLOGUE == 2:
+        if SPLIT_K > 1:
+            row_on = m_ok & (sl > 0)
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+                kk = k0 + ks
+                h = tl.load(x_ptr + m64[:, None] * stride_xt + kk[None, :], mask=row_on[:, None] & (kk < K)[None, :],
+                            other=0.0).to(tl.float32)
+                sq += tl.sum(h * h, axis=1)
     cur = _next_slot(sl, 0)
     while cur < 2147483647:
         sel = m_ok & (sl == cur)
         a_rows = a_ptr + cur.to(tl.int64) * stride_as + r.to(tl.int64)[None, :] * stride_ar
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
             kk = k0 + ks
-            k_ok = kk < K
+            k_ok = kk < k_end
             a, sq_k = _prologue(x_ptr, nw_ptr, m64[:, None] * stride_xt + kk[None, :], kk[None, :],
                                 sel[:, None] & k_ok[None, :], K, PROLOGUE)
             if PROLOGUE == 2:
-                sq += tl.sum(sq_k, axis=1)
+                if SPLIT_K == 1:
+                    sq += tl.sum(sq_k, axis=1)
             w = tl.load(a_rows + kk[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_R]
             if DOT_IEEE:
                 acc = tl.dot(a, w.to(tl.float32), acc, input_precision="ieee")
@@ -232,7 +245,11 @@ def _shrink_tile_kernel(
         cur = _next_slot(sl, cur)
     if PROLOGUE == 2:
         acc = acc * tl.rsqrt(sq / K + eps)[:, None]
-    tl.store(s_ptr + m64[:, None] * stride_st + r[None, :], acc, mask=m_ok[:, None] & r_ok[None, :])
+    s_at = s_ptr + m64[:, None] * stride_st + r[None, :]
+    if SPLIT_K == 1:
+        tl.store(s_at, acc, mask=m_ok[:, None] & r_ok[None, :])
+    else:
+        tl.atomic_add(s_at, acc, mask=(m_ok & (sl > 0))[:, None] & r_ok[None, :], sem="relaxed")
 
 
 @triton.jit
@@ -336,6 +353,10 @@ def _tile_bm(T: int) -> int:
     return 16 if T <= 256 else 32 if T <= 1024 else 64
 
 
+# Programs a launch aims for: two per SM of an H200, so that the memory system has enough in flight.
+_TARGET_PROGRAMS = 2 * 132
+
+
 def lora_shrink_config(T: int, R: int, K: int, prologue: int = PLAIN) -> dict:
     """Launch choice for the shrink at T tokens (shapes only). Tune here."""
     r_p = triton.next_power_of_2(R)
@@ -343,11 +364,16 @@ def lora_shrink_config(T: int, R: int, K: int, prologue: int = PLAIN) -> dict:
         # One rank row per program while that leaves few programs (latency: one wide load of the
         # row of A), more rows per program for bigger batches (fewer re-reads of x from L2).
         block_r = 1 if T * R <= 512 else min(r_p, 4)
-        block_k = min(triton.next_power_of_2(K), 4096 // block_r, 2048 if prologue == SILU_MUL else 4096)
-        return dict(mode="gemv", block_r=block_r, block_k=max(block_k, 16), num_warps=4, num_stages=1)
-    block_r = max(16, r_p)
+        block_k = min(triton.next_power_of_2(K), 4096 // block_r)
+        return dict(mode="gemv", block_r=block_r, block_k=max(block_k, 16), split_k=1,
+                    num_warps=8 if block_k >= 4096 else 4, num_stages=2)
+    block_r = min(128, max(16, r_p))
     bm = _tile_bm(T)
-    return dict(mode="tile", bm=bm, block_r=block_r, block_k=64 if block_r <= 64 else 32, num_warps=4, num_stages=3)
+    block_k = 64 if block_r <= 64 else 32
+    programs = triton.cdiv(T, bm) * triton.cdiv(R, block_r)
+    # Split K until the grid fills the GPU (each split at least 4 K steps).
+    split_k = max(1, min(triton.cdiv(_TARGET_PROGRAMS, programs), K // (4 * block_k)))
+    return dict(mode="tile", bm=bm, block_r=block_r, block_k=block_k, split_k=split_k, num_warps=4, num_stages=3)
 
 
 def lora_expand_config(T: int, N: int, slice_rank: int) -> dict:
@@ -380,7 +406,7 @@ def lora_shrink_triton(x: torch.Tensor, a_stack: torch.Tensor, token_slots: torc
     S, R, K = a_stack.shape
     assert x.shape[1] == (2 * K if prologue == SILU_MUL else K), "x does not match a_stack's K"
     assert token_slots.shape[0] == T
-    assert 1 <= R <= MAX_RANK, f"rank rows {R} not in 1..{MAX_RANK}"
+    assert 1 <= R <= MAX_SLICES * MAX_RANK, f"rank rows {R} not in 1..{MAX_SLICES * MAX_RANK}"
     x, a_stack = _last_unit(x), _last_unit(a_stack)
     slots = token_slots if token_slots.dtype == torch.int32 else token_slots.to(torch.int32)
     s = torch.empty(T, R, dtype=torch.float32, device=x.device)
@@ -396,16 +422,22 @@ def lora_shrink_triton(x: torch.Tensor, a_stack: torch.Tensor, token_slots: torc
         grid = (T, triton.cdiv(R, cfg["block_r"]))
         _shrink_gemv_kernel[grid](
             x, a_stack, nw, slots, s, R, K, eps, x.stride(0), a_stack.stride(0), a_stack.stride(1), s.stride(0),
-            PROLOGUE=prologue, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
+            PROLOGUE=prologue, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"], LOOP_STAGES=cfg["num_stages"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     else:
         assert cfg["bm"] >= 16 and cfg["block_r"] >= 16 and cfg["block_k"] >= 16, "tl.dot tiles are >= 16"
         ieee = _dot_ieee(x.device, x.dtype, a_stack.dtype)
-        grid = (triton.cdiv(T, cfg["bm"]), triton.cdiv(R, cfg["block_r"]))
+        split_k = max(1, int(cfg.get("split_k", 1)))
+        k_chunk = triton.cdiv(triton.cdiv(K, split_k), cfg["block_k"]) * cfg["block_k"]
+        split_k = triton.cdiv(K, k_chunk)
+        if split_k > 1:
+            s.zero_()
+        grid = (triton.cdiv(T, cfg["bm"]), triton.cdiv(R, cfg["block_r"]), split_k)
         _shrink_tile_kernel[grid](
-            x, a_stack, nw, slots, s, T, R, K, eps, x.stride(0), a_stack.stride(0), a_stack.stride(1), s.stride(0),
-            PROLOGUE=prologue, BM=cfg["bm"], BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
-            DOT_IEEE=ieee, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            x, a_stack, nw, slots, s, T, R, K, k_chunk, eps, x.stride(0), a_stack.stride(0), a_stack.stride(1),
+            s.stride(0), PROLOGUE=prologue, BM=cfg["bm"], BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
+            SPLIT_K=split_k, DOT_IEEE=ieee, LOOP_STAGES=cfg["num_stages"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return s
 
 
