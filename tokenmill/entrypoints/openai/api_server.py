@@ -260,7 +260,7 @@ def _add_lora_routes(app: FastAPI, engine: AsyncLLMEngine, loras: LoRARegistry, 
 
     async def remove(lora_int_id: int) -> None:
         if not await engine.call(lambda e: e.remove_lora(lora_int_id)):
-            logger.warning("the engine did not have LoRA adapter id %d when it was unloaded", lora_int_id)
+            logger.debug("LoRA adapter id %d was not in the engine's memory when unloaded", lora_int_id)
 
     @app.post("/v1/load_lora_adapter", responses=_errors(key, 400, 413, 503))
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):
