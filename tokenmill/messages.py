@@ -6,6 +6,7 @@ from typing import Optional
 
 import numpy as np
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -21,6 +22,7 @@ class NewRequestData:
     block_ids: list[int]
     # Token ids masked while fewer than min_tokens have been generated (EOS unless ignored + stop ids).
     min_tokens_stop_ids: list[int] = field(default_factory=list)
+    lora_request: Optional[LoRARequest] = None  # the request's adapter (lora/), if any
 
 
 @dataclass

@@ -5,7 +5,7 @@ prefixes. Python's `hash()` of a tuple is deterministic and not collision-resist
 prompt could be made to collide with another user's prefix and be served their KV); SHA-256 is.
 A block's key is SHA-256(parent key || extra || token ids as little-endian uint32), where the parent
 key of a request's first block is 32 zero bytes and `extra` holds what else decides the KV besides
-the tokens (empty today; an adapter name would go there). Each key covers the whole prefix up to
+the tokens (a request's LoRA adapter: Request.cache_extra; empty without one). Each key covers the whole prefix up to
 its block, so equal keys mean equal prefixes.
 """
 

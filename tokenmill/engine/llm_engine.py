@@ -25,9 +25,12 @@ from tokenmill.engine.step_budget import StepBudget
 from tokenmill.engine.request_validator import RequestValidator
 from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.engine.engine_snapshot import EngineSnapshot
-from tokenmill.errors import InvalidRequestError
+from tokenmill.errors import InvalidRequestError, LoRAError
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.logger import init_logger
+from tokenmill.lora.adapter import model_shapes
+from tokenmill.lora.registry import LoRARegistry
+from tokenmill.lora.request import LoRARequest
 from tokenmill.engine.compile_watch import CompileWatch, install_hooks
 from tokenmill.runner.async_output import AsyncOutput
 from tokenmill.messages import ModelRunnerOutput, SchedulerOutput
@@ -74,8 +77,13 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self.config.resolve_max_model_len(arch.max_position_embeddings)
         self.draft = self._load_draft(draft_loaded)
+        cfg = self.config
+        # Multi-LoRA: adapters checked and kept in host memory here; the runner's device slots take them.
+        self.loras = (LoRARegistry(model_shapes(arch), cfg.max_lora_rank, cfg.max_cpu_loras or cfg.max_loras)
+                      if cfg.enable_lora else None)
         self.runner = ModelRunner(self.loaded.model, self.config, self.max_model_len, self.loaded.device,
-                                  self.loaded.dtype, self.draft.model if self.draft is not None else None)
+                                  self.loaded.dtype, self.draft.model if self.draft is not None else None,
+                                  self.loras)
         # This engine's Triton compiles (counted on CUDA; those after warm-up are warned about).
         self.compile_watch = CompileWatch()
         on_gpu = self.loaded.device.type == "cuda"
@@ -95,7 +103,8 @@ class LLMEngine:
                                                    self.max_model_len,
                                                    self.config.resolve_prefill_cap(self.loaded.device.type),
                                                    spec.num_speculative_tokens if spec else 0,
-                                                   spec.num_lookahead_tokens if spec else 0),
+                                                   spec.num_lookahead_tokens if spec else 0,
+                                                   self.config.max_loras if self.loras is not None else 0),
                                    self.kv, self.step_budget)
         self.outputs = OutputProcessor(self.tokenizer)
         # Structured output: grammars compiled (and cached) on validation, a matcher per request.
@@ -195,11 +204,15 @@ class LLMEngine:
         return self.validator.validate(prompt_ids, params)
 
     def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
-                    request_id: Optional[str] = None, prompt_ids: Optional[list[int]] = None) -> str:
-        """Queue a request; raises InvalidRequestError (and queues nothing) if it is invalid."""
+                    request_id: Optional[str] = None, prompt_ids: Optional[list[int]] = None,
+                    lora_request: Optional[LoRARequest] = None) -> str:
+        """Queue a request (with lora_request: run with that LoRA adapter); raises
+        InvalidRequestError (and queues nothing) if it is invalid, LoRAError if its adapter is."""
         params = params or SamplingParams()
         ids = prompt_ids if prompt_ids is not None else self.tokenize(prompt)
         max_tokens = self.validate(ids, params)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.outputs.states:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -212,7 +225,7 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seed = base_seed if i == 0 else (base_seed * 1_000_003 + i) & _SEED_MASK
             children.append(Request(child_id, list(ids), params, seed, max_tokens, stop_ids, arrival_time=now,
-                                    parent_id=request_id, index=i))
+                                    parent_id=request_id, index=i, lora_request=lora_request))
         self.outputs.add(request_id, prompt if isinstance(prompt, str) else None, list(ids), children)
         for child in children:
             # Penalties and logprobs read each emitted token's own step: such requests decode plainly.
@@ -222,6 +235,28 @@ class LLMEngine:
                 self.structured.add(child.request_id, params.structured_outputs)
             self.scheduler.add_request(child)
         return request_id
+
+    # ---- LoRA adapters ------------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check an adapter (kept in host memory for the requests that name it); LoRAError
+        if it is bad, or if LoRA is not enabled."""
+        if self.loras is None:
+            raise LoRAError(f"LoRA adapter {lora_request.lora_name!r}: LoRA is not enabled; start the engine with "
+                            "enable_lora=True (--enable-lora)")
+        self.loras.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter: requests already queued with it still finish with it. False if unknown."""
+        request = self.loras.get(lora_int_id) if self.loras is not None else None
+        if request is None:
+            return False
+        self.loras.remove(lora_int_id)
+        self.runner.lora.slots.forget(request)
+        return True
+
+    def list_loras(self) -> list[int]:
+        """The ids of the adapters added (and not removed)."""
+        return self.loras.ids() if self.loras is not None else []
 
     def abort_request(self, request_id: str, sample: Optional[int] = None) -> Optional[RequestOutput]:
         """Stop a request (or only its sample number `sample`) wherever it is; its blocks go back to

@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -51,7 +52,17 @@ class Request:
     drafts: list[int] = field(default_factory=list)
     num_uncertain: int = 0  # in-flight steps that verify drafts (how many of their tokens stand is not known yet)
     parent_id: Optional[str] = None  # the user's request id when n > 1
+    lora_request: Optional[LoRARequest] = None  # its LoRA adapter, if any (lora/)
     index: int = 0  # which of the n samples
+
+    @property
+    def cache_extra(self) -> bytes:
+        """What besides the tokens decides this request's KV (engine/block_hash.py's `extra`): its
+        adapter, so two adapters never share prefix-cache blocks."""
+        lora = self.lora_request
+        if lora is None:
+            return b""
+        return f"lora\0{lora.lora_int_id}\0{lora.lora_name}\0{lora.lora_path}\0".encode()
 
     @property
     def num_prompt_tokens(self) -> int:

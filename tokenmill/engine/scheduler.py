@@ -10,7 +10,9 @@ With a step budget (engine/step_budget.py, EngineConfig.step_time_target_ms), a 
 decodes takes at most the prompt tokens its step-time model predicts fit under the target beside
 them (the lower of the two caps when both are set). When KV blocks run out, the most recently
 admitted request is preempted: its blocks are freed and it goes back to the front of the queue, to
-be recomputed from prompt + generated tokens.
+be recomputed from prompt + generated tokens. With LoRA, at most max_loras distinct adapters run at
+once (the runner's device slots); a waiting request whose adapter has no slot is passed over (it
+keeps its place) for those behind it.
 
 The scheduler may run one step ahead of the results (async scheduling): a request whose step is
 in flight counts its coming token as `num_pending`, so its next decode can be scheduled before the
@@ -21,7 +23,7 @@ holds `num_lookahead_tokens` slots beyond each step's tokens (`_lookahead`): the
 follow a step write positions up to k - 1 past it. The runner never writes past the slots held.
 """
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Optional
 
@@ -42,6 +44,7 @@ class SchedulerLimits:
     # KV slots a speculating request holds beyond its scheduled tokens, for a draft that writes K/V
     # ahead (a draft model or the layer-truncated draft: k; n-gram lookup: 0)
     num_lookahead_tokens: int = 0
+    max_loras: int = 0  # distinct LoRA adapters among the running requests (the runner's slots); 0: no LoRA
 
 
 class Scheduler:
@@ -51,6 +54,7 @@ class Scheduler:
         self.step_budget = step_budget  # caps the prompt tokens of a step with decodes (step-time target)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._running_loras: Counter = Counter()  # LoRARequest -> running requests with that adapter
         self.requests: dict[str, Request] = {}
         self._freed_ids: list[str] = []  # rows the runner must release at the next step
         self.num_preemptions = 0
@@ -76,7 +80,7 @@ class Scheduler:
         if request.status.finished:
             return
         if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
+            self._remove_running(request)
             self._freed_ids.append(request.request_id)
         else:
             self.waiting.remove(request)
@@ -134,11 +138,15 @@ class Scheduler:
 
         if num_decodes > capped_at:
             prefill_budget = self._cap_prefill(prefill_budget, num_decodes, decode_tokens, prefill_tokens)
+        skipped: list[Request] = []  # waiting requests whose adapter has no slot now (kept in order)
         while (self.waiting and min(budget, prefill_budget) > 0
                and len(self.running) < self.limits.max_num_seqs):
             request = self.waiting[0]
             if request.num_pending or request.request_id in preempted_now:
                 break  # wait for its in-flight token / don't re-admit what was just preempted
+            if not self._lora_slot_free(request):
+                skipped.append(self.waiting.popleft())
+                continue
             # Prompt logprobs need the logits of every prompt position: no cached prefix (the
             # request's blocks still enter the cache).
             cached_blocks, num_cached = (self.kv.find_cached_prefix(request) if request.params.prompt_logprobs is None
@@ -153,14 +161,36 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             request.num_prefill_tokens = request.num_tokens
-            self.running.append(request)
+            self._add_running(request)
             new_requests.append(self._new_request_data(request))
             batch.append(self._entry(request, num_new, []))
             budget -= num_new
             prefill_budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
 
         return SchedulerOutput(batch=batch, new_requests=new_requests, freed_req_ids=self.take_freed_ids(),
                                num_decodes=num_decodes)
+
+    def _lora_slot_free(self, request: Request) -> bool:
+        """Whether the request's adapter (if any) can run now: it already runs, or fewer than
+        max_loras distinct adapters do."""
+        lora = request.lora_request
+        if lora is None or lora in self._running_loras:
+            return True
+        return len(self._running_loras) < self.limits.max_loras
+
+    def _add_running(self, request: Request) -> None:
+        self.running.append(request)
+        if request.lora_request is not None:
+            self._running_loras[request.lora_request] += 1
+
+    def _remove_running(self, request: Request) -> None:
+        self.running.remove(request)
+        lora = request.lora_request
+        if lora is not None:
+            self._running_loras[lora] -= 1
+            if not self._running_loras[lora]:
+                del self._running_loras[lora]
 
     def _cap_prefill(self, prefill_budget: int, num_decodes: int, decode_tokens: int, prefill_tokens: int) -> int:
         """The prompt tokens a step with decodes may still take: the step's prompt tokens (those
@@ -231,7 +261,7 @@ class Scheduler:
         p = request.params
         stop_ids = sorted(request.stop_ids) if p.min_tokens > 0 else []
         return NewRequestData(request.request_id, request.all_token_ids, request.num_prompt_tokens, p,
-                              request.seed, list(request.block_ids), stop_ids)
+                              request.seed, list(request.block_ids), stop_ids, request.lora_request)
 
     def _pick_victim(self, protected: set[str]) -> Optional[Request]:
         """The most recently admitted running request that is not yet in this step's batch."""
@@ -241,7 +271,7 @@ class Scheduler:
         return None
 
     def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
+        self._remove_running(request)
         self._freed_ids.append(request.request_id)
         self.kv.free(request)
         request.status = RequestStatus.WAITING

@@ -13,6 +13,7 @@ from tokenmill.config import EngineConfig, LoadConfig, field_default
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.errors import InvalidRequestError
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 Message = dict  # {"role": ..., "content": ...}
@@ -82,22 +83,26 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None) -> list[RequestOutput]:
         """Generate for every prompt (strings or token-id lists); outputs come back in prompt order.
+        lora_request: one LoRA adapter for every prompt, or a list with one per prompt (None: the
+        base model); needs enable_lora=True.
 
-        All prompts are validated before any is queued, so a bad one raises InvalidRequestError and
-        leaves the engine as it was.
+        All prompts (and adapters) are validated before any is queued, so a bad one raises
+        InvalidRequestError (LoRAError for an adapter) and leaves the engine as it was.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
-        return self._run([(p, self.engine.tokenize(p)) for p in prompts], sampling_params, use_tqdm)
+        return self._run([(p, self.engine.tokenize(p)) for p in prompts], sampling_params, use_tqdm, lora_request)
 
     def chat(self, messages: Union[list[Message], list[list[Message]]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: Optional[str] = None,
              chat_template_kwargs: Optional[dict[str, Any]] = None,
-             tools: Optional[list[dict[str, Any]]] = None) -> list[RequestOutput]:
+             tools: Optional[list[dict[str, Any]]] = None,
+             lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None) -> list[RequestOutput]:
         """One conversation or a list of them, rendered with the tokenizer's chat template (or
         `chat_template`, a Jinja string), which also gets `chat_template_kwargs` as variables.
 
@@ -105,6 +110,7 @@ class LLM:
         does not use them gets them described in the system message in the hermes format instead
         (entrypoints/openai/tools.py), as do assistant `tool_calls` and `role: "tool"` messages. The
         output is text: reading calls out of it is the server's (or the caller's) business.
+        lora_request: as for generate().
         """
         from tokenmill.entrypoints.openai.tools import parse_tools, template_conversation
 
@@ -117,7 +123,7 @@ class LLM:
             text = self.render_chat(conv, add_generation_prompt, chat_template=chat_template,
                                     chat_template_kwargs=chat_template_kwargs, tools=tool_dicts)
             items.append((text, self.engine.tokenize(text, add_special_tokens=False)))
-        return self._run(items, sampling_params, use_tqdm)
+        return self._run(items, sampling_params, use_tqdm, lora_request)
 
     def render_chat(self, conversation: list[Message], add_generation_prompt: bool = True,
                     chat_template: Optional[str] = None, chat_template_kwargs: Optional[dict[str, Any]] = None,
@@ -143,17 +149,30 @@ class LLM:
             raise InvalidRequestError("the chat template did not render to text")
         return text
 
-    def _run(self, items: list[tuple[PromptType, list[int]]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, items: list[tuple[PromptType, list[int]]], sampling_params, use_tqdm: bool,
+             lora_request=None) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(items)
         else:
             params = list(sampling_params)
             if len(params) != len(items):
                 raise InvalidRequestError(f"{len(params)} sampling params for {len(items)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(items)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(items):
+                raise InvalidRequestError(f"{len(loras)} LoRA requests for {len(items)} prompts")
+            bad = [x for x in loras if x is not None and not isinstance(x, LoRARequest)]
+            if bad:
+                raise InvalidRequestError(f"lora_request must be a LoRARequest or None, got {bad[0]!r}")
         for (_, ids), p in zip(items, params):  # validate everything before queueing anything
             self.engine.validate(ids, p)
+        for lora in dict.fromkeys(x for x in loras if x is not None):
+            self.engine.add_lora(lora)
         engine = self.engine
-        ids = [engine.add_request(prompt, p, prompt_ids=tok_ids) for (prompt, tok_ids), p in zip(items, params)]
+        ids = [engine.add_request(prompt, p, prompt_ids=tok_ids, lora_request=lora)
+               for (prompt, tok_ids), p, lora in zip(items, params, loras)]
         wanted = set(ids)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)

@@ -3,7 +3,7 @@
 The model's Attention layers read them instead of taking them as arguments, so model code stays the
 same for eager runs, CUDA graph capture and dummy runs, and a model holds no reference to any cache
 (several runners, e.g. in tests, can share one loaded model). The context also carries the
-engine's own layer choices (`small_batch_fusion`), so two engines in one process never change each
+engine's own layer choices (`small_batch_fusion`) and the step's LoRA adapters (`lora`), so two engines in one process never change each
 other's step path; it is a context variable, so engines on different threads do not see each other's.
 """
 
@@ -35,6 +35,14 @@ class AttentionSplitter(Protocol):
     def split(self, attention: torch.nn.Module) -> torch.Tensor: ...
 
 
+class LoRAHook(Protocol):
+    """Set for steps in which a request has a LoRA adapter (lora/slots.py's LoRAStepContext): each
+    linear layer adds its adapters' B @ A @ a(x) to its output."""
+
+    def apply(self, module: torch.nn.Module, x: torch.Tensor, prologue: int, norm: Optional[torch.nn.Module],
+              y: torch.Tensor) -> None: ...
+
+
 @dataclass
 class ForwardContext:
     metadata: AttentionMetadata
@@ -44,6 +52,7 @@ class ForwardContext:
     # One-token steps on CUDA run each linear layer as one Triton GEMV with the op before it fused
     # in (kernels/skinny_gemm.py); False: cuBLAS and separate kernels (EngineConfig.fused_small_batch_linear).
     small_batch_fusion: bool = True
+    lora: Optional[LoRAHook] = None
 
 
 _current: ContextVar[Optional[ForwardContext]] = ContextVar("tokenmill_forward_context", default=None)
@@ -51,8 +60,9 @@ _current: ContextVar[Optional[ForwardContext]] = ContextVar("tokenmill_forward_c
 
 @contextmanager
 def forward_context(metadata: AttentionMetadata, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                    splitter: Optional[AttentionSplitter] = None, small_batch_fusion: bool = True):
-    token = _current.set(ForwardContext(metadata, kv_caches, splitter, small_batch_fusion))
+                    splitter: Optional[AttentionSplitter] = None, small_batch_fusion: bool = True,
+                   lora: Optional[LoRAHook] = None):
+    token = _current.set(ForwardContext(metadata, kv_caches, splitter, small_batch_fusion, lora))
     try:
         yield
     finally:

@@ -61,12 +61,16 @@ class LinearBase(nn.Module):
         ADD_RMSNORM with the RMSNorm module `norm`); with ADD_RMSNORM and a residual, returns
         (y, x + residual) for the next layer's residual stream."""
         summed = None
+        ctx = current_forward_context()
+        lora = ctx.lora if ctx is not None else None
         if self._use_skinny(x):
             y = skinny_gemm.skinny_linear_triton(x, self.weight, prologue, residual,
                                                  None if norm is None else norm.weight,
                                                  1e-6 if norm is None else norm.eps)
             if isinstance(y, tuple):
                 y, summed = y
+            if lora is not None:  # the adapters apply the same prologue to the layer's input
+                lora.apply(self, x if summed is None else summed, prologue, norm, y)
         else:
             if prologue == SILU_MUL:
                 x = silu_and_mul(x)
@@ -75,6 +79,8 @@ class LinearBase(nn.Module):
                 if residual is not None:
                     x, summed = x
             y = self._matmul(x)
+            if lora is not None:
+                lora.apply(self, x, PLAIN, None, y)
         y = self._finish(y)
         return y if summed is None else (y, summed)
 
@@ -153,10 +159,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     def fuses_rope(self, x: torch.Tensor) -> bool:
         """Whether x (1 to skinny_gemm.MAX_ROWS tokens) takes the GEMV that also does rotary and the
         KV-cache write (forward_rope_into_cache). Not while piecewise graphs are captured: there
-        attention runs between the pieces (Attention.forward), after qkv_prep."""
+        attention runs between the pieces (Attention.forward), after qkv_prep. Nor in steps with
+        LoRA adapters."""
         ctx = current_forward_context()
-        if ctx is not None and ctx.splitter is not None:
-            return False
+        if ctx is not None and (ctx.splitter is not None or ctx.lora is not None):
+            return False  # (with adapters, q/k/v take their LoRA terms before rotary and the cache write)
         return self._use_skinny(x) and qkv_rope_gemv.fusable(self.out_features, self.in_features, self.head_dim,
                                                              x.dtype, tokens=x.shape[0])
 

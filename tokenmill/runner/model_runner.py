@@ -5,6 +5,7 @@ Only what every model needs lives here; request state, input buffers, the sample
 allocation and CUDA graphs each have their own module.
 """
 
+import functools
 from typing import Optional
 
 import numpy as np
@@ -20,6 +21,7 @@ from tokenmill.messages import GrammarBitmask, SchedulerOutput
 from tokenmill.runner.dummy_batch import fill_dummy_batch, split_tokens
 from tokenmill.runner.input_buffers import InputBuffers, StepDescriptor
 from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_cache, cuda_kv_budget_bytes
+from tokenmill.runner.lora_state import make_lora_state
 from tokenmill.runner.prompt_logprobs import PromptLogprobsComputer
 from tokenmill.runner.request_states import RequestStates
 from tokenmill.runner.sample import Sampler
@@ -31,7 +33,9 @@ logger = init_logger(__name__)
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, max_model_len: int,
-                 device: torch.device, dtype: torch.dtype, draft_model: Optional[torch.nn.Module] = None):
+                 device: torch.device, dtype: torch.dtype, draft_model: Optional[torch.nn.Module] = None,
+                 lora_registry=None):
+        """lora_registry: the engine's LoRARegistry (lora/registry.py) when LoRA is enabled."""
         self.model = model
         self.config = config
         self.device = device
@@ -54,8 +58,11 @@ class ModelRunner:
         if spec:  # grammar masks for every row of a verify step
             self.sampler.grammar.rows_per_request = 1 + spec.num_speculative_tokens
         self.prompt_logprobs = PromptLogprobsComputer(config.max_num_seqs, device)
+        # Multi-LoRA (lora/slots.py): adapter slots on the device, each row's slot in its state.
+        self.lora = make_lora_state(model, config, lora_registry, self.max_num_tokens, dtype, device)
+        owners = (self.sampler, self.prompt_logprobs) + ((self.spec,) if self.spec else ())
         self.states = RequestStates(config.max_num_seqs, max_model_len, config.block_size, device,
-                                    (self.sampler, self.prompt_logprobs) + ((self.spec,) if self.spec else ()),
+                                    owners + ((self.lora,) if self.lora else ()),
                                     spare_columns=1 + spec.num_speculative_tokens if spec else 0)
         self.sampler.bind_last_sampled(self.states.last_sampled)  # the bad-words stage's token history
         max_blocks = -(-max_model_len // config.block_size)
@@ -65,6 +72,8 @@ class ModelRunner:
         self.graphs = None  # a CudaGraphManager once captured
         self.verify_graphs = None  # with speculative decoding: one for uniform 1 + k verify steps
         self.piecewise = None  # a PiecewiseGraphManager once captured
+        self.lora_graphs = None  # with LoRA: decode graphs of steps with adapters (over the slot tables)
+        self.lora_piecewise = None  # with LoRA: piecewise graphs of steps with adapters
         self._step: Optional[StepDescriptor] = None
         self._plan = None  # the step's VerifyPlan with speculative decoding
         self._logits: Optional[torch.Tensor] = None
@@ -109,15 +118,25 @@ class ModelRunner:
         from tokenmill.runner.piecewise_graphs import PiecewiseGraphManager, piecewise_sizes
 
         max_piecewise = min(self.config.piecewise_cuda_graph_max_tokens, self.max_num_tokens)
-        if max_piecewise >= 16:
-            piecewise = PiecewiseGraphManager(self.attn_spec, self.buffers, self.kv_caches, self.run_model,
-                                              piecewise_sizes(max_piecewise))
-            piecewise.capture(lambda tokens: self.dummy_run(tokens, 1))
-            self.piecewise = piecewise
         largest = min(self.config.max_num_seqs, self.config.cuda_graph_max_batch, self.max_num_tokens)
-        manager = CudaGraphManager(self.model, self.buffers, self.run_model, default_capture_sizes(largest))
-        manager.capture()
-        self.graphs = manager
+        # Steps without adapters replay the same graphs as without LoRA; steps with adapters, a
+        # second set captured over the slot tables (so no adapter change needs a recapture).
+        for lora in (None,) + ((self.lora.context,) if self.lora else ()):
+            forward = self.run_model if lora is None else functools.partial(self.run_model, lora=lora)
+            if max_piecewise >= 16:
+                piecewise = PiecewiseGraphManager(self.attn_spec, self.buffers, self.kv_caches, forward,
+                                                  piecewise_sizes(max_piecewise))
+                piecewise.capture(lambda tokens: self.dummy_run(tokens, 1, lora=lora))
+                if lora is None:
+                    self.piecewise = piecewise
+                else:
+                    self.lora_piecewise = piecewise
+            manager = CudaGraphManager(self.model, self.buffers, forward, default_capture_sizes(largest))
+            manager.capture()
+            if lora is None:
+                self.graphs = manager
+            else:
+                self.lora_graphs = manager
         if self.spec is not None:  # verify steps: 1 + k tokens per request
             q = 1 + self.spec.k
             if largest * q > self.max_num_tokens:
@@ -184,9 +203,11 @@ class ModelRunner:
         num_tokens = int(q_lens.sum())
         self._req_ids = [e.req_id for e in batch]
         lp_plan = self.prompt_logprobs.plan(self._req_ids, rows, q_lens, start)  # reads every token's hidden
-        graphs = self._full_graphs(batch, q_lens) if lp_plan is None else None
+        lora = self.lora.has_adapters(rows) if self.lora is not None else False
+        graphs = self._full_graphs(batch, q_lens, lora) if lp_plan is None else None
         graph = graphs.dispatch(len(batch)) if graphs is not None else None
-        pieces = self.piecewise.dispatch(num_tokens) if (self.piecewise is not None and graph is None) else None
+        piecewise = self.lora_piecewise if lora else self.piecewise
+        pieces = piecewise.dispatch(num_tokens) if (piecewise is not None and graph is None) else None
         padded = graph if graph is not None else len(batch)
         if graph is not None:
             padded_tokens = graph * graphs.query_len
@@ -196,37 +217,42 @@ class ModelRunner:
                               int(q_lens.max()), int((start + q_lens).max()), rows, samples)
         self.buffers.upload(rows, q_lens, start, samples, padded)
         self.buffers.prepare(step, states)
+        lora_ctx = self.lora.step_context(rows, q_lens, step.padded_tokens) if lora else None
         self._plan = self.spec.prepare(self.buffers, states, batch, rows, q_lens) if self.spec else None
         if graph is not None:  # every token's logits, in the order of the step's logits rows
             self._logits = graphs.replay(graph)[:num_tokens]
         else:
             if pieces is not None:
-                hidden = self.piecewise.run(pieces, self.buffers.attention_metadata(step))
+                hidden = piecewise.run(pieces, self.buffers.attention_metadata(step))
             else:
                 t = step.padded_tokens
                 hidden = self.run_model(self.buffers.attention_metadata(step), self.buffers.input_ids[:t],
-                                        self.buffers.positions[:t])
+                                        self.buffers.positions[:t], lora=lora_ctx)
             rows_out = self._plan.logit_index if self._plan else self.buffers.logits_indices[: len(batch)]
             self._logits = self.model.compute_logits(hidden[rows_out])
             if lp_plan is not None:
                 self._prompt_lp = self.prompt_logprobs.compute(hidden, lp_plan, self.model.compute_logits)
         self._step = step
 
-    def _full_graphs(self, batch, q_lens: np.ndarray):
+    def _full_graphs(self, batch, q_lens: np.ndarray, lora: bool = False):
         """The graph manager that covers this step whole, if any: decode graphs when every entry
-        computes one token, verify graphs when every entry speculates with 1 + k tokens."""
-        if self.graphs is not None and bool((q_lens == 1).all()):
-            return self.graphs
+        computes one token (those with adapters when an entry has one), verify graphs when every
+        entry speculates with 1 + k tokens (steps with adapters: none; they run piecewise)."""
+        if bool((q_lens == 1).all()):
+            return self.lora_graphs if lora else self.graphs
+        if lora:
+            return None
         verify = self.verify_graphs
         if verify is not None and bool((q_lens == verify.query_len).all()) and all(e.speculative for e in batch):
             return verify
         return None
 
     def run_model(self, meta: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
-                  splitter: Optional[AttentionSplitter] = None) -> torch.Tensor:
-        """The model's forward pass in this runner's forward context: its KV caches and its
-        engine's layer choices (eager steps, dummy runs and every graph capture go through here)."""
-        with forward_context(meta, self.kv_caches, splitter, self.config.fused_small_batch_linear):
+                  splitter: Optional[AttentionSplitter] = None, lora=None) -> torch.Tensor:
+        """The model's forward pass in this runner's forward context: its KV caches, its engine's
+        layer choices and the step's LoRA context, if it has adapters (eager steps, dummy runs and
+        every graph capture go through here)."""
+        with forward_context(meta, self.kv_caches, splitter, self.config.fused_small_batch_linear, lora):
             return self.model(input_ids, positions)
 
     @torch.inference_mode()
@@ -257,20 +283,22 @@ class ModelRunner:
     # ---- dummy runs (profiling, warm-up): never touch request state ------------------------
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int, num_reqs: int = 1, sample: bool = False,
-                  piecewise: bool = False) -> torch.Tensor:
+                  piecewise: bool = False, lora=None) -> torch.Tensor:
         """A forward pass over `num_tokens` tokens split across `num_reqs` fake requests, which
         attend only to cache block 0 and write no K/V; eager, or with piecewise=True through the
-        piecewise graphs where they cover the step (as a real step would run)."""
+        piecewise graphs where they cover the step (as a real step would run); `lora`: a LoRA
+        context to run the adapters' path with (eager only)."""
         # Within the buffers: at most max_num_seqs requests, none longer than max_model_len.
         num_reqs = max(1, min(num_reqs, num_tokens, self.config.max_num_seqs),
                        -(-num_tokens // self.max_model_len))
         buf = self.buffers
-        size = self.piecewise.dispatch(num_tokens) if (piecewise and self.piecewise is not None) else None
+        size = (self.piecewise.dispatch(num_tokens) if (piecewise and self.piecewise is not None and lora is None)
+                else None)
         meta = fill_dummy_batch(buf, split_tokens(num_tokens, num_reqs), size or 0)
         if size is not None:
             hidden = self.piecewise.run(size, meta)
         else:
-            hidden = self.run_model(meta, buf.input_ids[:num_tokens], buf.positions[:num_tokens])
+            hidden = self.run_model(meta, buf.input_ids[:num_tokens], buf.positions[:num_tokens], lora=lora)
         logits = self.model.compute_logits(hidden[buf.logits_indices[:num_reqs]])
         if sample:  # the sampler's worst case: every stage on, over the whole vocabulary
             torch.topk(logits, 20, dim=-1)
