@@ -222,3 +222,36 @@ def test_rank_above_max_and_lora_disabled(smollm, adapters, prompts, hf_smollm, 
     with pytest.raises(LoRAError, match="another base model"):
         llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=other)
     assert_no_leaks(llm)
+
+
+def test_through_the_engine_process(smollm, adapters, prompts, tmp_path):
+    """The engine in its own process: adapters added by call (a bad one: the same LoRAError), requests
+    with adapters equal the in-process engine's tokens, list and remove cross the boundary."""
+    import time
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.core_client import EngineCoreClient
+    from tokenmill.engine.core_process import EngineLaunch
+
+    config = dict(num_kv_blocks=256, max_num_seqs=16, max_num_batched_tokens=2048, enable_lora=True, max_loras=2,
+                  max_lora_rank=16)
+    client = EngineCoreClient.launch(EngineLaunch(None, EngineConfig(**config), dtype="float32", device="cpu"))
+    try:
+        for a in adapters[:2]:
+            client.add_lora(a)
+        assert client.list_loras() == [1, 2]
+        with pytest.raises(LoRAError, match="adapter_config.json is missing"):
+            client.add_lora(LoRARequest("missing", 7, str(tmp_path)))
+        choice = [adapters[0], None, adapters[1]]
+        for i, (ids, lora) in enumerate(zip(prompts, choice)):
+            client.add_request(None, GREEDY, f"r{i}", ids, lora_request=lora)
+        final, deadline = {}, time.monotonic() + 300
+        while client.has_unfinished_requests():
+            assert time.monotonic() < deadline
+            final.update({o.request_id: o for o in client.step() if o.finished})
+        local = make_llm(smollm, **config).generate(prompts[:3], GREEDY, use_tqdm=False, lora_request=choice)
+        assert [final[f"r{i}"].outputs[0].token_ids for i in range(3)] == [o.outputs[0].token_ids for o in local]
+        assert client.remove_lora(1) and not client.remove_lora(1)
+        assert client.list_loras() == [2]
+    finally:
+        client.close()

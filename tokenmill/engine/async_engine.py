@@ -47,6 +47,7 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.engine_snapshot import EngineSnapshot
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.logger import init_logger
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -206,6 +207,7 @@ class AddCommand:
     prompts: list[PromptInfo]
     params: SamplingParams
     arrival: float
+    lora_request: Optional[LoRARequest] = None
 
 
 @dataclass
@@ -325,20 +327,22 @@ class AsyncLLMEngine:
         return self._stats
 
     # ---- requests (event loop side) ----------------------------------------------------------
-    def submit(self, prepare: PrepareFn, params: SamplingParams, request_id: Optional[str] = None) -> RequestStream:
+    def submit(self, prepare: PrepareFn, params: SamplingParams, request_id: Optional[str] = None,
+               lora_request: Optional[LoRARequest] = None) -> RequestStream:
         """Prepare a submission on a worker, then queue it; `await stream.accepted()` to learn
-        whether it was taken. Call from the event loop."""
+        whether it was taken (every prompt runs with `lora_request`'s adapter if given). Call from
+        the event loop."""
         stream = RequestStream(self, request_id or f"req-{next(self._ids)}", params)
         if not self.is_running:
             stream.fail(self._dead_error())
             return stream
-        task = self._loop.create_task(self._prepare_and_add(stream, prepare, params, time.monotonic()))
+        task = self._loop.create_task(self._prepare_and_add(stream, prepare, params, time.monotonic(), lora_request))
         self._preparing.add(task)
         task.add_done_callback(self._preparing.discard)
         return stream
 
     async def _prepare_and_add(self, stream: RequestStream, prepare: PrepareFn, params: SamplingParams,
-                               arrival: float) -> None:
+                               arrival: float, lora_request: Optional[LoRARequest] = None) -> None:
         if not self.is_running:  # stop() shuts the pool down (on this loop, so not between here and there)
             stream.fail(self._dead_error())
             return
@@ -357,7 +361,7 @@ class AsyncLLMEngine:
         if not self.is_running:
             stream.fail(self._dead_error())
             return
-        self._commands.put(AddCommand(stream, prompts, params, arrival))
+        self._commands.put(AddCommand(stream, prompts, params, arrival, lora_request))
         if not self._thread.is_alive():  # it ended meanwhile and may not have seen the command
             stream.fail(self._dead_error())
 
@@ -484,7 +488,8 @@ class AsyncLLMEngine:
                 raise InvalidRequestError(f"request id {stream.request_id!r} is in use")
             self._check_waiting(len(sub_ids) * params.n)
             for sub_id, prompt in zip(sub_ids, command.prompts):
-                engine.add_request(prompt.text, params, request_id=sub_id, prompt_ids=prompt.token_ids)
+                engine.add_request(prompt.text, params, request_id=sub_id, prompt_ids=prompt.token_ids,
+                                   lora_request=command.lora_request)
                 added.append(sub_id)
         except Exception as e:  # InvalidRequestError, EngineOverloadedError; anything else is a bug
             for sub_id in added:

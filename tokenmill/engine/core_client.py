@@ -30,14 +30,15 @@ from itertools import count
 from typing import Optional
 
 from tokenmill.engine.async_engine import EngineDeadError
-from tokenmill.engine.core_messages import (EngineFacts, EngineSnapshot, logprobs_from_wire, pack,
+from tokenmill.engine.core_messages import (EngineFacts, EngineSnapshot, logprobs_from_wire, lora_to_wire, pack,
                                             params_to_wire, prompt_logprobs_from_wire, unpack)
 from tokenmill.engine.core_process import EngineLaunch, addresses, run_engine_process
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.engine.request_validator import RequestValidator
 from tokenmill.engine.structured_output import StructuredOutputManager
-from tokenmill.errors import InvalidRequestError
+from tokenmill.errors import InvalidRequestError, LoRAError
 from tokenmill.logger import init_logger
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -89,6 +90,10 @@ class _OutputSwitch:
     off already (the text is made here)."""
 
     detokenize = False
+
+
+# Errors of an engine call that are the caller's to act on, raised again as themselves.
+_USER_ERRORS = {"LoRAError": LoRAError, "InvalidRequestError": InvalidRequestError}
 
 
 class EngineCoreClient:
@@ -244,8 +249,10 @@ class EngineCoreClient:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
         return self.validator.validate(prompt_ids, params)
 
-    def add_request(self, prompt, params: SamplingParams, request_id: str, prompt_ids: list[int]) -> str:
-        """Send a validated request to the engine process."""
+    def add_request(self, prompt, params: SamplingParams, request_id: str, prompt_ids: list[int],
+                    lora_request: Optional[LoRARequest] = None) -> str:
+        """Send a validated request to the engine process (with an adapter the engine has: the API
+        server adds adapters through add_lora first)."""
         if request_id in self._live:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.check_health()
@@ -255,7 +262,7 @@ class EngineCoreClient:
         self._live[request_id] = _Live(prompt if isinstance(prompt, str) else None, list(prompt_ids), samples,
                                        time.monotonic(), prompt_logprobs=None)
         self._in.send(pack(["add", self.index, f"{self.index}/{request_id}", list(prompt_ids),
-                            params_to_wire(params)]))
+                            params_to_wire(params), lora_to_wire(lora_request)]))
         self._unseen_adds.append(params.n)
         return request_id
 
@@ -308,9 +315,19 @@ class EngineCoreClient:
     def reset_prefix_cache(self) -> bool:
         return bool(self._call("reset_prefix_cache"))
 
-    def _call(self, name: str):
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check an adapter in the engine process; LoRAError (its message) if it is bad."""
+        self._call("add_lora", [lora_to_wire(lora_request)])
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return bool(self._call("remove_lora", [int(lora_int_id)]))
+
+    def list_loras(self) -> list[int]:
+        return list(self._call("list_loras"))
+
+    def _call(self, name: str, args: Optional[list] = None):
         call_id = next(self._calls)
-        self._in.send(pack(["call", self.index, call_id, name]))
+        self._in.send(pack(["call", self.index, call_id, name, list(args or [])]))
         while call_id not in self._results:
             if not self._poller.poll(100):
                 self.check_health()
@@ -320,7 +337,10 @@ class EngineCoreClient:
                 self._backlog.extend(outputs)
         ok, result = self._results.pop(call_id)
         if not ok:
-            raise EngineProcessError(f"the engine call {name} failed: {result}")
+            kind, message = result
+            if kind in _USER_ERRORS:  # the caller's mistake (a bad adapter): the same error here
+                raise _USER_ERRORS[kind](message)
+            raise EngineProcessError(f"the engine call {name} failed: {kind}: {message}")
         return result
 
     # ---- messages from the engine ------------------------------------------------------------------

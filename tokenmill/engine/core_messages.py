@@ -7,17 +7,19 @@ their logprobs), so a message stays small however long the outputs grow.
 
 To the engine:   ("hello", server index)                    a further API server joins (index 0 is there
                                                             from the start)
-                 ("add", server index, request_id, prompt_ids, params)   params: SamplingParams as a dict;
-                                                            request_id is "<server index>/<its own id>"
+                 ("add", server index, request_id, prompt_ids, params, lora)   params: SamplingParams as a
+                                                            dict; lora: [name, id, path] of its LoRA adapter or
+                                                            None; request_id is "<server index>/<its own id>"
                  ("abort", request_id, sample or None)
-                 ("call", server index, call_id, name)      a named engine call (see CALLS)
+                 ("call", server index, call_id, name, args)   a named engine call (see CALLS), its
+                                                            arguments a list
                  ("detach", server index)                   that server goes away (its requests are aborted)
                  ("shutdown",)                              from server 0 only
 From the engine: ("ready", EngineFacts as a dict)
                  ("step", steps_completed, last_step_kind, [delta, ...], EngineSnapshot as a list,
                   its GC pauses [[generation, seconds], ...], the add messages carried out so far)
                  ("add_error", request_id, message)
-                 ("call_result", call_id, ok, result or error message)
+                 ("call_result", call_id, ok, result or [error type name, message])
                  ("failed", message)                        the engine thread raised; the process ends
                  ("bye",)                                   after a shutdown: the last message
 
@@ -34,11 +36,13 @@ import msgpack
 
 from tokenmill.engine.outputs import Logprob
 from tokenmill.engine.engine_snapshot import EngineSnapshot  # noqa: F401 (part of the wire format)
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_outputs import StructuredOutputsParams
 
-# Engine calls the API server may make by name (a callable cannot cross the process boundary).
-CALLS = ("reset_prefix_cache",)
+# Engine calls the API server may make by name (a callable cannot cross the process boundary); a
+# LoRARequest argument travels as lora_to_wire's list.
+CALLS = ("reset_prefix_cache", "add_lora", "remove_lora", "list_loras")
 
 
 def pack(message) -> bytes:
@@ -51,6 +55,14 @@ def unpack(data: bytes):
 
 
 # ---- sampling parameters --------------------------------------------------------------------
+def lora_to_wire(lora: Optional[LoRARequest]) -> Optional[list]:
+    return None if lora is None else [lora.lora_name, lora.lora_int_id, lora.lora_path]
+
+
+def lora_from_wire(data: Optional[list]) -> Optional[LoRARequest]:
+    return None if data is None else LoRARequest(data[0], int(data[1]), data[2])
+
+
 def params_to_wire(params: SamplingParams) -> dict:
     out = {}
     for f in dataclasses.fields(params):

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core_messages import (CALLS, EngineFacts, RequestProgress, output_delta, pack,
-                                            params_from_wire, state_delta, unpack)
+from tokenmill.engine.core_messages import (CALLS, EngineFacts, RequestProgress, lora_from_wire, output_delta,
+                                            pack, params_from_wire, state_delta, unpack)
 from tokenmill.engine.gc_policy import GCPolicy
 from tokenmill.errors import TokenmillError
 from tokenmill.logger import init_logger
@@ -259,10 +259,11 @@ class EngineCore:
     def _execute(self, message: list) -> bool:
         kind = message[0]
         if kind == "add":
-            _, index, request_id, prompt_ids, params = message
+            _, index, request_id, prompt_ids, params, lora = message
             self.adds_seen[index] = self.adds_seen.get(index, 0) + 1  # refused ones too: the server counts all
             try:
-                self.engine.add_request(None, params, request_id=request_id, prompt_ids=prompt_ids)
+                self.engine.add_request(None, params, request_id=request_id, prompt_ids=prompt_ids,
+                                        lora_request=lora_from_wire(lora))
             except Exception as e:  # InvalidRequestError: the server validated it, so rare
                 self.outs.send(index, ["add_error", request_id, str(e)])
                 return False
@@ -271,8 +272,8 @@ class EngineCore:
             _, request_id, sample = message
             self._abort(request_id, sample)
         elif kind == "call":
-            _, index, call_id, name = message
-            self._call(index, call_id, name)
+            _, index, call_id, name, args = message
+            self._call(index, call_id, name, args)
         elif kind == "hello":  # another API server (--api-server-count) joins
             index = message[1]
             self.outs.connect(index)
@@ -297,14 +298,16 @@ class EngineCore:
             self.progress.pop(request_id, None)
         self.needs_step = True  # let the engine release runner rows even if it is now idle
 
-    def _call(self, index: int, call_id: int, name: str) -> None:
+    def _call(self, index: int, call_id: int, name: str, args: list) -> None:
         if name not in CALLS:
-            self.outs.send(index, ["call_result", call_id, False, f"unknown engine call {name!r}"])
+            self.outs.send(index, ["call_result", call_id, False, ["ValueError", f"unknown engine call {name!r}"]])
             return
         try:
-            result = getattr(self.engine, name)()
+            if name == "add_lora":
+                args = [lora_from_wire(args[0])]
+            result = getattr(self.engine, name)(*args)
         except Exception as e:
-            self.outs.send(index, ["call_result", call_id, False, f"{type(e).__name__}: {e}"])
+            self.outs.send(index, ["call_result", call_id, False, [type(e).__name__, str(e)]])
             return
         self.outs.send(index, ["call_result", call_id, True, result])
         self.needs_step = True
