@@ -152,6 +152,56 @@ def bench_case(name, K, N, starts, prologue, rank, T, layout, bw):
                 shrink_config=lora_shrink_config(T, R, K, prologue), expand_config=lora_expand_config(T, N, rank))
 
 
+def sweep(bw):
+    """Tile-config sweep of the token-block kernels (shrink and expand separately) at a few shapes."""
+    rows = []
+    for name, K, N, starts, prologue in LAYERS:
+        rank = 16
+        nsl = len(starts) + 1
+        R, S = nsl * rank, NUM_ADAPTERS + 1
+        k_in = 2 * K if prologue == SILU_MUL else K
+        a = torch.randn(S, R, K, device="cuda", dtype=DTYPE) / K ** 0.5
+        b = torch.randn(S, N, rank, device="cuda", dtype=DTYPE) / rank ** 0.5
+        nw = torch.ones(K, device="cuda", dtype=DTYPE)
+        for T in (64, 128, 512, 2048):
+            x = torch.randn(T, k_in, device="cuda", dtype=DTYPE)
+            y = torch.zeros(T, N, device="cuda", dtype=DTYPE)
+            for layout in ("runs", "interleaved"):
+                slots = slots_for(T, layout)
+                s = lora_shrink_triton(x, a, slots, prologue, nw, 1e-6)
+                base = lora_shrink_config(T, R, K, prologue)
+                for bm in (16, 32, 64):
+                    for bk in (64, 128, 256):
+                        for split in (None, 1):
+                            for warps in (4, 8):
+                                cfg = dict(base, bm=bm, block_k=bk, num_warps=warps)
+                                if split:
+                                    cfg["split_k"] = split
+                                try:
+                                    t = graph_time_us(lambda i: lora_shrink_triton(x, a, slots, prologue, nw, 1e-6,
+                                                                                   config=cfg), 1, 50, 7)
+                                except Exception as e:  # noqa: BLE001 (out of resources: skip the config)
+                                    t = float("nan")
+                                rows.append(dict(op="shrink", layer=name, T=T, layout=layout, cfg=cfg, us=t))
+                for bm in (16, 32, 64):
+                    for bn in (32, 64, 128, 256):
+                        for warps in (4, 8):
+                            cfg = dict(mode="tile", bm=bm, block_n=bn, num_warps=warps, num_stages=2)
+                            try:
+                                t = graph_time_us(lambda i: lora_expand_triton(s, b, slots, y, rank, starts, config=cfg),
+                                                  1, 50, 7)
+                            except Exception:  # noqa: BLE001
+                                t = float("nan")
+                            rows.append(dict(op="expand", layer=name, T=T, layout=layout, cfg=cfg, us=t))
+                for op in ("shrink", "expand"):
+                    cand = [r for r in rows if r["op"] == op and r["layer"] == name and r["T"] == T
+                            and r["layout"] == layout and r["us"] == r["us"]]
+                    best = min(cand, key=lambda r: r["us"])
+                    print(f"sweep {op:6s} {name:8s} T{T:<5d} {layout:11s} best {best['us']:8.2f} us {best['cfg']}",
+                          flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
@@ -160,6 +210,7 @@ def main():
     parser.add_argument("--layers", default=",".join(name for name, *_ in LAYERS))
     parser.add_argument("--ranks", default=None)
     parser.add_argument("--tokens", default=None)
+    parser.add_argument("--sweep", action="store_true", help="also sweep the tile kernels' configs")
     args = parser.parse_args()
     out = args.out or os.path.join(os.environ.get("OUT", "."), "lora_kernel_bench.json")
     assert torch.cuda.is_available(), "needs a CUDA device"
@@ -182,7 +233,8 @@ def main():
                           f"expand {r['expand_us']:8.2f} lora {r['lora_us']:8.2f} us  base {r['base_linear_us']:8.2f} us"
                           f"  ratio {r['lora_over_base']:.3f}  roofline {r['roofline_fraction']:.2f}", flush=True)
                     torch.cuda.empty_cache()
-    report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+    sweep_rows = sweep(bw) if args.sweep else []
+    report = dict(sweep=sweep_rows, device=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=__import__("triton").__version__, dtype=str(DTYPE), copy_bandwidth_bytes_per_s=bw,
                   num_adapters=NUM_ADAPTERS, seconds=round(time.time() - t0, 1), results=results)
     Path(out).parent.mkdir(parents=True, exist_ok=True)

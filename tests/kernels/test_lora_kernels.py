@@ -331,7 +331,7 @@ def test_llama8b_shapes_cuda(device, name, K, N, starts, prologue, dtype):
 
 
 @pytest.mark.parametrize("device", [CUDA])
-@pytest.mark.parametrize("T", [1, 8, 300])
+@pytest.mark.parametrize("T", [1, 8, 300, 2048])
 def test_cuda_graph_capture(device, T):
     """Capture shrink + expand once, change the slots (and the inputs) in place, replay, compare."""
     torch.manual_seed(9)
@@ -361,7 +361,7 @@ def test_cuda_graph_capture(device, T):
     for trial in range(3):
         x.copy_(torch.randn(T, K, device=device, dtype=dtype))
         y.copy_(torch.randn(T, N, device=device, dtype=dtype))
-        slots.copy_(torch.randint(0, S, (T,), dtype=torch.int32) if trial else torch.arange(T, dtype=torch.int32) % S)
+        slots.copy_(torch.randint(0, S, (T,), dtype=torch.int32) if trial else (torch.arange(T, dtype=torch.int32) + 1) % S)
         before = y.clone()
         graph.replay()
         torch.cuda.synchronize()
@@ -370,4 +370,7 @@ def test_cuda_graph_capture(device, T):
         lora_expand_ref(s_ref, b, slots, y_ref, rank, starts)
         zero = slots == 0
         assert torch.equal(y[zero], before[zero])
-        assert rel_err(y.float() - before.float(), y_ref.float() - before.float()) < 2e-2, trial
+        if (y_ref.float() - before.float()).norm() == 0:
+            assert torch.equal(y, before), trial
+        else:
+            assert rel_err(y.float() - before.float(), y_ref.float() - before.float()) < 2e-2, trial

@@ -197,15 +197,15 @@ def _next_slot(sl, prev):
 
 @triton.jit
 def _shrink_tile_kernel(
-    x_ptr, a_ptr, nw_ptr, slots_ptr, s_ptr,
+    x_ptr, a_ptr, nw_ptr, slots_ptr, s_ptr, rstd_ptr,
     T, R, K, K_CHUNK, eps, stride_xt, stride_as, stride_ar, stride_st,
     PROLOGUE: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_IEEE: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     """Grid (cdiv(T, BM), cdiv(R, BLOCK_R), SPLIT_K): s for BM tokens and BLOCK_R rank rows over
     K_CHUNK columns of K, one tl.dot tile product per distinct nonzero slot of the token block.
-    With SPLIT_K > 1 the partial sums are added into the zeroed s with atomics (and ADD_RMSNORM's
-    programs first take the sum of squares over the whole row, so each can apply 1 / rms)."""
+    With SPLIT_K > 1 the partial sums are added with atomics into s, which _shrink_prep_kernel
+    zeroed (it also wrote ADD_RMSNORM's 1 / rms(x) per token, so each split can apply it)."""
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     m_ok = m < T
     sl = tl.load(slots_ptr + m, mask=m_ok, other=0)
@@ -218,13 +218,8 @@ def _shrink_tile_kernel(
     acc = tl.zeros([BM, BLOCK_R], tl.float32)
     sq = tl.zeros([BM], tl.float32)
     if PROLOGUE == 2:
-        if SPLIT_K > 1:
-            row_on = m_ok & (sl > 0)
-            for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-                kk = k0 + ks
-                h = tl.load(x_ptr + m64[:, None] * stride_xt + kk[None, :], mask=row_on[:, None] & (kk < K)[None, :],
-                            other=0.0).to(tl.float32)
-                sq += tl.sum(h * h, axis=1)
+        if SPLIT_K > 1:  # 1 / rms(x) from _shrink_prep_kernel
+            sq = tl.load(rstd_ptr + m, mask=m_ok, other=0.0)
     cur = _next_slot(sl, 0)
     while cur < 2147483647:
         sel = m_ok & (sl == cur)
@@ -244,12 +239,38 @@ def _shrink_tile_kernel(
                 acc = tl.dot(a.to(w.dtype), w, acc)
         cur = _next_slot(sl, cur)
     if PROLOGUE == 2:
-        acc = acc * tl.rsqrt(sq / K + eps)[:, None]
+        if SPLIT_K > 1:
+            acc = acc * sq[:, None]
+        else:
+            acc = acc * tl.rsqrt(sq / K + eps)[:, None]
     s_at = s_ptr + m64[:, None] * stride_st + r[None, :]
     if SPLIT_K == 1:
         tl.store(s_at, acc, mask=m_ok[:, None] & r_ok[None, :])
     else:
         tl.atomic_add(s_at, acc, mask=(m_ok & (sl > 0))[:, None] & r_ok[None, :], sem="relaxed")
+
+
+@triton.jit
+def _shrink_prep_kernel(x_ptr, s_ptr, rstd_ptr, T, R, K, eps, stride_xt, stride_st,
+                        NORM: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Grid (cdiv(T, ROWS),): zero s's rows (the split-K shrink adds into them) and, with NORM,
+    write rstd[t] = 1 / rms(x[t]) in fp32."""
+    m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    m_ok = m < T
+    m64 = m.to(tl.int64)
+    for r0 in range(0, R, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        tl.store(s_ptr + m64[:, None] * stride_st + r[None, :], tl.zeros([ROWS, BLOCK_R], tl.float32),
+                 mask=m_ok[:, None] & (r < R)[None, :])
+    if NORM:
+        ks = tl.arange(0, BLOCK_K)
+        sq = tl.zeros([ROWS, BLOCK_K], tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=2):
+            kk = k0 + ks
+            h = tl.load(x_ptr + m64[:, None] * stride_xt + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :],
+                        other=0.0).to(tl.float32)
+            sq += h * h
+        tl.store(rstd_ptr + m, tl.rsqrt(tl.sum(sq, axis=1) / K + eps), mask=m_ok)
 
 
 @triton.jit
@@ -363,17 +384,21 @@ def lora_shrink_config(T: int, R: int, K: int, prologue: int = PLAIN) -> dict:
     if T <= GEMV_MAX_T:
         # One rank row per program while that leaves few programs (latency: one wide load of the
         # row of A), more rows per program for bigger batches (fewer re-reads of x from L2).
+        # The whole row of K in one or two steps (all loads in flight at once: latency, not
+        # bandwidth, is what a handful of programs waits on), 32 elements per thread and tensor.
         block_r = 1 if T * R <= 512 else min(r_p, 4)
-        block_k = min(triton.next_power_of_2(K), 4096 // block_r)
-        return dict(mode="gemv", block_r=block_r, block_k=max(block_k, 16), split_k=1,
-                    num_warps=8 if block_k >= 4096 else 4, num_stages=2)
+        block_k = max(16, min(triton.next_power_of_2(K), 16384 // block_r))
+        num_warps = max(4, min(16, block_k * block_r // 1024))
+        return dict(mode="gemv", block_r=block_r, block_k=block_k, split_k=1, num_warps=num_warps, num_stages=2)
     block_r = min(128, max(16, r_p))
     bm = _tile_bm(T)
-    block_k = 64 if block_r <= 64 else 32
+    # K steps as wide as the registers allow ([bm, bk] activations and [bk, block_r] A per step):
+    # inside the walk over the slots the loop is not pipelined across slots, so fewer, wider steps.
+    block_k = max(32, min(256, 4096 // bm, 8192 // block_r))
     programs = triton.cdiv(T, bm) * triton.cdiv(R, block_r)
-    # Split K until the grid fills the GPU (each split at least 4 K steps).
-    split_k = max(1, min(triton.cdiv(_TARGET_PROGRAMS, programs), K // (4 * block_k)))
-    return dict(mode="tile", bm=bm, block_r=block_r, block_k=block_k, split_k=split_k, num_warps=4, num_stages=3)
+    # Split K until the grid fills the GPU (each split at least one K step).
+    split_k = max(1, min(triton.cdiv(_TARGET_PROGRAMS, programs), K // block_k))
+    return dict(mode="tile", bm=bm, block_r=block_r, block_k=block_k, split_k=split_k, num_warps=4, num_stages=2)
 
 
 def lora_expand_config(T: int, N: int, slice_rank: int) -> dict:
@@ -430,11 +455,18 @@ def lora_shrink_triton(x: torch.Tensor, a_stack: torch.Tensor, token_slots: torc
         split_k = max(1, int(cfg.get("split_k", 1)))
         k_chunk = triton.cdiv(triton.cdiv(K, split_k), cfg["block_k"]) * cfg["block_k"]
         split_k = triton.cdiv(K, k_chunk)
+        rstd = s
         if split_k > 1:
-            s.zero_()
+            norm = prologue == ADD_RMSNORM
+            if norm:
+                rstd = torch.empty(T, dtype=torch.float32, device=x.device)
+            rows = 4
+            _shrink_prep_kernel[(triton.cdiv(T, rows),)](
+                x, s, rstd, T, R, K, eps, x.stride(0), s.stride(0), NORM=norm, ROWS=rows,
+                BLOCK_K=min(1024, triton.next_power_of_2(K)), BLOCK_R=min(128, triton.next_power_of_2(R)), num_warps=4)
         grid = (triton.cdiv(T, cfg["bm"]), triton.cdiv(R, cfg["block_r"]), split_k)
         _shrink_tile_kernel[grid](
-            x, a_stack, nw, slots, s, T, R, K, k_chunk, eps, x.stride(0), a_stack.stride(0), a_stack.stride(1),
+            x, a_stack, nw, slots, s, rstd, T, R, K, k_chunk, eps, x.stride(0), a_stack.stride(0), a_stack.stride(1),
             s.stride(0), PROLOGUE=prologue, BM=cfg["bm"], BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
             SPLIT_K=split_k, DOT_IEEE=ieee, LOOP_STAGES=cfg["num_stages"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
