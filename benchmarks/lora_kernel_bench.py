@@ -163,7 +163,7 @@ def sweep(bw):
         a = torch.randn(S, R, K, device="cuda", dtype=DTYPE) / K ** 0.5
         b = torch.randn(S, N, rank, device="cuda", dtype=DTYPE) / rank ** 0.5
         nw = torch.ones(K, device="cuda", dtype=DTYPE)
-        for T in (64, 128, 512, 2048):
+        for T in (128, 2048):
             x = torch.randn(T, k_in, device="cuda", dtype=DTYPE)
             y = torch.zeros(T, N, device="cuda", dtype=DTYPE)
             for layout in ("runs", "interleaved"):
@@ -172,8 +172,8 @@ def sweep(bw):
                 base = lora_shrink_config(T, R, K, prologue)
                 for bm in (16, 32, 64):
                     for bk in (64, 128, 256):
-                        for split in (None, 1):
-                            for warps in (4, 8):
+                        for split in (None,):
+                            for warps in (4,):
                                 cfg = dict(base, bm=bm, block_k=bk, num_warps=warps)
                                 if split:
                                     cfg["split_k"] = split
@@ -184,7 +184,7 @@ def sweep(bw):
                                     t = float("nan")
                                 rows.append(dict(op="shrink", layer=name, T=T, layout=layout, cfg=cfg, us=t))
                 for bm in (16, 32, 64):
-                    for bn in (32, 64, 128, 256):
+                    for bn in (64, 128):
                         for warps in (4, 8):
                             cfg = dict(mode="tile", bm=bm, block_n=bn, num_warps=warps, num_stages=2)
                             try:
