@@ -171,12 +171,11 @@ def sweep(bw):
                 s = lora_shrink_triton(x, a, slots, prologue, nw, 1e-6)
                 base = lora_shrink_config(T, R, K, prologue)
                 for bm in (16, 32, 64):
-                    for bk in (64, 128, 256):
-                        for split in (None,):
+                    for bk in (64, 256):
+                        for inner in (False, True):
                             for warps in (4,):
-                                cfg = dict(base, bm=bm, block_k=bk, num_warps=warps)
-                                if split:
-                                    cfg["split_k"] = split
+                                cfg = dict(base, bm=bm, block_k=bk, num_warps=warps, slots_inner=inner)
+                                cfg.pop("split_k")
                                 try:
                                     t = graph_time_us(lambda i: lora_shrink_triton(x, a, slots, prologue, nw, 1e-6,
                                                                                    config=cfg), 1, 50, 7)
@@ -185,7 +184,7 @@ def sweep(bw):
                                 rows.append(dict(op="shrink", layer=name, T=T, layout=layout, cfg=cfg, us=t))
                 for bm in (16, 32, 64):
                     for bn in (64, 128):
-                        for warps in (4, 8):
+                        for warps in (4,):
                             cfg = dict(mode="tile", bm=bm, block_n=bn, num_warps=warps, num_stages=2)
                             try:
                                 t = graph_time_us(lambda i: lora_expand_triton(s, b, slots, y, rank, starts, config=cfg),

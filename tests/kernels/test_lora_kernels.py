@@ -16,6 +16,8 @@ PROLOGUES = [PLAIN, SILU_MUL, ADD_RMSNORM]
 GEMV_SHRINK = dict(mode="gemv", block_r=2, block_k=32, num_warps=4, num_stages=1)
 TILE_SHRINK = dict(mode="tile", bm=16, block_r=16, block_k=32, num_warps=4, num_stages=1)
 SPLIT_SHRINK = dict(mode="tile", bm=16, block_r=16, block_k=16, split_k=3, num_warps=4, num_stages=1)
+INNER_SHRINK = dict(mode="tile", bm=16, block_r=16, block_k=32, slots_inner=True, num_warps=4, num_stages=1)
+INNER_SPLIT_SHRINK = dict(INNER_SHRINK, block_k=16, split_k=2)
 GEMV_EXPAND = dict(mode="gemv", block_n=32, num_warps=4, num_stages=1)
 TILE_EXPAND = dict(mode="tile", bm=16, block_n=32, num_warps=4, num_stages=1)
 
@@ -169,7 +171,8 @@ def test_shrink_cpu(device, prologue, nan_empty):
     S, R = 4, 8  # slots 1..3 and slot 0; slot 2 all zeros
     cases = [(1, 64, "runs", GEMV_SHRINK), (5, 96, "mixed", GEMV_SHRINK), (5, 70, "runs", None),
              (37, 64, "runs", TILE_SHRINK), (37, 80, "mixed", TILE_SHRINK), (37, 64, "mixed", GEMV_SHRINK),
-             (37, 72, "runs", SPLIT_SHRINK), (20, 64, "mixed", SPLIT_SHRINK),
+             (37, 72, "runs", SPLIT_SHRINK), (20, 64, "mixed", SPLIT_SHRINK), (37, 64, "mixed", INNER_SHRINK),
+             (37, 80, "runs", INNER_SPLIT_SHRINK), (20, 64, "zero", INNER_SHRINK),
              (20, 64, "zero", TILE_SHRINK), (20, 64, "one", TILE_SHRINK), (5, 64, "zero", GEMV_SHRINK)]
     for T, K, kind, cfg in cases:
         x = _x(T, K, prologue, torch.float32, device)
@@ -188,7 +191,7 @@ def test_shrink_cpu_rank_padding_and_16bit(device):
     for R, dtype, cfg in ((5, torch.float32, TILE_SHRINK), (3, torch.float32, GEMV_SHRINK),
                           (12, torch.bfloat16, TILE_SHRINK), (4, torch.float16, GEMV_SHRINK),
                           (16, torch.float16, TILE_SHRINK), (7, torch.bfloat16, GEMV_SHRINK),
-                          (20, torch.float32, SPLIT_SHRINK)):
+                          (20, torch.float32, SPLIT_SHRINK), (16, torch.float16, INNER_SHRINK)):
         x = torch.randn(T, K + 8, dtype=dtype)[:, :K]
         a = _a_stack(4, R, K, dtype, "cpu")
         slots = _slots(T, 4, "cpu", "runs", gen)

@@ -200,10 +200,11 @@ def _shrink_tile_kernel(
     x_ptr, a_ptr, nw_ptr, slots_ptr, s_ptr, rstd_ptr,
     T, R, K, K_CHUNK, eps, stride_xt, stride_as, stride_ar, stride_st,
     PROLOGUE: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_IEEE: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_IEEE: tl.constexpr, LOOP_STAGES: tl.constexpr, SLOTS_INNER: tl.constexpr,
 ):
     """Grid (cdiv(T, BM), cdiv(R, BLOCK_R), SPLIT_K): s for BM tokens and BLOCK_R rank rows over
-    K_CHUNK columns of K, one tl.dot tile product per distinct nonzero slot of the token block.
+    K_CHUNK columns of K, one tl.dot tile product per distinct nonzero slot of the token block
+    (SLOTS_INNER: the walk over the slots inside the K loop, else the K loop inside the walk).
     With SPLIT_K > 1 the partial sums are added with atomics into s, which _shrink_prep_kernel
     zeroed (it also wrote ADD_RMSNORM's 1 / rms(x) per token, so each split can apply it)."""
     m = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -220,24 +221,54 @@ def _shrink_tile_kernel(
     if PROLOGUE == 2:
         if SPLIT_K > 1:  # 1 / rms(x) from _shrink_prep_kernel
             sq = tl.load(rstd_ptr + m, mask=m_ok, other=0.0)
-    cur = _next_slot(sl, 0)
-    while cur < 2147483647:
-        sel = m_ok & (sl == cur)
-        a_rows = a_ptr + cur.to(tl.int64) * stride_as + r.to(tl.int64)[None, :] * stride_ar
+    first = _next_slot(sl, 0)
+    if SLOTS_INNER:
+        # Per K step: the activations and the prologue once for all the block's tokens, then one
+        # product per distinct slot (the next slot's A tile loads while this one multiplies).
+        row_on = m_ok & (sl > 0)
+        a_cols = r.to(tl.int64)[None, :] * stride_ar
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
             kk = k0 + ks
             k_ok = kk < k_end
             a, sq_k = _prologue(x_ptr, nw_ptr, m64[:, None] * stride_xt + kk[None, :], kk[None, :],
-                                sel[:, None] & k_ok[None, :], K, PROLOGUE)
+                                row_on[:, None] & k_ok[None, :], K, PROLOGUE)
             if PROLOGUE == 2:
                 if SPLIT_K == 1:
                     sq += tl.sum(sq_k, axis=1)
-            w = tl.load(a_rows + kk[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_R]
-            if DOT_IEEE:
-                acc = tl.dot(a, w.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a.to(w.dtype), w, acc)
-        cur = _next_slot(sl, cur)
+            w_mask = k_ok[:, None] & r_ok[None, :]
+            cur = first
+            w = tl.load(a_ptr + cur.to(tl.int64) * stride_as + a_cols + kk[:, None],
+                        mask=w_mask & (kk < tl.where(cur < 2147483647, k_end, 0))[:, None], other=0.0)
+            while cur < 2147483647:
+                nxt = _next_slot(sl, cur)
+                w_next = tl.load(a_ptr + nxt.to(tl.int64) * stride_as + a_cols + kk[:, None],
+                                 mask=w_mask & (kk < tl.where(nxt < 2147483647, k_end, 0))[:, None], other=0.0)
+                a_sel = tl.where((sl == cur)[:, None], a, 0.0)
+                if DOT_IEEE:
+                    acc = tl.dot(a_sel, w.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a_sel.to(w.dtype), w, acc)
+                w = w_next
+                cur = nxt
+    else:
+        cur = first
+        while cur < 2147483647:
+            sel = m_ok & (sl == cur)
+            a_rows = a_ptr + cur.to(tl.int64) * stride_as + r.to(tl.int64)[None, :] * stride_ar
+            for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
+                kk = k0 + ks
+                k_ok = kk < k_end
+                a, sq_k = _prologue(x_ptr, nw_ptr, m64[:, None] * stride_xt + kk[None, :], kk[None, :],
+                                    sel[:, None] & k_ok[None, :], K, PROLOGUE)
+                if PROLOGUE == 2:
+                    if SPLIT_K == 1:
+                        sq += tl.sum(sq_k, axis=1)
+                w = tl.load(a_rows + kk[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_R]
+                if DOT_IEEE:
+                    acc = tl.dot(a, w.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a.to(w.dtype), w, acc)
+            cur = _next_slot(sl, cur)
     if PROLOGUE == 2:
         if SPLIT_K > 1:
             acc = acc * sq[:, None]
@@ -342,24 +373,36 @@ def _expand_tile_kernel(
     rr = tl.arange(0, RANK_P)
     rr_ok = rr < RANK
     acc = tl.zeros([BM, BLOCK_N], tl.float32)
+    b_cols = n.to(tl.int64)[None, :] * stride_bn + rr[:, None]
+    b_mask = rr_ok[:, None] & n_ok[None, :]
     cur = _next_slot(sl, 0)
+    # One [RANK_P, BLOCK_N] tile of B per slot (the rows of every slice; each slice's product masks
+    # the others' rows), the next slot's tile loading while this one multiplies.
+    b = tl.load(b_ptr + cur.to(tl.int64) * stride_bs + b_cols,
+                mask=b_mask & (n < tl.where(cur < 2147483647, N, 0))[None, :], other=0.0)
     while cur < 2147483647:
+        nxt = _next_slot(sl, cur)
+        b_next = tl.load(b_ptr + nxt.to(tl.int64) * stride_bs + b_cols,
+                         mask=b_mask & (n < tl.where(nxt < 2147483647, N, 0))[None, :], other=0.0)
         sel = m_ok & (sl == cur)
-        b_rows = b_ptr + cur.to(tl.int64) * stride_bs + n.to(tl.int64)[None, :] * stride_bn + rr[:, None]
         for j in tl.static_range(NUM_SLICES):
-            in_j = _slice_rows(n, n_ok, j, NUM_SLICES, N, S1, S2, S3)
             sv = tl.load(s_ptr + m64[:, None] * stride_st + j * RANK + rr[None, :],
                          mask=sel[:, None] & rr_ok[None, :], other=0.0)  # [BM, RANK_P] fp32
-            b = tl.load(b_rows, mask=rr_ok[:, None] & in_j[None, :], other=0.0)  # [RANK_P, BLOCK_N]
+            if NUM_SLICES > 1:
+                in_j = _slice_rows(n, n_ok, j, NUM_SLICES, N, S1, S2, S3)
+                bj = tl.where(in_j[None, :], b, 0.0).to(b.dtype)
+            else:
+                bj = b
             if DOT_IEEE:
-                acc = tl.dot(sv, b.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(sv, bj.to(tl.float32), acc, input_precision="ieee")
             else:
                 # s in two parts of B's dtype (hi + lo carry ~16 bits), so s is not rounded to 16 bits.
-                s_hi = sv.to(b.dtype)
-                s_lo = (sv - s_hi.to(tl.float32)).to(b.dtype)
-                acc = tl.dot(s_hi, b, acc)
-                acc = tl.dot(s_lo, b, acc)
-        cur = _next_slot(sl, cur)
+                s_hi = sv.to(bj.dtype)
+                s_lo = (sv - s_hi.to(tl.float32)).to(bj.dtype)
+                acc = tl.dot(s_hi, bj, acc)
+                acc = tl.dot(s_lo, bj, acc)
+        b = b_next
+        cur = nxt
     y_mask = (m_ok & (sl > 0))[:, None] & n_ok[None, :]
     y_at = y_ptr + m64[:, None] * stride_yt + n[None, :]
     y = tl.load(y_at, mask=y_mask, other=0.0)
@@ -398,7 +441,9 @@ def lora_shrink_config(T: int, R: int, K: int, prologue: int = PLAIN) -> dict:
     programs = triton.cdiv(T, bm) * triton.cdiv(R, block_r)
     # Split K until the grid fills the GPU (each split at least one K step).
     split_k = max(1, min(triton.cdiv(_TARGET_PROGRAMS, programs), K // block_k))
-    return dict(mode="tile", bm=bm, block_r=block_r, block_k=block_k, split_k=split_k, num_warps=4, num_stages=2)
+    # SiLU-and-mul per element is dear: computed once per K step however many slots the block has.
+    return dict(mode="tile", bm=bm, block_r=block_r, block_k=block_k, split_k=split_k, slots_inner=prologue == SILU_MUL,
+                num_warps=4, num_stages=2)
 
 
 def lora_expand_config(T: int, N: int, slice_rank: int) -> dict:
@@ -468,7 +513,7 @@ def lora_shrink_triton(x: torch.Tensor, a_stack: torch.Tensor, token_slots: torc
         _shrink_tile_kernel[grid](
             x, a_stack, nw, slots, s, rstd, T, R, K, k_chunk, eps, x.stride(0), a_stack.stride(0), a_stack.stride(1),
             s.stride(0), PROLOGUE=prologue, BM=cfg["bm"], BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
-            SPLIT_K=split_k, DOT_IEEE=ieee, LOOP_STAGES=cfg["num_stages"],
+            SPLIT_K=split_k, DOT_IEEE=ieee, LOOP_STAGES=cfg["num_stages"], SLOTS_INNER=bool(cfg.get("slots_inner")),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return s
 
