@@ -175,7 +175,7 @@ def sweep(bw):
                         for inner in (False, True):
                             for warps in (4,):
                                 cfg = dict(base, bm=bm, block_k=bk, num_warps=warps, slots_inner=inner)
-                                cfg.pop("split_k")
+                                cfg["split_k"] = None
                                 try:
                                     t = graph_time_us(lambda i: lora_shrink_triton(x, a, slots, prologue, nw, 1e-6,
                                                                                    config=cfg), 1, 50, 7)

@@ -421,6 +421,12 @@ def _tile_bm(T: int) -> int:
 _TARGET_PROGRAMS = 2 * 132
 
 
+def _auto_split_k(T: int, R: int, K: int, bm: int, block_r: int, block_k: int) -> int:
+    """Split K until the grid fills the GPU (each split at least one K step)."""
+    programs = triton.cdiv(T, bm) * triton.cdiv(R, block_r)
+    return max(1, min(triton.cdiv(_TARGET_PROGRAMS, programs), K // block_k))
+
+
 def lora_shrink_config(T: int, R: int, K: int, prologue: int = PLAIN) -> dict:
     """Launch choice for the shrink at T tokens (shapes only). Tune here."""
     r_p = triton.next_power_of_2(R)
@@ -438,9 +444,7 @@ def lora_shrink_config(T: int, R: int, K: int, prologue: int = PLAIN) -> dict:
     # K steps as wide as the registers allow ([bm, bk] activations and [bk, block_r] A per step):
     # inside the walk over the slots the loop is not pipelined across slots, so fewer, wider steps.
     block_k = max(32, min(256, 4096 // bm, 8192 // block_r))
-    programs = triton.cdiv(T, bm) * triton.cdiv(R, block_r)
-    # Split K until the grid fills the GPU (each split at least one K step).
-    split_k = max(1, min(triton.cdiv(_TARGET_PROGRAMS, programs), K // block_k))
+    split_k = _auto_split_k(T, R, K, bm, block_r, block_k)
     # SiLU-and-mul per element is dear: computed once per K step however many slots the block has.
     return dict(mode="tile", bm=bm, block_r=block_r, block_k=block_k, split_k=split_k, slots_inner=prologue == SILU_MUL,
                 num_warps=4, num_stages=2)
@@ -497,7 +501,10 @@ def lora_shrink_triton(x: torch.Tensor, a_stack: torch.Tensor, token_slots: torc
     else:
         assert cfg["bm"] >= 16 and cfg["block_r"] >= 16 and cfg["block_k"] >= 16, "tl.dot tiles are >= 16"
         ieee = _dot_ieee(x.device, x.dtype, a_stack.dtype)
-        split_k = max(1, int(cfg.get("split_k", 1)))
+        split_k = cfg.get("split_k")  # None: chosen for the config's tiles
+        if split_k is None:
+            split_k = _auto_split_k(T, R, K, cfg["bm"], cfg["block_r"], cfg["block_k"])
+        split_k = max(1, int(split_k))
         k_chunk = triton.cdiv(triton.cdiv(K, split_k), cfg["block_k"]) * cfg["block_k"]
         split_k = triton.cdiv(K, k_chunk)
         rstd = s
