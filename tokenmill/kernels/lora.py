@@ -439,14 +439,16 @@ def lora_shrink_config(T: int, R: int, K: int, prologue: int = PLAIN) -> dict:
         block_k = max(16, min(triton.next_power_of_2(K), 16384 // block_r))
         num_warps = max(4, min(16, block_k * block_r // 1024))
         return dict(mode="gemv", block_r=block_r, block_k=block_k, split_k=1, num_warps=num_warps, num_stages=2)
+    # From the H200 sweep (benchmarks/lora_kernel_bench.py --sweep, Llama-3.1-8B layers, rank 16,
+    # requests in runs and interleaved decode tokens over 8 adapters): 32-token blocks up to 256
+    # tokens, 64 above; 64-wide K steps; the walk over the slots inside the K loop (the activations
+    # and the prologue once per step, the next slot's A tile prefetched) won or tied everywhere
+    # except one-slot blocks at a few shapes, where it costs at most ~10%.
     block_r = min(128, max(16, r_p))
-    bm = _tile_bm(T)
-    # K steps as wide as the registers allow ([bm, bk] activations and [bk, block_r] A per step):
-    # inside the walk over the slots the loop is not pipelined across slots, so fewer, wider steps.
-    block_k = max(32, min(256, 4096 // bm, 8192 // block_r))
+    bm = 32 if T <= 256 else 64
+    block_k = 64
     split_k = _auto_split_k(T, R, K, bm, block_r, block_k)
-    # SiLU-and-mul per element is dear: computed once per K step however many slots the block has.
-    return dict(mode="tile", bm=bm, block_r=block_r, block_k=block_k, split_k=split_k, slots_inner=prologue == SILU_MUL,
+    return dict(mode="tile", bm=bm, block_r=block_r, block_k=block_k, split_k=split_k, slots_inner=True,
                 num_warps=4, num_stages=2)
 
 
@@ -456,7 +458,8 @@ def lora_expand_config(T: int, N: int, slice_rank: int) -> dict:
     if T <= GEMV_MAX_T:
         block_n = max(16, min(256, 2048 // rank_p, triton.next_power_of_2(N)))
         return dict(mode="gemv", block_n=block_n, num_warps=4, num_stages=1)
-    return dict(mode="tile", bm=_tile_bm(T), block_n=64 if T <= 256 else 128, num_warps=4, num_stages=2)
+    # Sweep as for the shrink: 128 output rows per program; 16 / 32 / 64 tokens as T grows.
+    return dict(mode="tile", bm=_tile_bm(T), block_n=128, num_warps=4, num_stages=2)
 
 
 def _dot_ieee(device: torch.device, *dtypes: torch.dtype) -> bool:
