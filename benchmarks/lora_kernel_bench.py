@@ -187,8 +187,8 @@ def sweep(bw):
                         for warps in (4,):
                             cfg = dict(mode="tile", bm=bm, block_n=bn, num_warps=warps, num_stages=2)
                             try:
-                                t = graph_time_us(lambda i: lora_expand_triton(s, b, slots, y, rank, starts, config=cfg),
-                                                  1, 50, 7)
+                                t = graph_time_us(
+                                    lambda i: lora_expand_triton(s, b, slots, y, rank, starts, config=cfg), 1, 50, 7)
                             except Exception:  # noqa: BLE001
                                 t = float("nan")
                             rows.append(dict(op="expand", layer=name, T=T, layout=layout, cfg=cfg, us=t))
@@ -229,7 +229,8 @@ def main():
                     r = bench_case(name, K, N, starts, prologue, rank, T, layout, bw)
                     results.append(r)
                     print(f"{name:8s} r{rank:<3d} T{T:<5d} {layout:11s} shrink {r['shrink_us']:8.2f} "
-                          f"expand {r['expand_us']:8.2f} lora {r['lora_us']:8.2f} us  base {r['base_linear_us']:8.2f} us"
+                          f"expand {r['expand_us']:8.2f} lora {r['lora_us']:8.2f} us  "
+                          f"base {r['base_linear_us']:8.2f} us"
                           f"  ratio {r['lora_over_base']:.3f}  roofline {r['roofline_fraction']:.2f}", flush=True)
                     torch.cuda.empty_cache()
     sweep_rows = sweep(bw) if args.sweep else []

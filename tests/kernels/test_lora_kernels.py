@@ -130,7 +130,7 @@ def test_dispatch_cpu_uses_reference():
     s = lora_shrink(x, a, slots)
     torch.testing.assert_close(s, lora_shrink_ref(x, a, slots), rtol=0, atol=0)
     b = torch.randn(3, 8, 4)
-    y1, y2 = torch.randn(4, 8), None
+    y1 = torch.randn(4, 8)
     y2 = y1.clone()
     lora_expand(s, b, slots, y1, 4)
     lora_expand_ref(s, b, slots, y2, 4)
@@ -364,7 +364,8 @@ def test_cuda_graph_capture(device, T):
     for trial in range(3):
         x.copy_(torch.randn(T, K, device=device, dtype=dtype))
         y.copy_(torch.randn(T, N, device=device, dtype=dtype))
-        slots.copy_(torch.randint(0, S, (T,), dtype=torch.int32) if trial else (torch.arange(T, dtype=torch.int32) + 1) % S)
+        new = torch.randint(0, S, (T,), dtype=torch.int32) if trial else (torch.arange(T, dtype=torch.int32) + 1) % S
+        slots.copy_(new)
         before = y.clone()
         graph.replay()
         torch.cuda.synchronize()
