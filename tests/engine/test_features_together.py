@@ -9,6 +9,7 @@ import json
 import jsonschema
 
 from tests.engine.conftest import assert_no_leaks, chat_ids, make_llm
+from tests.engine.test_lora import adapters  # noqa: F401 (a fixture)
 from tests.engine.test_structured_output import NGRAM, SCHEMAS
 from tokenmill.sampling_params import SamplingParams
 
@@ -61,5 +62,31 @@ def test_features_together(smollm):
     lp = together[5].prompt_logprobs
     assert lp[0] is None and len(lp) == len(animals) and all(lp[i] for i in range(1, len(animals)))
     assert "sat on" not in together[6].outputs[0].text
+    assert_no_leaks(busy)
+    assert not busy.engine.structured.matchers
+
+
+def test_features_together_with_lora_adapters(smollm, adapters):
+    """The same busy run with LoRA adapters on most requests (more adapters than slots, so some wait
+    for a slot) and a seeded sampled request: each request equals its run alone with its adapter;
+    the adapters' requests really speculate, preempt and take grammars."""
+    plain = make_llm(smollm, enable_lora=True, max_loras=3, max_lora_rank=16)
+    busy = make_llm(smollm, step_time_target_ms=20.0, enable_lora=True, max_loras=2, max_lora_rank=16, **BUSY)
+    requests, _, banned = feature_requests(make_llm(smollm))
+    animals = requests[3][0]
+    # speculation, a grammar, bad words + logit bias, n=2 with prompt logprobs, seeded sampling
+    requests = [requests[i] for i in (0, 2, 3, 5)] + [(animals, SamplingParams(temperature=0.8, seed=3,
+                                                                                max_tokens=24))]
+    a0, a1, a2 = adapters
+    loras = [a0, a1, a2, a0, None]
+    alone = [plain.generate([p], q, use_tqdm=False, lora_request=lora)[0]
+             for (p, q), lora in zip(requests, loras)]
+    together = busy.generate([p for p, _ in requests], [q for _, q in requests], use_tqdm=False, lora_request=loras)
+    assert busy.engine.scheduler.num_preemptions > 0 and busy.engine.spec_stats.accepted > 0
+    for want, got in zip(alone, together):
+        assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+    assert together[1].outputs[0].text.startswith("the cat sat")  # the grammar held
+    assert banned not in together[2].outputs[0].token_ids
+    assert busy.engine.runner.lora.slots.loads >= 3  # two slots for three adapters: rewritten
     assert_no_leaks(busy)
     assert not busy.engine.structured.matchers
