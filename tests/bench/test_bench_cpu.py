@@ -517,3 +517,21 @@ def test_structured_bench_tiny(tmp_path, capsys):
     assert plain["full_batch_decode_steps"] > 0 and plain["mask_fill_ms_mean"] is None
     assert grammar["json_valid"] >= grammar["finished_by_grammar"]
     assert "with JSON-schema grammars" in capsys.readouterr().out
+
+
+def test_throughput_and_latency_with_lora_adapters(tmp_path):
+    """--num-loras: random adapters of the preset spread over the requests (every request runs with
+    one: the slots were written for each), in throughput and latency."""
+    rc = main(["bench", "throughput", "--workload", "tiny", "--device", "cpu", "--out", str(tmp_path),
+               "--num-prompts", "6", "--output-len", "4:8", "--warmup-requests", "0", "--num-loras", "3",
+               "--lora-rank", "4", "--tag", "lora"])
+    assert rc == 0
+    r = _load(tmp_path / "throughput-tiny+custom-lora.json")
+    assert r["engine"]["loras"] == {"count": 3, "rank": 4}
+    assert r["engine"]["config"]["enable_lora"] and r["engine"]["config"]["max_loras"] == 3
+    assert r["summary"]["output_tokens"] == r["workload_tokens"]["output_tokens"]
+    rc = main(["bench", "latency", "--workload", "latency-tiny", "--device", "cpu", "--out", str(tmp_path),
+               "--repeat", "1", "--output-len", "4", "--num-loras", "1", "--tag", "lora"])
+    assert rc == 0
+    r = _load(tmp_path / "latency-latency-tiny+custom-lora.json")
+    assert r["engine"]["loras"] == {"count": 1, "rank": 16} and r["summary"]["output_tokens"] == 4

@@ -31,6 +31,9 @@ def _add_common(p: argparse.ArgumentParser, default_workload: str, default_repea
     # Left unset, these come from the workload (preset, dummy weights, its dtype).
     add_engine_args(p, defaults={name: (None, "the workload's") for name in ("model", "load_format", "dtype")})
     from tokenmill.bench.common import probability
+    from tokenmill.bench.lora import add_lora_args
+
+    add_lora_args(p)
 
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--synthetic-acceptance", type=probability, default=None, metavar="A",

@@ -59,6 +59,9 @@ def engine_namespace(args, w: Workload) -> argparse.Namespace:
     ns.load_format = w.load_format if w.load_format else ("dummy" if w.model.lower() in PRESETS else "auto")
     ns.dtype = w.dtype or "auto"
     ns.speculative_config = speculative_config(args)
+    from tokenmill.bench.lora import lora_engine_args
+
+    lora_engine_args(ns)
     return ns
 
 

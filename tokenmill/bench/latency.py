@@ -29,15 +29,16 @@ from tokenmill.bench.common import (build_engine, format_spec, median_index, res
 from tokenmill.bench.roofline import (format_roofline, kv_bytes_per_token, measure_ceilings, run_roofline,
                                       step_floor)
 from tokenmill.bench.step_timer import StepKinds
+from tokenmill.bench.lora import synthetic_adapters
 from tokenmill.bench.workloads import generate_requests, warmup_requests
 
 
-def time_one_request(engine, prompt_ids: list[int], params) -> tuple[float, list[float], list[float]]:
+def time_one_request(engine, prompt_ids: list[int], params, lora_request=None) -> tuple[float, list[float], list[float]]:
     """(start time, arrival time of each output token, arrival time of each step output that brought
-    new tokens) for one request run alone."""
+    new tokens) for one request run alone (with lora_request's adapter if given)."""
     synchronize(engine.loaded.device)
     start = time.perf_counter()
-    request_id = engine.add_request(None, params, prompt_ids=prompt_ids)
+    request_id = engine.add_request(None, params, prompt_ids=prompt_ids, lora_request=lora_request)
     times: list[float] = []
     arrivals: list[float] = []
     finished = False
@@ -70,10 +71,12 @@ def run(args, log=None) -> dict:
     arch, dtype_bytes = engine.loaded.arch, engine.loaded.dtype.itemsize
     req = generate_requests(w, arch.vocab_size)[0]
     params = SamplingParams(temperature=w.temperature, ignore_eos=True, max_tokens=req.max_tokens)
+    adapters = synthetic_adapters(args, arch)  # --num-loras: the request runs with the first
+    lora = adapters[0] if adapters else None
     for warm in warmup_requests(w, arch.vocab_size, count=max(1, min(args.warmup_requests, 2)),
                                 max_tokens=req.max_tokens):  # full length: every decode shape compiled
         time_one_request(engine, warm.prompt_token_ids,
-                         SamplingParams(temperature=w.temperature, ignore_eos=True, max_tokens=warm.max_tokens))
+                         SamplingParams(temperature=w.temperature, ignore_eos=True, max_tokens=warm.max_tokens), lora)
     kv_tok = kv_bytes_per_token(arch, dtype_bytes)
     runs = []
     for i in range(args.repeat):
@@ -81,7 +84,7 @@ def run(args, log=None) -> dict:
         engine.step_log = []
         spec_before = spec_snapshot(engine)
         step_kinds = StepKinds(engine).install()
-        start, times, arrivals = time_one_request(engine, req.prompt_token_ids, params)
+        start, times, arrivals = time_one_request(engine, req.prompt_token_ids, params, lora)
         kinds = step_kinds.uninstall()
         steps, engine.step_log = engine.step_log, None
         spec = spec_summary(spec_snapshot(engine).since(spec_before)) if spec_before is not None else None
@@ -131,7 +134,8 @@ def run(args, log=None) -> dict:
         "tag": args.tag, "workload": w.to_dict(), "model": w.model,
         "dtype": str(engine.loaded.dtype).replace("torch.", ""), "device": str(device),
         "device_name": ceilings.device_name, "ceilings": ceilings.to_dict(), "repeat": args.repeat,
-        "engine": {"config": vars(engine.config).copy(), "num_parameters": arch.num_parameters()},
+        "engine": {"config": vars(engine.config).copy(), "num_parameters": arch.num_parameters(),
+                   "loras": {"count": len(adapters), "rank": args.lora_rank} if adapters else None},
         "results": {"runs": runs, "median_run": mid,
                     "tpot_ms_median": statistics.median(r["tpot_ms"] for r in runs),
                     "ttft_ms_median": statistics.median(r["ttft_ms"] for r in runs)},

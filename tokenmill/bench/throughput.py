@@ -19,6 +19,7 @@ from tokenmill.bench.common import (build_engine, format_spec, free_device_memor
                                     resolve_workload, spec_snapshot, spec_summary, synchronize)
 from tokenmill.bench.roofline import format_roofline, measure_ceilings, run_roofline, step_kind
 from tokenmill.bench.step_timer import StepKinds, StepTimer
+from tokenmill.bench.lora import spread, synthetic_adapters
 from tokenmill.bench.workloads import generate_requests, summarize, warmup_requests
 
 
@@ -50,10 +51,13 @@ def _run_tokenmill(args, w, log) -> dict:
                              f"{w.expected_output_tokens} expected")
     prompts = [r.prompt_token_ids for r in requests]
     params = _params(requests, w.temperature)
+    adapters = synthetic_adapters(args, arch)  # --num-loras: spread evenly over the requests
+    loras = spread(adapters, len(requests))
     warm = warmup_requests(w, arch.vocab_size, count=args.warmup_requests) if args.warmup_requests > 0 else []
     started = time.perf_counter()
     if warm:
-        llm.generate([r.prompt_token_ids for r in warm], _params(warm, w.temperature), use_tqdm=False)
+        llm.generate([r.prompt_token_ids for r in warm], _params(warm, w.temperature), use_tqdm=False,
+                     lora_request=spread(adapters, len(warm)))
     synchronize(device)
     warmup_s = time.perf_counter() - started
     log(f"engine ready ({loaded.load_seconds:.1f} s load, {warmup_s:.1f} s warm-up of {len(warm)} requests)")
@@ -66,7 +70,7 @@ def _run_tokenmill(args, w, log) -> dict:
         step_kinds = StepKinds(engine).install()
         synchronize(device)
         t0 = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
         synchronize(device)
         elapsed = time.perf_counter() - t0
         timer.uninstall()
@@ -97,7 +101,8 @@ def _run_tokenmill(args, w, log) -> dict:
                             "layers": arch.num_layers, "hidden": arch.hidden_size, "heads": arch.num_heads,
                             "kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "vocab": arch.vocab_size,
                             "tied_embeddings": arch.tie_word_embeddings},
-                   "load_s": loaded.load_seconds, "warmup_s": warmup_s}
+                   "load_s": loaded.load_seconds, "warmup_s": warmup_s,
+                   "loras": {"count": len(adapters), "rank": args.lora_rank} if adapters else None}
     return {"device": str(device), "dtype": str(loaded.dtype).replace("torch.", ""), "requests": requests,
             "warmup": warm, "runs": runs, "engine": engine_info, "workload_tokens": expected}
 
