@@ -167,6 +167,10 @@ class Scheduler:
             budget -= num_new
             prefill_budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+        if self._running_loras:
+            # Entries of one adapter side by side: the LoRA kernels then run each adapter's tokens as
+            # one tile (runner/lora_state.py); the order of a step's entries means nothing else.
+            batch.sort(key=lambda e: self._lora_order(self.requests[e.req_id].lora_request))
 
         return SchedulerOutput(batch=batch, new_requests=new_requests, freed_req_ids=self.take_freed_ids(),
                                num_decodes=num_decodes)
@@ -178,6 +182,10 @@ class Scheduler:
         if lora is None or lora in self._running_loras:
             return True
         return len(self._running_loras) < self.limits.max_loras
+
+    @staticmethod
+    def _lora_order(lora) -> int:
+        return 0 if lora is None else lora.lora_int_id
 
     def _add_running(self, request: Request) -> None:
         self.running.append(request)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# LoRA on the GPU, side by side with the base model in one call: offline-8b without adapters and with
+# 8 rank-16 adapters spread evenly over the requests, latency-8b without and with one rank-16 adapter,
+# then the LoRA GPU tests. Results (JSON) and logs go to $OUT; status.txt lists each part's exit code.
+#   OUT=/tmp/x bash benchmarks/lora_gpu_check.sh        (REPEAT: offline runs, default 1; T: seconds a part)
+set -u
+OUT=${OUT:?set OUT}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then  # what the GPU machine lacks (xgrammar, gguf, ...)
+    SITE=$(mktemp -d)
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl \
+        && export PYTHONPATH="${PYTHONPATH:-}:$SITE"
+fi
+B=("$PY" -m tokenmill.entrypoints.cli bench)
+part() {
+    local name=$1; shift
+    local t0=$(date +%s)
+    timeout "${T:-170}" "$@" > "$OUT/$name.log" 2>&1
+    echo "$name rc=$? $(( $(date +%s) - t0 ))s" | tee -a "$OUT/status.txt"
+}
+part 8b-base "${B[@]}" throughput --workload offline-8b --repeat "${REPEAT:-1}" --cuda-graph-max-batch 128 \
+    --out "$OUT" --tag base --no-plot
+part 8b-lora "${B[@]}" throughput --workload offline-8b --repeat "${REPEAT:-1}" --cuda-graph-max-batch 128 \
+    --num-loras 8 --lora-rank 16 --out "$OUT" --tag lora8-r16 --no-plot
+part lat-base "${B[@]}" latency --workload latency-8b --repeat 3 --cuda-graph-max-batch 8 --out "$OUT" --tag base \
+    --no-plot
+part lat-lora "${B[@]}" latency --workload latency-8b --repeat 3 --cuda-graph-max-batch 8 --num-loras 1 \
+    --lora-rank 16 --out "$OUT" --tag lora1-r16 --no-plot
+part gpu-tests "$PY" -m pytest -q -x -p no:cacheprovider tests/gpu/test_lora_cuda.py
