@@ -441,9 +441,11 @@ _TARGET_PROGRAMS = 2 * 132
 
 
 def _auto_split_k(T: int, R: int, K: int, bm: int, block_r: int, block_k: int) -> int:
-    """Split K until the grid fills the GPU (each split at least one K step)."""
+    """Split K until the grid fills the GPU (each split at least one K step), in powers of two: each
+    split count is a kernel specialization of its own, compiled at start-up (runner/warmup.py)."""
     programs = triton.cdiv(T, bm) * triton.cdiv(R, block_r)
-    return max(1, min(triton.cdiv(_TARGET_PROGRAMS, programs), K // block_k))
+    split = max(1, min(triton.cdiv(_TARGET_PROGRAMS, programs), K // block_k))
+    return 1 << (split.bit_length() - 1)
 
 
 def lora_shrink_config(T: int, R: int, K: int, prologue: int = PLAIN) -> dict:

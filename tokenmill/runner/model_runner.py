@@ -26,7 +26,7 @@ from tokenmill.runner.prompt_logprobs import PromptLogprobsComputer
 from tokenmill.runner.request_states import RequestStates
 from tokenmill.runner.sample import Sampler
 from tokenmill.runner.spec_decode.decoder import ProposerContext, SpeculativeDecoder
-from tokenmill.runner.warmup import warm_up_attention, warm_up_forward, warm_up_token_bitmask
+from tokenmill.runner.warmup import warm_up_attention, warm_up_forward, warm_up_lora, warm_up_token_bitmask
 
 logger = init_logger(__name__)
 
@@ -156,8 +156,10 @@ class ModelRunner:
         warm_up_forward(self)
         warm_up_token_bitmask(self)
         variants = warm_up_attention(self)
+        lora_variants = warm_up_lora(self)
         torch.cuda.synchronize(self.device)
-        logger.info("warm-up: forward passes and %d attention variants compiled", variants)
+        logger.info("warm-up: forward passes, %d attention variants%s compiled", variants,
+                    f" and {lora_variants} LoRA kernel launches" if lora_variants else "")
 
     def _blocks_from_cuda_memory(self) -> int:
         # A profiling run at the largest step shape measures the activation peak.

@@ -52,3 +52,37 @@ def warm_up_attention(runner) -> int:
                         num_splits=plan.num_splits, block_m=plan.block_m, block_n=plan.block_n,
                         num_warps=plan.num_warps, num_stages=plan.num_stages)
     return len(variants)
+
+
+def warm_up_lora(runner) -> int:
+    """With LoRA: every specialization of the shrink and expand kernels a step can select (their
+    launch configs change with the token count, and Triton specializes the count itself on
+    divisibility by 16), launched once per projection shape on zero inputs; returns how many ran.
+    Steps above one token take the unfused path, whose LoRA input needs no prologue."""
+    from tokenmill.kernels.lora import lora_expand, lora_expand_config, lora_shrink, lora_shrink_config
+    from tokenmill.kernels.skinny_gemm import PLAIN
+
+    lora = runner.lora
+    if lora is None:
+        return 0
+    launched = 0
+    seen: set = set()
+    for layer in lora.slots.layers.values():
+        r_total, k = layer.a.shape[1], layer.a.shape[2]
+        n = layer.b.shape[1]
+        wanted: dict = {}
+        for t in range(1, runner.max_num_tokens + 1):
+            key = (r_total, k, n, layer.rank, layer.slice_starts, t == 1, t % 16 == 0,
+                   tuple(sorted(lora_shrink_config(t, r_total, k, PLAIN).items())),
+                   tuple(sorted(lora_expand_config(t, n, layer.rank).items())))
+            if key not in seen:
+                seen.add(key)
+                wanted[key] = t
+        for t in wanted.values():
+            x = torch.zeros((t, k), dtype=runner.dtype, device=runner.device)
+            y = torch.zeros((t, n), dtype=runner.dtype, device=runner.device)
+            slots = torch.ones(t, dtype=torch.int32, device=runner.device)
+            s = lora_shrink(x, layer.a, slots, PLAIN)
+            lora_expand(s, layer.b, slots, y, layer.rank, layer.slice_starts)
+            launched += 1
+    return launched
