@@ -186,6 +186,14 @@ class EngineConfig:
               "RMSNorm / SiLU-and-mul before it fused in; off: cuBLAS and separate kernels")
     seed: int = option(0, "seeds dummy weights and requests that bring no seed of their own",
                        aliases=("--engine-seed",))
+    # executor/: worker processes, one per rank (torch.distributed: NCCL on CUDA, gloo on the CPU).
+    tensor_parallel_size: int = option(1, "tensor-parallel ranks: each layer's weights split over this many "
+                                          "worker processes (GPUs)", aliases=("-tp",), minimum=1)
+    pipeline_parallel_size: int = option(1, "pipeline stages: the layers split over this many ranks", aliases=("-pp",),
+                                         minimum=1)
+    data_parallel_size: int = option(1, "tokenmill serve: independent engine replicas behind one server "
+                                        "(each with tensor_parallel_size x pipeline_parallel_size ranks)",
+                                     aliases=("-dp",), minimum=1)
     # lora/: adapters in GPU slots, chosen per request (LoRARequest).
     enable_lora: bool = option(False, "serve LoRA adapters (PEFT directories) on top of the model, one per request")
     max_loras: int = option(1, "LoRA adapters resident on the device at once (and distinct adapters in one batch)",
