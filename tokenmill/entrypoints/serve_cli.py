@@ -163,6 +163,12 @@ def _check_server_args(args: argparse.Namespace) -> Optional[str]:
         return "--api-server-count above 1 needs the engine in its own process (leave out --no-engine-process)"
     if args.lora_modules and not args.enable_lora:
         return "--lora-modules needs --enable-lora"
+    dp = getattr(args, "data_parallel_size", 1)
+    if dp > 1 and not args.engine_process:
+        return (f"--data-parallel-size {dp} needs the engines in processes of their own (leave out "
+                "--no-engine-process)")
+    if dp > 1 and args.api_server_count > 1:
+        return f"--data-parallel-size {dp} works with one API server process only (leave out --api-server-count)"
     return None
 
 
@@ -247,7 +253,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _start_engine_process(args: argparse.Namespace):
     """Validate the options here (a ConfigError before anything starts), then start the engine process
-    and wait until its model is loaded and warmed up."""
+    and wait until its model is loaded and warmed up. With --data-parallel-size N > 1: N engine
+    processes (replicas) behind one DPEngineClient (engine/dp_client.py)."""
     import logging
 
     from tokenmill.engine.core_client import EngineCoreClient
@@ -257,4 +264,9 @@ def _start_engine_process(args: argparse.Namespace):
     load, config = load_config_from_args(args), engine_config_from_args(args)
     launch = EngineLaunch(load.model, config, dtype=load.dtype, device=load.device, load_format=load.load_format,
                           tokenizer=load.tokenizer, log_level=logging.getLogger("tokenmill").level)
+    if config.data_parallel_size > 1:
+        from tokenmill.engine.dp_client import DPEngineClient
+
+        logger.info("starting %d data-parallel engine replicas", config.data_parallel_size)
+        return DPEngineClient.launch(launch, config.data_parallel_size)
     return EngineCoreClient.launch(launch)

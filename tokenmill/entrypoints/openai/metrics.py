@@ -18,6 +18,14 @@ a frozen copy of the engine's `SpecDecodeStats` (tokenmill/engine/spec_stats.py)
   tokens) and `tokenmill:spec_decode_mean_accepted_length` (tokens a verifying request-step emits,
   1 + accepted tokens / num_drafts). For a window, take the counters' increases instead, e.g.
   `rate(..._num_accepted_tokens_total[5m]) / rate(..._num_draft_tokens_total[5m])`.
+
+Data parallelism (`--data-parallel-size N`, engine/dp_client.py): the series above are the totals
+over the replicas; `tokenmill:data_parallel_size` and, with a `replica` label ("0".."N-1"), each
+replica's own `tokenmill:replica_num_requests_running`, `_num_requests_waiting`,
+`_kv_cache_usage_perc`, `_num_kv_blocks_free`, `_num_kv_blocks`, `_prefix_cache_hit_rate` (gauges)
+and `_num_preemptions`, `_engine_steps`, `_prompt_tokens_computed`, `_generation_tokens`,
+`_requests_routed`, `_requests_routed_by_prefix` (counters: the balancer's choices, the latter those
+made for a cached prompt prefix).
 """
 
 import time
@@ -37,6 +45,32 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.
                 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                 480.0, 960.0, 1920.0, 7680.0)
+
+
+# Data parallelism: per-replica series (label `replica`), from DPEngineClient.replica_stats().
+_REPLICA_GAUGES = (
+    ("tokenmill:replica_num_requests_running", "Requests (samples) in this replica's running batch.",
+     lambda r: r.snapshot.num_running),
+    ("tokenmill:replica_num_requests_waiting", "Requests (samples) waiting in this replica.",
+     lambda r: r.snapshot.num_waiting),
+    ("tokenmill:replica_kv_cache_usage_perc", "Fraction of this replica's KV-cache blocks held by requests.",
+     lambda r: r.snapshot.kv_cache_usage),
+    ("tokenmill:replica_num_kv_blocks_free", "This replica's free KV-cache blocks.",
+     lambda r: r.snapshot.num_free_blocks),
+    ("tokenmill:replica_num_kv_blocks", "This replica's KV-cache blocks.", lambda r: r.snapshot.num_blocks),
+    ("tokenmill:replica_prefix_cache_hit_rate", "This replica's prompt tokens found in its prefix cache / looked up.",
+     lambda r: r.snapshot.prefix_cache_hit_rate),
+)
+_REPLICA_COUNTERS = (
+    ("tokenmill:replica_num_preemptions", "Requests this replica preempted.", lambda r: r.snapshot.num_preemptions),
+    ("tokenmill:replica_engine_steps", "Engine steps this replica ran.", lambda r: r.steps),
+    ("tokenmill:replica_prompt_tokens_computed", "Prompt tokens this replica computed (prefix-cache hits not "
+     "counted).", lambda r: r.snapshot.prompt_tokens),
+    ("tokenmill:replica_generation_tokens", "Tokens this replica generated.", lambda r: r.snapshot.generation_tokens),
+    ("tokenmill:replica_requests_routed", "Requests the balancer sent to this replica.", lambda r: r.routed),
+    ("tokenmill:replica_requests_routed_by_prefix", "Of those, requests sent there for its cached prompt prefix.",
+     lambda r: r.routed_by_prefix),
+)
 
 
 class _EngineStateCollector:
@@ -82,6 +116,29 @@ class _EngineStateCollector:
         yield c
         if s.spec_decode is not None:
             yield from self._spec_decode(s.spec_decode)
+        replica_stats = getattr(self.engine.engine, "replica_stats", None)
+        if callable(replica_stats):
+            yield from self._replicas(replica_stats())
+
+    def _replicas(self, replicas):
+        """Data parallelism (engine/dp_client.py): each replica's own counters, label `replica`; the
+        unlabeled series above are their totals."""
+        labels = ["model_name", "replica"]
+
+        def family(kind, name, doc, value_of):
+            f = kind(name, doc, labels=labels)
+            for r in replicas:
+                f.add_metric([self.model_name, str(r.index)], value_of(r))
+            return f
+
+        g = GaugeMetricFamily("tokenmill:data_parallel_size", "Engine replicas (data parallelism).",
+                              labels=["model_name"])
+        g.add_metric([self.model_name], len(replicas))
+        yield g
+        for name, doc, value_of in _REPLICA_GAUGES:
+            yield family(GaugeMetricFamily, name, doc, value_of)
+        for name, doc, value_of in _REPLICA_COUNTERS:
+            yield family(CounterMetricFamily, name, doc, value_of)
 
     def _spec_decode(self, spec: SpecDecodeCounts):
         labels = ["model_name"]
