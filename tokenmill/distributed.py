@@ -1,54 +1,73 @@
 """Tensor-parallel state and collectives.
 
-World size 1 by default: the collectives are then no-ops. The layers ask this module for their rank
-and world size, so that turning on tensor parallelism (torch.distributed with NCCL on GPUs, gloo on
-CPUs) only has to initialise the group here.
+A model's layers learn their rank and the tensor-parallel size when they are built: `get_tp_rank()`
+/ `get_tp_size()` / `get_tp_group()` read the state that `tensor_parallel(...)` sets around the
+model's construction (the loader's, in each rank's process: executor/). Each layer keeps the
+ParallelState it was built with and runs its collectives in that group, so the state is only read
+at construction: two models of different parallel sizes in one process (a tensor-parallel engine
+beside a single-process one, in tests) never see each other's groups. World size 1 by default: the
+collectives are then no-ops.
 """
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelState:
     tp_rank: int = 0
     tp_size: int = 1
-    group: object = None
+    group: object = None  # the torch.distributed group of the tensor-parallel ranks (None: the default)
 
 
-_STATE = ParallelState()
+_BUILDING: contextvars.ContextVar[ParallelState] = contextvars.ContextVar("tokenmill_tp_state",
+                                                                           default=ParallelState())
 
 
-def init_tensor_parallel(tp_size: int, tp_rank: int, group=None) -> None:
-    """Declare this process's place in the tensor-parallel group (the process group must exist)."""
-    global _STATE
-    if tp_size > 1 and not dist.is_initialized():
+@contextlib.contextmanager
+def tensor_parallel(state: ParallelState):
+    """Layers built inside take this rank and group (the process group must exist when tp_size > 1)."""
+    if state.tp_size > 1 and not dist.is_initialized():
         raise RuntimeError("tensor parallelism needs torch.distributed to be initialised first")
-    _STATE = ParallelState(tp_rank=tp_rank, tp_size=tp_size, group=group)
+    token = _BUILDING.set(state)
+    try:
+        yield state
+    finally:
+        _BUILDING.reset(token)
+
+
+def get_tp_state() -> ParallelState:
+    return _BUILDING.get()
 
 
 def get_tp_rank() -> int:
-    return _STATE.tp_rank
+    return _BUILDING.get().tp_rank
 
 
 def get_tp_size() -> int:
-    return _STATE.tp_size
+    return _BUILDING.get().tp_size
 
 
-def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if _STATE.tp_size == 1:
+def tp_all_reduce(x: torch.Tensor, state: Optional[ParallelState] = None) -> torch.Tensor:
+    """Sum x over the ranks of `state` (a layer's own; default: the state being built), in place."""
+    state = state or _BUILDING.get()
+    if state.tp_size == 1:
         return x
-    dist.all_reduce(x, group=_STATE.group)
+    dist.all_reduce(x, group=state.group)
     return x
 
 
-def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    if _STATE.tp_size == 1:
+def tp_all_gather(x: torch.Tensor, dim: int = -1, state: Optional[ParallelState] = None) -> torch.Tensor:
+    state = state or _BUILDING.get()
+    if state.tp_size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(_STATE.tp_size)]
-    dist.all_gather(parts, x.contiguous(), group=_STATE.group)
+    parts = [torch.empty_like(x) for _ in range(state.tp_size)]
+    dist.all_gather(parts, x.contiguous(), group=state.group)
     return torch.cat(parts, dim=dim)
 
 

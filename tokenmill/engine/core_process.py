@@ -343,6 +343,7 @@ class EngineCore:
                 break
             engine.step()
         engine.step()  # releases the runner rows of what was aborted
+        engine.close()  # tensor-parallel workers, if any
         self.gc.stop()
         self._send_step([], None)
         for index in list(self.outs.sockets):

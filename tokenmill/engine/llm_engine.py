@@ -70,9 +70,14 @@ class LLMEngine:
         the draft is the one of speculative method draft_model, else loaded from its config."""
         self.config = config or EngineConfig()
         self.config.validate()
-        self.loaded = loaded or load_model(model, dtype=dtype, device=device, load_format=load_format,
-                                           max_positions=self.config.max_model_len, seed=self.config.seed,
-                                           tokenizer=tokenizer)
+        # tensor_parallel_size > 1: worker processes hold the other shards (executor/); this process is rank 0.
+        self.executor = self._start_tensor_parallel(model, dtype, device, load_format, loaded, tokenizer)
+        if self.executor is not None:
+            self.loaded = self.executor.loaded
+        else:
+            self.loaded = loaded or load_model(model, dtype=dtype, device=device, load_format=load_format,
+                                               max_positions=self.config.max_model_len, seed=self.config.seed,
+                                               tokenizer=tokenizer)
         arch = self.loaded.arch
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self.config.resolve_max_model_len(arch.max_position_embeddings)
@@ -81,9 +86,9 @@ class LLMEngine:
         # Multi-LoRA: adapters checked and kept in host memory here; the runner's device slots take them.
         self.loras = (LoRARegistry(model_shapes(arch), cfg.max_lora_rank, cfg.max_cpu_loras or cfg.max_loras)
                       if cfg.enable_lora else None)
-        self.runner = ModelRunner(self.loaded.model, self.config, self.max_model_len, self.loaded.device,
-                                  self.loaded.dtype, self.draft.model if self.draft is not None else None,
-                                  self.loras)
+        self.runner = self.executor or ModelRunner(self.loaded.model, self.config, self.max_model_len,
+                                                   self.loaded.device, self.loaded.dtype,
+                                                   self.draft.model if self.draft is not None else None, self.loras)
         # This engine's Triton compiles (counted on CUDA; those after warm-up are warned about).
         self.compile_watch = CompileWatch()
         on_gpu = self.loaded.device.type == "cuda"
@@ -128,6 +133,26 @@ class LLMEngine:
         if self.step_budget is not None:  # after warm-up: its compiles are not the steps' cost
             self.step_budget.calibrate_runner(self.runner, min(self.config.max_num_batched_tokens, self.max_model_len),
                                               self.config.max_num_seqs)
+
+    def _start_tensor_parallel(self, model, dtype, device, load_format: str, loaded, tokenizer):
+        tp = self.config.tensor_parallel_size
+        if tp == 1:
+            return None
+        from tokenmill.executor.tensor_parallel import TPExecutor, check_supported, check_tensor_parallel
+        from tokenmill.loader.load import read_arch
+
+        check_supported(self.config)
+        if loaded is not None or tokenizer is not None:
+            raise ConfigError("tensor_parallel_size > 1 loads the model in every rank: pass the model by name, "
+                              "not loaded (and no tokenizer override yet)")
+        check_tensor_parallel(read_arch(model, load_format), tp)
+        return TPExecutor.launch(model, self.config, dtype=dtype, device=device, load_format=load_format,
+                                 seed=self.config.seed)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine cannot step afterwards)."""
+        if self.executor is not None:
+            self.executor.close()
 
     def _load_draft(self, draft_loaded: Optional[LoadedModel]) -> Optional[LoadedModel]:
         """Speculative method draft_model: its draft, loaded like the target (same loader, dtype and

@@ -4,13 +4,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from tokenmill.distributed import get_tp_state, tp_all_gather, tp_all_reduce
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype=None, device=None):
         super().__init__()
-        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.tp = get_tp_state()
+        self.tp_rank, self.tp_size = self.tp.tp_rank, self.tp.tp_size
         self.vocab_size = vocab_size
         # Pad the vocabulary so that it splits evenly; padded rows are never looked up.
         self.rows_per_rank = -(-vocab_size // self.tp_size)
@@ -37,7 +38,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.rows_per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out.masked_fill_(outside.unsqueeze(-1), 0)
-        return tp_all_reduce(out)
+        return tp_all_reduce(out, self.tp)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -45,5 +46,5 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)
-        logits = tp_all_gather(logits, dim=-1)
+        logits = tp_all_gather(logits, dim=-1, state=self.tp)
         return logits[..., : self.vocab_size]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
+from tokenmill.distributed import divide, get_tp_size, get_tp_state, tp_all_reduce
 from tokenmill.kernels import qkv_rope_gemv, skinny_gemm
 from tokenmill.kernels.activation import silu_and_mul
 from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, PLAIN, SILU_MUL
@@ -106,7 +106,8 @@ class ColumnParallelLinear(LinearBase):
     """y = x W^T with W split by output rows: each rank computes a slice of y."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None, device=None):
-        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.tp = get_tp_state()
+        self.tp_rank, self.tp_size = self.tp.tp_rank, self.tp.tp_size
         super().__init__(in_features, divide(out_features, self.tp_size), bias, dtype, device)
 
     def weight_loader(self, param, loaded, shard_id=None):
@@ -182,7 +183,8 @@ class RowParallelLinear(LinearBase):
     """y = x W^T with W split by input columns: each rank holds a partial sum, then all-reduce."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None, device=None):
-        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.tp = get_tp_state()
+        self.tp_rank, self.tp_size = self.tp.tp_rank, self.tp.tp_size
         super().__init__(divide(in_features, self.tp_size), out_features, bias, dtype, device)
 
     def weight_loader(self, param, loaded, shard_id=None):
@@ -197,7 +199,7 @@ class RowParallelLinear(LinearBase):
         return F.linear(x, self.weight)  # the bias is added once, after the reduction
 
     def _finish(self, y: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(y)
+        y = tp_all_reduce(y, self.tp)
         return y if self.bias is None else y + self.bias
 
 

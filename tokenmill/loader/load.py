@@ -113,6 +113,23 @@ def load_tokenizer(reference: str):
     return tokenizer
 
 
+def read_arch(model: Optional[str] = None, load_format: str = "auto"):
+    """The model's ModelArchConfig without building it (to check a parallel layout first)."""
+    source = resolve_model(model, load_format)
+    if source.kind == "dummy":
+        from tokenmill.models.presets import PRESETS, get_preset
+
+        if source.path.lower() in PRESETS or not os.path.isdir(source.path):
+            return arch_config_from_hf(get_preset(source.path))
+        return arch_config_from_hf(_read_config(source.path))
+    directory = source.path
+    if source.kind == "gguf":
+        from tokenmill.loader.gguf_loader import convert_gguf_to_hf_dir
+
+        directory = convert_gguf_to_hf_dir(source.path)
+    return arch_config_from_hf(_read_config(directory))
+
+
 def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_format: str = "auto",
                max_positions: Optional[int] = None, seed: int = 0, tokenizer: Optional[str] = None) -> LoadedModel:
     started = time.perf_counter()

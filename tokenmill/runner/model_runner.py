@@ -81,8 +81,9 @@ class ModelRunner:
         self._prompt_lp = None  # the step's prompt logprobs (runner/prompt_logprobs.py), if any asked
 
     # ---- set-up ---------------------------------------------------------------------------
-    def initialize_kv_cache(self) -> int:
-        """Size and allocate the KV cache; returns the number of blocks."""
+    def initialize_kv_cache(self, agree=None) -> int:
+        """Size and allocate the KV cache; returns the number of blocks. agree(n): the count every
+        tensor-parallel rank can hold (the smallest), when there are several."""
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
@@ -92,6 +93,8 @@ class ModelRunner:
             wanted = cfg.max_num_seqs * self.max_model_len * self.kv_bytes_per_block() // cfg.block_size
             budget = cfg.kv_cache_memory_gb * 2**30 if cfg.kv_cache_memory_gb else min(wanted, 2**30)
             num_blocks = int(budget // self.kv_bytes_per_block())
+        if agree is not None:
+            num_blocks = agree(num_blocks)
         if num_blocks < 1:
             raise RuntimeError("no memory is left for the KV cache; lower max_num_batched_tokens or the model size")
         self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks, self.device)

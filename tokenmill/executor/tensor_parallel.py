@@ -1,0 +1,321 @@
+"""Tensor parallelism: one process per rank, each with its own runner over its shard of the weights.
+
+The driver is rank 0: the process of the engine and the scheduler. It starts the other ranks as
+worker processes (or, under torchrun, finds them started), and each rank builds the model inside
+`tensor_parallel(...)` so its layers hold only their shard (distributed.py; each checkpoint tensor
+is read, narrowed to the rank's part and dropped, so no rank ever holds the whole model) and run
+their all-reduces in the group. The engine drives a TPExecutor as it would a ModelRunner: every
+call that touches the device (set-up, each step's execute_model and sample_tokens, releasing rows)
+is sent to the workers first (executor/step_wire.py: msgpack over a broadcast in a gloo group, a
+length then the bytes) and then run on rank 0's own runner. All ranks thus run the same steps in the
+same order: the logits are gathered over the vocabulary on every rank, so every rank samples the
+same tokens (the samplers are seeded per request) and keeps the same request state, and only rank
+0's sampled tokens go back to the engine. NCCL carries the model's collectives on CUDA (one GPU per
+rank: cuda:<local rank>), gloo on the CPU; the control group is always gloo.
+
+A worker that exits (killed, out of memory) fails the driver's next step with an error naming it;
+a worker whose driver is gone exits.
+"""
+
+import datetime
+import multiprocessing
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.distributed import ParallelState, tensor_parallel
+from tokenmill.executor import step_wire
+from tokenmill.logger import init_logger
+
+logger = init_logger(__name__)
+
+CONTROL_TIMEOUT = datetime.timedelta(days=365)  # workers wait on the control broadcast while idle
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+START_TIMEOUT_S = 600.0
+PARENT_CHECK_S = 1.0
+
+
+@dataclass
+class RankLaunch:
+    """What every rank needs to build its model and runner (sent once, at start)."""
+
+    model: Optional[str]
+    load_format: str
+    dtype: object
+    device_type: str  # "cpu" or "cuda"
+    config: EngineConfig
+    max_positions: Optional[int]
+    seed: int
+    init_method: str  # tcp://host:port, or env:// under torchrun
+    world_size: int
+
+
+def check_tensor_parallel(arch, tp: int) -> None:
+    """Refuse, naming the numbers, a model whose heads or MLP do not split over tp ranks."""
+    if tp == 1:
+        return
+    problems = []
+    if arch.num_heads % tp:
+        problems.append(f"its {arch.num_heads} attention heads")
+    kv = arch.num_kv_heads
+    if kv % tp and tp % kv:
+        problems.append(f"its {kv} KV heads (tp must divide them, or be a multiple of them: KV heads are "
+                        "then replicated)")
+    if arch.intermediate_size % tp:
+        problems.append(f"its MLP width {arch.intermediate_size}")
+    if problems:
+        raise ConfigError(f"tensor_parallel_size {tp} does not split {arch.architecture}: {'; '.join(problems)}")
+
+
+def check_supported(config: EngineConfig) -> None:
+    tp = config.tensor_parallel_size
+    if tp == 1:
+        return
+    if config.enable_lora:
+        raise ConfigError("LoRA with tensor_parallel_size > 1 is not supported yet")
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        raise ConfigError("speculative method draft_model with tensor_parallel_size > 1 is not supported yet "
+                          "(ngram and layer_truncated are)")
+    if config.step_time_target_ms is not None:
+        raise ConfigError("step_time_target_ms with tensor_parallel_size > 1 is not supported yet")
+    if config.pipeline_parallel_size > 1:
+        raise ConfigError("pipeline_parallel_size > 1 is not supported yet")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def under_torchrun() -> bool:
+    """Started by torchrun (its standard environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+class ControlChannel:
+    """Rank 0 broadcasts each message to the other ranks: its length, then its bytes (gloo)."""
+
+    def __init__(self, group):
+        self.group = group
+        self._len = torch.zeros(1, dtype=torch.int64)
+
+    def send(self, data: bytes) -> None:
+        self._len[0] = len(data)
+        dist.broadcast(self._len, src=0, group=self.group)
+        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=self.group)
+
+    def recv(self) -> bytes:
+        dist.broadcast(self._len, src=0, group=self.group)
+        buf = torch.empty(int(self._len[0]), dtype=torch.uint8)
+        dist.broadcast(buf, src=0, group=self.group)
+        return buf.numpy().tobytes()
+
+
+def _init_rank(launch: RankLaunch, rank: int) -> tuple[torch.device, object]:
+    """Join the process group; returns this rank's device and the control group."""
+    cuda = launch.device_type == "cuda"
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=launch.init_method, rank=rank,
+                            world_size=launch.world_size, timeout=COLLECTIVE_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return device, control
+
+
+def _build(launch: RankLaunch, rank: int, device: torch.device):
+    """This rank's model shard and runner."""
+    from tokenmill.loader import load_model
+    from tokenmill.runner.model_runner import ModelRunner
+
+    state = ParallelState(tp_rank=rank, tp_size=launch.world_size, group=None)
+    with tensor_parallel(state):
+        loaded = load_model(launch.model, dtype=launch.dtype, device=device, load_format=launch.load_format,
+                            max_positions=launch.max_positions, seed=launch.seed)
+    max_model_len = launch.config.resolve_max_model_len(loaded.arch.max_position_embeddings)
+    runner = ModelRunner(loaded.model, launch.config, max_model_len, loaded.device, loaded.dtype)
+    return loaded, runner
+
+
+def _watch_parent(parent_pid: Optional[int]) -> None:
+    if parent_pid is None:
+        return
+
+    def watch():
+        while True:
+            time.sleep(PARENT_CHECK_S)
+            if os.getppid() != parent_pid:
+                logger.error("tensor-parallel worker: the driver process is gone; exiting")
+                os._exit(1)
+
+    threading.Thread(target=watch, name="tokenmill-tp-parent-watch", daemon=True).start()
+
+
+def run_worker(launch: RankLaunch, rank: int, parent_pid: Optional[int] = None) -> int:
+    """A worker rank: build the shard and runner, then run what the driver sends until it says stop."""
+    _watch_parent(parent_pid)
+    device, control = _init_rank(launch, rank)
+    channel = ControlChannel(control)
+    _, runner = _build(launch, rank, device)
+    logger.info("tensor-parallel rank %d/%d ready on %s", rank, launch.world_size, device)
+    with torch.inference_mode():
+        while True:
+            msg = step_wire.decode(channel.recv())
+            kind = msg[0]
+            if kind == "exec":
+                runner.execute_model(msg[1])
+            elif kind == "sample":
+                runner.sample_tokens(msg[1])  # rank 0's tokens are the ones the engine takes
+            elif kind == "release":
+                runner.release(msg[1])
+            elif kind == "call":
+                _, name, args = msg
+                _call(runner, name, args, control)
+            elif kind == "shutdown":
+                break
+    dist.destroy_process_group()
+    return 0
+
+
+def _call(runner, name: str, args: list, control):
+    if name == "initialize_kv_cache":
+        return runner.initialize_kv_cache(agree=lambda n: _agree_min(n, control))
+    if name in ("warm_up", "capture_cuda_graphs"):
+        return getattr(runner, name)()
+    if name == "dummy_run":
+        return runner.dummy_run(*args)
+    raise ValueError(f"unknown runner call {name!r}")
+
+
+def _agree_min(n: int, control) -> int:
+    """The smallest of every rank's n (KV blocks: the cache must be as large on every rank)."""
+    t = torch.tensor([n], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control)
+    return int(t[0])
+
+
+def _worker_entry(launch: RankLaunch, rank: int, parent_pid: int) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    os._exit(run_worker(launch, rank, parent_pid))
+
+
+class TPExecutor:
+    """Rank 0's runner and the worker ranks behind it, driven as one ModelRunner by the engine."""
+
+    def __init__(self, launch: RankLaunch):
+        self.launch = launch
+        self.world_size = launch.world_size
+        self._procs: list = []
+        self._closed = False
+        if launch.init_method != "env://":  # not under torchrun: start the other ranks here
+            ctx = multiprocessing.get_context("spawn")
+            for rank in range(1, self.world_size):
+                p = ctx.Process(target=_worker_entry, args=(launch, rank, os.getpid()),
+                                name=f"tokenmill-tp-{rank}", daemon=False)
+                p.start()
+                self._procs.append(p)
+        try:
+            device, control = _init_rank(launch, 0)
+            self.control = control
+            self.channel = ControlChannel(control)
+            self.loaded, self.runner = _build(launch, 0, device)
+        except BaseException:
+            self._kill_workers()
+            raise
+        logger.info("tensor parallelism: %d ranks (%s)", self.world_size,
+                    "NCCL" if launch.device_type == "cuda" else "gloo")
+
+    @classmethod
+    def launch(cls, model, config: EngineConfig, *, dtype, device, load_format: str, seed: int) -> "TPExecutor":
+        device_type = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available()
+                                                                              else "cpu")
+        if under_torchrun():
+            world = int(os.environ["WORLD_SIZE"])
+            if world != config.tensor_parallel_size:
+                raise ConfigError(f"torchrun started {world} ranks but tensor_parallel_size is "
+                                  f"{config.tensor_parallel_size}")
+            init = "env://"
+        else:
+            init = f"tcp://127.0.0.1:{_free_port()}"
+        return cls(RankLaunch(model, load_format, dtype, device_type, config, config.max_model_len, seed, init,
+                              config.tensor_parallel_size))
+
+    # ---- what the engine calls, as on a ModelRunner ------------------------------------------
+    def _send(self, data: bytes) -> None:
+        self._check_workers()
+        self.channel.send(data)
+
+    def _check_workers(self) -> None:
+        for rank, p in enumerate(self._procs, start=1):
+            if not p.is_alive():
+                raise RuntimeError(f"tensor-parallel worker rank {rank} exited (code {p.exitcode})")
+
+    def initialize_kv_cache(self) -> int:
+        self._send(step_wire.encode("call", "initialize_kv_cache", []))
+        return self.runner.initialize_kv_cache(agree=lambda n: _agree_min(n, self.control))
+
+    def warm_up(self) -> None:
+        self._send(step_wire.encode("call", "warm_up", []))
+        self.runner.warm_up()
+
+    def capture_cuda_graphs(self) -> None:
+        self._send(step_wire.encode("call", "capture_cuda_graphs", []))
+        self.runner.capture_cuda_graphs()
+
+    def dummy_run(self, *args):
+        self._send(step_wire.encode("call", "dummy_run", list(args)))
+        return self.runner.dummy_run(*args)
+
+    def execute_model(self, out) -> None:
+        self._send(step_wire.encode_exec(out))
+        self.runner.execute_model(out)
+
+    def sample_tokens(self, grammar_bitmask=None):
+        self._send(step_wire.encode_sample(grammar_bitmask))
+        return self.runner.sample_tokens(grammar_bitmask)
+
+    def release(self, req_ids: list[str]) -> None:
+        if req_ids:
+            self._send(step_wire.encode("release", list(req_ids)))
+        self.runner.release(req_ids)
+
+    def __getattr__(self, name):  # everything else (speculates, states, ...) reads rank 0's runner
+        if name in ("runner", "launch", "channel", "control", "_procs"):
+            raise AttributeError(name)
+        return getattr(self.runner, name)
+
+    # ---- shutdown ----------------------------------------------------------------------------
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the workers and leave the process group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if all(p.is_alive() for p in self._procs):
+                self.channel.send(step_wire.encode("shutdown"))
+        except Exception as e:  # a worker already gone
+            logger.debug("tensor-parallel shutdown message failed: %r", e)
+        deadline = time.monotonic() + timeout
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        self._kill_workers()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _kill_workers(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
