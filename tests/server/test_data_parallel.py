@@ -21,8 +21,8 @@ import pytest
 
 from tests.server.conftest import SMALL_ENGINE, ServerProcess
 from tokenmill.config import ConfigError
-from tokenmill.engine.dp_client import (BalancerConfig, Placement, ReplicaBalancer, ReplicaLaunch, replica_devices,
-                                        total_snapshot)
+from tokenmill.engine.dp_client import (BalancerConfig, Placement, ReplicaBalancer, ReplicaLaunch, cpu_threads,
+                                        replica_devices, total_snapshot)
 from tokenmill.engine.engine_snapshot import EngineSnapshot
 from tokenmill.engine.spec_stats import SpecDecodeCounts
 
@@ -138,6 +138,10 @@ def test_replica_devices():
         replica_devices(2, 2, "cuda", None, 2)
     with pytest.raises(ConfigError, match="names one GPU"):
         replica_devices(2, 1, "cuda:1", None, 2)
+
+
+def test_cpu_threads_share_the_cores():
+    assert [cpu_threads(n, 8) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
 
 
 def test_a_replica_launch_sets_cuda_visible_devices_only_in_the_engine_process(monkeypatch):

@@ -166,19 +166,35 @@ def replica_devices(num_replicas: int, per_replica: int, device: Optional[str],
     return [",".join(ids[i * per_replica:(i + 1) * per_replica]) for i in range(num_replicas)]
 
 
+def cpu_threads(num_replicas: int, cores: int) -> int:
+    """Torch threads for each of num_replicas replicas on the CPU: the cores shared out (more threads
+    than cores, all spinning, make every replica several times slower)."""
+    return max(1, cores // num_replicas)
+
+
 @dataclass
 class ReplicaLaunch(EngineLaunch):
     """An EngineLaunch that, unpickled in the spawned engine process (before anything touches CUDA),
-    restricts that process to its replica's GPUs."""
+    restricts that process to its replica's GPUs (cuda_visible_devices) or, on the CPU, to its share
+    of the cores (cpu_threads)."""
 
     replica: int = 0
     cuda_visible_devices: Optional[str] = None
-    server_pid: int = field(default_factory=os.getpid)  # the process that made it (its environment stays)
+    cpu_threads: Optional[int] = None
+    server_pid: int = field(default_factory=os.getpid)  # the process that made it (its settings stay)
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        if self.cuda_visible_devices is not None and os.getpid() != self.server_pid:
-            os.environ["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices  # the engine process's own
+        if os.getpid() == self.server_pid:
+            return
+        # The engine process's own settings, before its engine is built.
+        if self.cuda_visible_devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
+        if self.cpu_threads is not None:
+            import torch
+
+            os.environ["OMP_NUM_THREADS"] = str(self.cpu_threads)
+            torch.set_num_threads(self.cpu_threads)
 
 
 def _cuda_device_count() -> int:
@@ -231,7 +247,11 @@ class DPEngineClient:
         devices = replica_devices(num_replicas, per_replica, launch.device, visible, count)
         fields = {f.name: getattr(launch, f.name) for f in dataclasses.fields(EngineLaunch)}
         fields["config"] = dataclasses.replace(config, data_parallel_size=1)  # each replica is one engine
-        launches = [ReplicaLaunch(**fields, replica=i, cuda_visible_devices=devices[i]) for i in range(num_replicas)]
+        on_cpu = launch.device == "cpu" or (launch.device is None and devices[0] is None)
+        on_cpu = on_cpu and "OMP_NUM_THREADS" not in os.environ  # the user's own choice stays
+        per_cpu = cpu_threads(num_replicas, len(os.sched_getaffinity(0))) if on_cpu else None
+        launches = [ReplicaLaunch(**fields, replica=i, cuda_visible_devices=devices[i], cpu_threads=per_cpu)
+                    for i in range(num_replicas)]
         clients: list[Optional[EngineCoreClient]] = [None] * num_replicas
         errors: list[Optional[BaseException]] = [None] * num_replicas
 
@@ -255,8 +275,9 @@ class DPEngineClient:
                 raise EngineProcessError(f"data-parallel replica {failed[0]} of {num_replicas}: {first}") from first
             raise first
         for i, c in enumerate(clients):
-            logger.info("data-parallel replica %d of %d: engine process %d%s", i, num_replicas, c.pid,
-                        "" if devices[i] is None else f" on CUDA device(s) {devices[i]}")
+            where = (f" on CUDA device(s) {devices[i]}" if devices[i] is not None else
+                     f" ({per_cpu} CPU thread(s))" if per_cpu is not None else "")
+            logger.info("data-parallel replica %d of %d: engine process %d%s", i, num_replicas, c.pid, where)
         return cls(clients, balancer)
 
     def __init__(self, replicas: Sequence[EngineCoreClient], balancer: Optional[BalancerConfig] = None):
