@@ -168,6 +168,122 @@ def test_flags_that_do_not_go_with_data_parallelism(flags, message):
     assert _check_server_args(args) is None
 
 
+# ---- DPEngineClient over stand-in replicas (no processes) ------------------------------------
+class FakeReplica:
+    """EngineCoreClient's surface as DPEngineClient uses it; its "step messages" come on a real zmq
+    socket (send() puts one there)."""
+
+    def __init__(self, ctx, index: int):
+        import zmq
+
+        from tokenmill.engine.core_messages import EngineFacts
+
+        self.facts = EngineFacts("m", 64, 100, [0], 16, 4, f"fake {index}", 1000 + index)
+        self.pid, self.summary, self.tokenizer = self.facts.pid, self.facts.summary, None
+        self.model_name, self.max_model_len, self.vocab_size = "m", 64, 100
+        self.structured = self.validator = None
+        self._out = ctx.socket(zmq.PULL)
+        self._out.bind(f"inproc://fake-{index}")
+        self._feed = ctx.socket(zmq.PUSH)
+        self._feed.connect(f"inproc://fake-{index}")
+        self._backlog: list = []
+        self.live: dict[str, int] = {}
+        self.steps_completed, self.last_step_kind, self.dead = 0, None, False
+        self.aborted: list[str] = []
+
+    def send(self, *request_ids: str) -> None:
+        self._feed.send_pyobj(list(request_ids))
+
+    def step(self):
+        from tokenmill.engine.outputs import CompletionOutput, RequestOutput
+
+        if self._backlog:
+            out, self._backlog = self._backlog, []
+            return out
+        if not self._out.poll(20):
+            return []
+        self.steps_completed += 1
+        self.last_step_kind = "decode"
+        return [RequestOutput(r, None, [1], [CompletionOutput(0, "", [7], None, None, "length")], True)
+                for r in self._out.recv_pyobj()]
+
+    def check_health(self) -> None:
+        from tokenmill.engine.core_client import EngineProcessError
+
+        if self.dead:
+            raise EngineProcessError(f"the engine process {self.pid} exited with code -9 (killed by signal 9)")
+
+    def add_request(self, prompt, params, request_id, prompt_ids, lora_request=None):
+        self.live[request_id] = params.n
+        return request_id
+
+    def abort_request(self, request_id, sample=None):
+        self.aborted.append(request_id)
+        self.live.pop(request_id, None)
+        return None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.live)
+
+    def num_waiting_sequences(self) -> int:
+        return sum(self.live.values())
+
+    def snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot(num_blocks=16, num_free_blocks=16)
+
+    def take_gc_pauses(self):
+        return []
+
+
+@pytest.fixture
+def fakes():
+    import zmq
+
+    ctx = zmq.Context()
+    replicas = [FakeReplica(ctx, i) for i in range(3)]
+    yield replicas
+    for r in replicas:
+        r._out.close(0)
+        r._feed.close(0)
+    ctx.term()
+
+
+def test_the_client_routes_polls_all_replicas_at_once_and_fails_by_name(fakes):
+    from tokenmill.engine.core_client import EngineProcessError
+    from tokenmill.engine.dp_client import DPEngineClient
+    from tokenmill.errors import InvalidRequestError
+    from tokenmill.sampling_params import SamplingParams
+
+    client = DPEngineClient(fakes)
+    params = SamplingParams(max_tokens=1)
+    for i in range(6):
+        client.add_request(None, params, f"r{i}", [1, 2, 3])
+    assert [sorted(f.live) for f in fakes] == [["r0", "r3"], ["r1", "r4"], ["r2", "r5"]]
+    assert client.num_waiting_sequences() == 6 and client.has_unfinished_requests()
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        client.add_request(None, params, "r4", [1])
+    client.abort_request("r4")
+    assert fakes[1].aborted == ["r4"] and fakes[0].aborted == fakes[2].aborted == []
+    assert client.replica_of("r4") is None and client.replica_of("r5") == 2
+    waits = []
+    for _ in range(3):
+        started = time.monotonic()
+        assert client.step() == []
+        waits.append(time.monotonic() - started)
+    assert min(waits) < 0.05  # nothing came: one 20 ms wait for all of them, not one per replica (60 ms)
+    fakes[0].send("r0")
+    fakes[2].send("r2", "r5")
+    outs = client.step()
+    assert sorted(o.request_id for o in outs) == ["r0", "r2", "r5"]
+    assert client.steps_completed == 2 and client.replica_of("r0") is None
+    stats = client.replica_stats()
+    assert [s.routed for s in stats] == [2, 2, 2] and [s.steps for s in stats] == [1, 0, 1]
+    assert client.snapshot().num_blocks == 48
+    fakes[1].dead = True
+    with pytest.raises(EngineProcessError, match=r"data-parallel replica 1 of 3: .*killed by signal 9"):
+        client.check_health()
+
+
 # ---- a real server with two replicas ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def launched():
