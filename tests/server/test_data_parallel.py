@@ -190,6 +190,8 @@ class FakeReplica:
         self.live: dict[str, int] = {}
         self.steps_completed, self.last_step_kind, self.dead = 0, None, False
         self.aborted: list[str] = []
+        self.loras: set[int] = set()
+        self.refuse_lora = False
 
     def send(self, *request_ids: str) -> None:
         self._feed.send_pyobj(list(request_ids))
@@ -233,6 +235,24 @@ class FakeReplica:
 
     def take_gc_pauses(self):
         return []
+
+    def add_lora(self, lora_request) -> None:
+        from tokenmill.errors import LoRAError
+
+        if self.refuse_lora:
+            raise LoRAError(f"replica {self.pid - 1000} refuses it")
+        self.loras.add(lora_request.lora_int_id)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        had = lora_int_id in self.loras
+        self.loras.discard(lora_int_id)
+        return had
+
+    def list_loras(self):
+        return sorted(self.loras)
+
+    def reset_prefix_cache(self) -> bool:
+        return not self.live
 
 
 @pytest.fixture
@@ -282,6 +302,27 @@ def test_the_client_routes_polls_all_replicas_at_once_and_fails_by_name(fakes):
     fakes[1].dead = True
     with pytest.raises(EngineProcessError, match=r"data-parallel replica 1 of 3: .*killed by signal 9"):
         client.check_health()
+
+
+def test_lora_and_prefix_cache_resets_go_to_every_replica(fakes):
+    from tokenmill.engine.dp_client import DPEngineClient
+    from tokenmill.errors import LoRAError
+    from tokenmill.lora.request import LoRARequest
+    from tokenmill.sampling_params import SamplingParams
+
+    client = DPEngineClient(fakes)
+    client.add_lora(LoRARequest("a", 1, "/a"))
+    assert [f.loras for f in fakes] == [{1}, {1}, {1}] and client.list_loras() == [1]
+    fakes[2].refuse_lora = True
+    with pytest.raises(LoRAError, match="replica 2 refuses it"):
+        client.add_lora(LoRARequest("b", 2, "/b"))
+    assert [f.loras for f in fakes] == [{1}, {1}, {1}]  # taken out again where it had gone in
+    assert client.remove_lora(1) and [f.loras for f in fakes] == [set(), set(), set()]
+    client.add_request(None, SamplingParams(max_tokens=1), "r", list(range(16)))
+    assert len(client.balancer) == 4
+    assert not client.reset_prefix_cache()  # one replica is busy: not every cache was reset
+    fakes[0].live.clear()
+    assert client.reset_prefix_cache() and len(client.balancer) == 0
 
 
 # ---- a real server with two replicas ------------------------------------------------------------
@@ -378,6 +419,12 @@ def test_the_same_long_prompt_stays_on_one_replica(server, reference):
     assert routed == {home: 4, 1 - home: 0}, routed
     assert by_prefix == {home: 3, 1 - home: 0}, by_prefix
     assert after["tokenmill:replica_prefix_cache_hit_rate"][home] > 0  # its cache served the repeats
+    # A reset empties every replica's cache, and the balancer forgets where prefixes were.
+    assert httpx.post(server.url + "/reset_prefix_cache", timeout=30).status_code == 200
+    client.completions.create(model=MODEL, prompt=LONG, max_tokens=1, temperature=0)
+    again = replica_metrics(server)
+    assert again["tokenmill:replica_requests_routed_by_prefix_total"] == after[
+        "tokenmill:replica_requests_routed_by_prefix_total"]
 
 
 def _replica_pid(server, index: int) -> int:
