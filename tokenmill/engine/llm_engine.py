@@ -142,12 +142,12 @@ class LLMEngine:
         from tokenmill.loader.load import read_arch
 
         check_supported(self.config)
-        if loaded is not None or tokenizer is not None:
+        if loaded is not None:
             raise ConfigError("tensor_parallel_size > 1 loads the model in every rank: pass the model by name, "
-                              "not loaded (and no tokenizer override yet)")
+                              "not loaded")
         check_tensor_parallel(read_arch(model, load_format), tp)
         return TPExecutor.launch(model, self.config, dtype=dtype, device=device, load_format=load_format,
-                                 seed=self.config.seed)
+                                 seed=self.config.seed, tokenizer=tokenizer)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (the engine cannot step afterwards)."""

@@ -295,6 +295,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _torchrun_worker_rank(args: argparse.Namespace) -> bool:
+    """Under torchrun every rank runs the same command; ranks other than 0 of a tensor-parallel
+    engine become its workers (executor/tensor_parallel.py) instead."""
+    import os
+
+    from tokenmill.executor.tensor_parallel import under_torchrun
+
+    return (getattr(args, "tensor_parallel_size", 1) > 1 and under_torchrun() and int(os.environ["RANK"]) > 0)
+
+
+def _run_torchrun_worker(args: argparse.Namespace) -> int:
+    from tokenmill.executor.tensor_parallel import torchrun_worker
+
+    if getattr(args, "model_arg", None) is not None and args.model is None:  # serve's positional MODEL
+        args.model = args.model_arg
+    load, config = load_config_from_args(args), engine_config_from_args(args)
+    return torchrun_worker(load.model, config, dtype=load.dtype, device=load.device, load_format=load.load_format)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     import os
 
@@ -306,6 +325,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from tokenmill.errors import TokenmillError
 
     try:
+        if _torchrun_worker_rank(args):
+            return _run_torchrun_worker(args)
         return args.func(args)
     except TokenmillError as e:
         print(f"error: {e}", file=sys.stderr)

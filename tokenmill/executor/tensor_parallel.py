@@ -55,6 +55,7 @@ class RankLaunch:
     seed: int
     init_method: str  # tcp://host:port, or env:// under torchrun
     world_size: int
+    tokenizer: Optional[str] = None  # a tokenizer instead of the model's (rank 0 only needs one)
 
 
 def check_tensor_parallel(arch, tp: int) -> None:
@@ -141,7 +142,8 @@ def _build(launch: RankLaunch, rank: int, device: torch.device):
     state = ParallelState(tp_rank=rank, tp_size=launch.world_size, group=None)
     with tensor_parallel(state):
         loaded = load_model(launch.model, dtype=launch.dtype, device=device, load_format=launch.load_format,
-                            max_positions=launch.max_positions, seed=launch.seed)
+                            max_positions=launch.max_positions, seed=launch.seed,
+                            tokenizer=launch.tokenizer if rank == 0 else None)
     max_model_len = launch.config.resolve_max_model_len(loaded.arch.max_position_embeddings)
     runner = ModelRunner(loaded.model, launch.config, max_model_len, loaded.device, loaded.dtype)
     return loaded, runner
@@ -204,6 +206,25 @@ def _agree_min(n: int, control) -> int:
     return int(t[0])
 
 
+def torchrun_worker(model, config: EngineConfig, *, dtype, device, load_format: str) -> int:
+    """A rank other than 0 under torchrun (the same command runs on every rank: rank 0 serves, the
+    others run this): a worker of rank RANK of WORLD_SIZE, its group from torchrun's environment."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != config.tensor_parallel_size:
+        raise ConfigError(f"torchrun started {world} ranks but tensor_parallel_size is {config.tensor_parallel_size}")
+    device_type = _device_type(device)
+    launch = RankLaunch(model, load_format, dtype, device_type, config, config.max_model_len, config.seed,
+                        "env://", world)
+    logger.info("torchrun rank %d of %d: a tensor-parallel worker", rank, world)
+    return run_worker(launch, rank)
+
+
+def _device_type(device) -> str:
+    if device is not None:
+        return torch.device(device).type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _worker_entry(launch: RankLaunch, rank: int, parent_pid: int) -> None:
     import logging
 
@@ -238,9 +259,9 @@ class TPExecutor:
                     "NCCL" if launch.device_type == "cuda" else "gloo")
 
     @classmethod
-    def launch(cls, model, config: EngineConfig, *, dtype, device, load_format: str, seed: int) -> "TPExecutor":
-        device_type = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available()
-                                                                              else "cpu")
+    def launch(cls, model, config: EngineConfig, *, dtype, device, load_format: str, seed: int,
+               tokenizer: Optional[str] = None) -> "TPExecutor":
+        device_type = _device_type(device)
         if under_torchrun():
             world = int(os.environ["WORLD_SIZE"])
             if world != config.tensor_parallel_size:
@@ -250,7 +271,7 @@ class TPExecutor:
         else:
             init = f"tcp://127.0.0.1:{_free_port()}"
         return cls(RankLaunch(model, load_format, dtype, device_type, config, config.max_model_len, seed, init,
-                              config.tensor_parallel_size))
+                              config.tensor_parallel_size, tokenizer))
 
     # ---- what the engine calls, as on a ModelRunner ------------------------------------------
     def _send(self, data: bytes) -> None:
