@@ -23,6 +23,12 @@ class ParallelState:
     tp_rank: int = 0
     tp_size: int = 1
     group: object = None  # the torch.distributed group of the tensor-parallel ranks (None: the default)
+    pp_rank: int = 0  # pipeline stage (0 runs the embedding and the first layers)
+    pp_size: int = 1
+
+    def layer_range(self, num_layers: int) -> tuple[int, int]:
+        """The decoder layers [start, end) of this pipeline stage (an even split)."""
+        return self.pp_rank * num_layers // self.pp_size, (self.pp_rank + 1) * num_layers // self.pp_size
 
 
 _BUILDING: contextvars.ContextVar[ParallelState] = contextvars.ContextVar("tokenmill_tp_state",

@@ -1,7 +1,8 @@
-"""Tensor parallelism on the CPU (gloo, one process per rank): greedy tokens equal the single-process
-engine's and HF transformers' (fp32) with the embedded model at TP = 3 (9 query heads, 3 KV heads)
-and a tiny HF model at TP = 2, with chunked prefill and preemption too; layouts that do not split
-are refused; a dead worker fails the engine with a clear error."""
+"""Tensor and pipeline parallelism on the CPU (gloo, one process per rank): greedy tokens equal the
+single-process engine's and HF transformers' (fp32) with the embedded model at TP = 3 (9 query
+heads, 3 KV heads) and PP = 2, and a tiny HF model at TP = 2 and TP x PP = 2 x 2, with chunked
+prefill and preemption too; layouts that do not split are refused; a dead worker fails the engine
+with a clear error."""
 
 import os
 import signal
@@ -18,14 +19,15 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOK
 CPU = dict(dtype="float32", device="cpu", max_num_seqs=16)
 
 
-def _tp_llm(tp: int, model=None, **kw) -> LLM:
-    return LLM(model, tensor_parallel_size=tp, **{**CPU, "num_kv_blocks": 256, **kw})
+def _tp_llm(tp: int, model=None, pp: int = 1, **kw) -> LLM:
+    return LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, **{**CPU, "num_kv_blocks": 256, **kw})
 
 
+@pytest.mark.parametrize("layout", ["tp3", "pp2"])
 @pytest.mark.parametrize("regime", ["default", "chunked+preemption"])
-def test_tp3_embedded_model_equals_hf(regime, chat_prompt_ids, hf_greedy):
+def test_embedded_model_equals_hf(layout, regime, chat_prompt_ids, hf_greedy):
     kw = {} if regime == "default" else dict(max_num_batched_tokens=24, num_kv_blocks=14)
-    llm = _tp_llm(3, **kw)
+    llm = _tp_llm(3, **kw) if layout == "tp3" else _tp_llm(1, pp=2, **kw)
     try:
         outs = llm.generate(chat_prompt_ids, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == hf_greedy
@@ -33,9 +35,11 @@ def test_tp3_embedded_model_equals_hf(regime, chat_prompt_ids, hf_greedy):
         if regime != "default":
             assert engine.scheduler.num_preemptions > 0
         assert engine.kv.num_free_blocks == engine.kv.num_blocks and not engine.runner.states.row_of
-        # the shards really are shards: rank 0 holds a third of the q/k/v rows
-        qkv = engine.loaded.model.model.layers[0].self_attn.qkv_proj
-        assert qkv.weight.shape[0] == (9 + 2 * 3) * 64 // 3
+        model = engine.loaded.model.model
+        if layout == "tp3":  # the shards really are shards: rank 0 holds a third of the q/k/v rows
+            assert model.layers[0].self_attn.qkv_proj.weight.shape[0] == (9 + 2 * 3) * 64 // 3
+        else:  # rank 0 is the last stage: it holds the last 15 of the 30 layers only
+            assert (model.start, model.end) == (15, 30) and not list(model.layers[0].parameters())
     finally:
         llm.engine.close()
 
@@ -54,11 +58,27 @@ def test_tp2_tiny_model_equals_single_process(tmp_path):
         llm.engine.close()
 
 
+def test_tp2_pp2_tiny_model_equals_single_process(tmp_path):
+    _save_random_hf_model("llama3.1", False, tmp_path)  # 2 layers: one a stage
+    prompts = [[(5 * i + 11 * j) % 500 + 1 for j in range(4 + 5 * i)] for i in range(8)]
+    single = LLM(str(tmp_path), **CPU, num_kv_blocks=256)
+    want = [o.outputs[0].token_ids for o in single.generate(prompts, GREEDY, use_tqdm=False)]
+    llm = _tp_llm(2, str(tmp_path), pp=2, max_num_batched_tokens=32, num_kv_blocks=16)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == want
+        assert llm.engine.scheduler.num_preemptions > 0
+    finally:
+        llm.engine.close()
+
+
 def test_layouts_that_do_not_split_are_refused():
     with pytest.raises(ConfigError, match="9 attention heads"):
         _tp_llm(2)  # the embedded model: 9 query heads, 3 KV heads
     with pytest.raises(ConfigError, match="not supported yet"):
         _tp_llm(2, "tiny-llama", load_format="dummy", enable_lora=True)
+    with pytest.raises(ConfigError, match="more than the model's 2 layers"):
+        _tp_llm(1, "tiny-llama", pp=3, load_format="dummy")
 
 
 def test_a_dead_worker_fails_the_engine_clearly(tmp_path):

@@ -135,8 +135,8 @@ class LLMEngine:
                                               self.config.max_num_seqs)
 
     def _start_tensor_parallel(self, model, dtype, device, load_format: str, loaded, tokenizer):
-        tp = self.config.tensor_parallel_size
-        if tp == 1:
+        tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
+        if tp * pp == 1:
             return None
         from tokenmill.executor.tensor_parallel import TPExecutor, check_supported, check_tensor_parallel
         from tokenmill.loader.load import read_arch
@@ -145,7 +145,10 @@ class LLMEngine:
         if loaded is not None:
             raise ConfigError("tensor_parallel_size > 1 loads the model in every rank: pass the model by name, "
                               "not loaded")
-        check_tensor_parallel(read_arch(model, load_format), tp)
+        arch = read_arch(model, load_format)
+        check_tensor_parallel(arch, tp)
+        if pp > arch.num_layers:
+            raise ConfigError(f"pipeline_parallel_size {pp} is more than the model's {arch.num_layers} layers")
         return TPExecutor.launch(model, self.config, dtype=dtype, device=device, load_format=load_format,
                                  seed=self.config.seed, tokenizer=tokenizer)
 

@@ -302,7 +302,8 @@ def _torchrun_worker_rank(args: argparse.Namespace) -> bool:
 
     from tokenmill.executor.tensor_parallel import under_torchrun
 
-    return (getattr(args, "tensor_parallel_size", 1) > 1 and under_torchrun() and int(os.environ["RANK"]) > 0)
+    parallel = getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1)
+    return parallel > 1 and under_torchrun() and int(os.environ["RANK"]) > 0
 
 
 def _run_torchrun_worker(args: argparse.Namespace) -> int:

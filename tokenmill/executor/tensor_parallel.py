@@ -17,6 +17,7 @@ A worker that exits (killed, out of memory) fails the driver's next step with an
 a worker whose driver is gone exits.
 """
 
+import dataclasses
 import datetime
 import multiprocessing
 import os
@@ -76,19 +77,24 @@ def check_tensor_parallel(arch, tp: int) -> None:
 
 
 def check_supported(config: EngineConfig) -> None:
-    tp = config.tensor_parallel_size
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if tp * pp == 1:
+        return
+    if pp > 1:
+        if config.speculative_config is not None:
+            raise ConfigError("speculative decoding with pipeline_parallel_size > 1 is not supported yet")
+        if config.step_time_target_ms is not None:
+            raise ConfigError("step_time_target_ms with pipeline_parallel_size > 1 is not supported yet")
+    if config.enable_lora:
+        raise ConfigError("LoRA with tensor or pipeline parallelism is not supported yet")
     if tp == 1:
         return
-    if config.enable_lora:
-        raise ConfigError("LoRA with tensor_parallel_size > 1 is not supported yet")
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":
         raise ConfigError("speculative method draft_model with tensor_parallel_size > 1 is not supported yet "
                           "(ngram and layer_truncated are)")
     if config.step_time_target_ms is not None:
         raise ConfigError("step_time_target_ms with tensor_parallel_size > 1 is not supported yet")
-    if config.pipeline_parallel_size > 1:
-        raise ConfigError("pipeline_parallel_size > 1 is not supported yet")
 
 
 def _free_port() -> int:
@@ -121,8 +127,9 @@ class ControlChannel:
         return buf.numpy().tobytes()
 
 
-def _init_rank(launch: RankLaunch, rank: int) -> tuple[torch.device, object]:
-    """Join the process group; returns this rank's device and the control group."""
+def _init_rank(launch: RankLaunch, rank: int) -> tuple[torch.device, object, ParallelState]:
+    """Join the process group; returns this rank's device, the control group and its place (with
+    pipeline stages: its stage's tensor-parallel group, every rank creating every group in order)."""
     cuda = launch.device_type == "cuda"
     local = int(os.environ.get("LOCAL_RANK", rank))
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
@@ -131,21 +138,38 @@ def _init_rank(launch: RankLaunch, rank: int) -> tuple[torch.device, object]:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=launch.init_method, rank=rank,
                             world_size=launch.world_size, timeout=COLLECTIVE_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return device, control
+    tp, pp = launch.config.tensor_parallel_size, launch.config.pipeline_parallel_size
+    group = None  # one stage: the tensor-parallel group is the world
+    if pp > 1:
+        from tokenmill.executor.pipeline import rank_of
+
+        for stage in range(pp):
+            ranks = [rank_of(stage, t, tp, pp) for t in range(tp)]
+            g = dist.new_group(ranks=sorted(ranks))
+            if rank in ranks:
+                group = g
+    from tokenmill.executor.pipeline import stage_of
+
+    state = ParallelState(tp_rank=rank % tp, tp_size=tp, group=group, pp_rank=stage_of(rank, tp, pp), pp_size=pp)
+    return device, control, state
 
 
-def _build(launch: RankLaunch, rank: int, device: torch.device):
-    """This rank's model shard and runner."""
+def _build(launch: RankLaunch, rank: int, device: torch.device, state: ParallelState):
+    """This rank's model shard (its stage's layers, its tensor-parallel part of each) and runner."""
     from tokenmill.loader import load_model
     from tokenmill.runner.model_runner import ModelRunner
 
-    state = ParallelState(tp_rank=rank, tp_size=launch.world_size, group=None)
     with tensor_parallel(state):
         loaded = load_model(launch.model, dtype=launch.dtype, device=device, load_format=launch.load_format,
                             max_positions=launch.max_positions, seed=launch.seed,
                             tokenizer=launch.tokenizer if rank == 0 else None)
     max_model_len = launch.config.resolve_max_model_len(loaded.arch.max_position_embeddings)
     runner = ModelRunner(loaded.model, launch.config, max_model_len, loaded.device, loaded.dtype)
+    if state.pp_size > 1:
+        from tokenmill.executor.pipeline import PipelineLink
+
+        runner.pipeline = PipelineLink(state.pp_rank, state.pp_size, state.tp_rank, state.tp_size,
+                                       loaded.arch.hidden_size, loaded.dtype, loaded.device)
     return loaded, runner
 
 
@@ -166,9 +190,9 @@ def _watch_parent(parent_pid: Optional[int]) -> None:
 def run_worker(launch: RankLaunch, rank: int, parent_pid: Optional[int] = None) -> int:
     """A worker rank: build the shard and runner, then run what the driver sends until it says stop."""
     _watch_parent(parent_pid)
-    device, control = _init_rank(launch, rank)
+    device, control, state = _init_rank(launch, rank)
     channel = ControlChannel(control)
-    _, runner = _build(launch, rank, device)
+    _, runner = _build(launch, rank, device, state)
     logger.info("tensor-parallel rank %d/%d ready on %s", rank, launch.world_size, device)
     with torch.inference_mode():
         while True:
@@ -210,8 +234,11 @@ def torchrun_worker(model, config: EngineConfig, *, dtype, device, load_format: 
     """A rank other than 0 under torchrun (the same command runs on every rank: rank 0 serves, the
     others run this): a worker of rank RANK of WORLD_SIZE, its group from torchrun's environment."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world != config.tensor_parallel_size:
-        raise ConfigError(f"torchrun started {world} ranks but tensor_parallel_size is {config.tensor_parallel_size}")
+    if world != config.tensor_parallel_size * config.pipeline_parallel_size:
+        raise ConfigError(f"torchrun started {world} ranks but tensor_parallel_size x pipeline_parallel_size is "
+                          f"{config.tensor_parallel_size * config.pipeline_parallel_size}")
+    if config.pipeline_parallel_size > 1:
+        config = dataclasses.replace(config, enforce_eager=True)
     device_type = _device_type(device)
     launch = RankLaunch(model, load_format, dtype, device_type, config, config.max_model_len, config.seed,
                         "env://", world)
@@ -248,30 +275,33 @@ class TPExecutor:
                 p.start()
                 self._procs.append(p)
         try:
-            device, control = _init_rank(launch, 0)
+            device, control, state = _init_rank(launch, 0)
             self.control = control
             self.channel = ControlChannel(control)
-            self.loaded, self.runner = _build(launch, 0, device)
+            self.loaded, self.runner = _build(launch, 0, device, state)
         except BaseException:
             self._kill_workers()
             raise
-        logger.info("tensor parallelism: %d ranks (%s)", self.world_size,
-                    "NCCL" if launch.device_type == "cuda" else "gloo")
+        logger.info("tensor x pipeline parallelism: %d x %d ranks (%s)", launch.config.tensor_parallel_size,
+                    launch.config.pipeline_parallel_size, "NCCL" if launch.device_type == "cuda" else "gloo")
 
     @classmethod
     def launch(cls, model, config: EngineConfig, *, dtype, device, load_format: str, seed: int,
                tokenizer: Optional[str] = None) -> "TPExecutor":
         device_type = _device_type(device)
+        world = config.tensor_parallel_size * config.pipeline_parallel_size
+        if config.pipeline_parallel_size > 1 and not config.enforce_eager:
+            logger.info("pipeline parallelism runs its steps eagerly (no CUDA graphs)")
+            config = dataclasses.replace(config, enforce_eager=True)
         if under_torchrun():
-            world = int(os.environ["WORLD_SIZE"])
-            if world != config.tensor_parallel_size:
-                raise ConfigError(f"torchrun started {world} ranks but tensor_parallel_size is "
-                                  f"{config.tensor_parallel_size}")
+            if int(os.environ["WORLD_SIZE"]) != world:
+                raise ConfigError(f"torchrun started {os.environ['WORLD_SIZE']} ranks but tensor_parallel_size x "
+                                  f"pipeline_parallel_size is {world}")
             init = "env://"
         else:
             init = f"tcp://127.0.0.1:{_free_port()}"
         return cls(RankLaunch(model, load_format, dtype, device_type, config, config.max_model_len, seed, init,
-                              config.tensor_parallel_size, tokenizer))
+                              world, tokenizer))
 
     # ---- what the engine calls, as on a ModelRunner ------------------------------------------
     def _send(self, data: bytes) -> None:

@@ -43,6 +43,19 @@ class LoRAHook(Protocol):
               y: torch.Tensor) -> None: ...
 
 
+class PipelineHook(Protocol):
+    """Set on the ranks of a pipeline-parallel model (executor/pipeline.py): a stage after the first
+    receives the hidden states and residual stream from the one before, a stage before the last
+    sends them on."""
+
+    is_first: bool
+    is_last: bool
+
+    def recv(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None: ...
+
+
 @dataclass
 class ForwardContext:
     metadata: AttentionMetadata
@@ -53,6 +66,7 @@ class ForwardContext:
     # in (kernels/skinny_gemm.py); False: cuBLAS and separate kernels (EngineConfig.fused_small_batch_linear).
     small_batch_fusion: bool = True
     lora: Optional[LoRAHook] = None
+    pipeline: Optional[PipelineHook] = None
 
 
 _current: ContextVar[Optional[ForwardContext]] = ContextVar("tokenmill_forward_context", default=None)
@@ -61,8 +75,8 @@ _current: ContextVar[Optional[ForwardContext]] = ContextVar("tokenmill_forward_c
 @contextmanager
 def forward_context(metadata: AttentionMetadata, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                     splitter: Optional[AttentionSplitter] = None, small_batch_fusion: bool = True,
-                   lora: Optional[LoRAHook] = None):
-    token = _current.set(ForwardContext(metadata, kv_caches, splitter, small_batch_fusion, lora))
+                   lora: Optional[LoRAHook] = None, pipeline: Optional[PipelineHook] = None):
+    token = _current.set(ForwardContext(metadata, kv_caches, splitter, small_batch_fusion, lora, pipeline))
     try:
         yield
     finally:

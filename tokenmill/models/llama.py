@@ -9,8 +9,9 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from tokenmill.distributed import divide, get_tp_size
+from tokenmill.distributed import divide, get_tp_size, get_tp_state
 from tokenmill.layers.attention import Attention
+from tokenmill.layers.forward_context import current_forward_context
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.layers.linear import (ADD_RMSNORM, SILU_MUL, MergedColumnParallelLinear, QKVParallelLinear,
                                      RowParallelLinear, default_weight_loader)
@@ -117,18 +118,38 @@ class LlamaModel(nn.Module):
                                  r.original_max_position, r.freq_factors)
         # One table shared by all layers.
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, inv_freq, device=device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, i, dtype, device) for i in range(cfg.num_layers))
+        # A pipeline stage builds only its own layers (the others are empty placeholders).
+        self.start, self.end = get_tp_state().layer_range(cfg.num_layers)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, i, dtype, device)
+                                    if self.start <= i < self.end else MissingLayer() for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 num_layers: Optional[int] = None) -> torch.Tensor:
-        """Embedding, the decoder layers (only the first num_layers if given), the final norm."""
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers if num_layers is None else self.layers[:num_layers]:
+        """Embedding, the decoder layers (only the first num_layers if given), the final norm. A
+        pipeline stage runs its own layers between what it receives and what it sends on (the
+        forward context's pipeline hook); a stage before the last returns its unnormalised output."""
+        ctx = current_forward_context()
+        pipe = ctx.pipeline if ctx is not None else None
+        if pipe is not None and not pipe.is_first:
+            hidden, residual = pipe.recv(input_ids.shape[0])
+        else:
+            hidden, residual = self.embed_tokens(input_ids), None
+        end = self.end if num_layers is None else min(self.end, num_layers)
+        for layer in self.layers[self.start:end]:
             hidden, residual = layer(positions, hidden, residual)
+        if pipe is not None and not pipe.is_last:
+            pipe.send(hidden, residual)
+            return hidden
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+
+class MissingLayer(nn.Module):
+    """The place of a decoder layer another pipeline stage runs."""
+
+    def forward(self, *args):
+        raise RuntimeError("this decoder layer belongs to another pipeline stage")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -167,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_spec(self) -> AttentionSpec:
         """What the runner needs to know of the attention layers (models/interface.py)."""
-        attn = self.model.layers[0].self_attn.attn
+        attn = self.model.layers[self.model.start].self_attn.attn
         return AttentionSpec(len(self.model.layers), attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
                              self.lm_head.weight.dtype, attn.sliding_window)
 
@@ -176,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or not self._on_this_stage(name):
                 continue
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some tied checkpoints still store it; the embedding is the source
@@ -196,6 +217,14 @@ class LlamaForCausalLM(nn.Module):
                     loader(param, tensor, shard)
             loaded.add(target if shard is None else f"{target}:{shard}")
         return loaded
+
+    def _on_this_stage(self, name: str) -> bool:
+        """Whether a checkpoint tensor belongs to this pipeline stage (every stage keeps the
+        embedding, the final norm and the LM head; decoder layers only its own)."""
+        if ".layers." not in name:
+            return True
+        index = int(name.split(".layers.", 1)[1].split(".", 1)[0])
+        return self.model.start <= index < self.model.end
 
     def expected_weights(self) -> set[str]:
         """What load_weights must see for a complete checkpoint (same naming as its return value)."""

@@ -74,6 +74,9 @@ class ModelRunner:
         self.piecewise = None  # a PiecewiseGraphManager once captured
         self.lora_graphs = None  # with LoRA: decode graphs of steps with adapters (over the slot tables)
         self.lora_piecewise = None  # with LoRA: piecewise graphs of steps with adapters
+        # Pipeline parallelism (executor/pipeline.py): this stage's link to its neighbours, which also
+        # gives every stage the last stage's sampled tokens.
+        self.pipeline = None
         self._step: Optional[StepDescriptor] = None
         self._plan = None  # the step's VerifyPlan with speculative decoding
         self._logits: Optional[torch.Tensor] = None
@@ -257,7 +260,8 @@ class ModelRunner:
         """The model's forward pass in this runner's forward context: its KV caches, its engine's
         layer choices and the step's LoRA context, if it has adapters (eager steps, dummy runs and
         every graph capture go through here)."""
-        with forward_context(meta, self.kv_caches, splitter, self.config.fused_small_batch_linear, lora):
+        with forward_context(meta, self.kv_caches, splitter, self.config.fused_small_batch_linear, lora,
+                             self.pipeline):
             return self.model(input_ids, positions)
 
     @torch.inference_mode()
@@ -280,6 +284,8 @@ class ModelRunner:
             return AsyncOutput(self._req_ids, out.sampled, step.sample_mask, out.logprobs, self.copy_stream,
                                out.num_emitted, out.num_drafts, out.next_num_drafts, prompt_lp, out.draft_ids)
         out = self.sampler(logits, step.rows, idx, self.buffers.seq_lens[:b])
+        if self.pipeline is not None:  # the last stage's tokens, on every stage
+            self.pipeline.share_sampled(out.sampled)
         post_update(idx, out.sampled, self.buffers.sample_mask[:b], b, self.states.last_sampled, out.output_counts)
         self._step = self._logits = None
         return AsyncOutput(self._req_ids, out.sampled, step.sample_mask, out.logprobs, self.copy_stream,
