@@ -23,8 +23,10 @@ def _tp_llm(tp: int, model=None, pp: int = 1, **kw) -> LLM:
     return LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, **{**CPU, "num_kv_blocks": 256, **kw})
 
 
+# One regime each (chunked prefill and preemption: its steps are prefills, mixed steps and decodes);
+# the tiny-model tests below run the plain regime.
 @pytest.mark.parametrize("layout", ["tp3", "pp2"])
-@pytest.mark.parametrize("regime", ["default", "chunked+preemption"])
+@pytest.mark.parametrize("regime", ["chunked+preemption"])
 def test_embedded_model_equals_hf(layout, regime, chat_prompt_ids, hf_greedy):
     kw = {} if regime == "default" else dict(max_num_batched_tokens=24, num_kv_blocks=14)
     llm = _tp_llm(3, **kw) if layout == "tp3" else _tp_llm(1, pp=2, **kw)
