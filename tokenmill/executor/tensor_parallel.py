@@ -17,6 +17,7 @@ A worker that exits (killed, out of memory) fails the driver's next step with an
 a worker whose driver is gone exits.
 """
 
+import atexit
 import dataclasses
 import datetime
 import multiprocessing
@@ -270,8 +271,9 @@ class TPExecutor:
         if launch.init_method != "env://":  # not under torchrun: start the other ranks here
             ctx = multiprocessing.get_context("spawn")
             for rank in range(1, self.world_size):
+                # daemonic: a program that ends without closing its engine does not wait on them
                 p = ctx.Process(target=_worker_entry, args=(launch, rank, os.getpid()),
-                                name=f"tokenmill-tp-{rank}", daemon=False)
+                                name=f"tokenmill-tp-{rank}", daemon=True)
                 p.start()
                 self._procs.append(p)
         try:
@@ -282,6 +284,7 @@ class TPExecutor:
         except BaseException:
             self._kill_workers()
             raise
+        atexit.register(self.close)
         logger.info("tensor x pipeline parallelism: %d x %d ranks (%s)", launch.config.tensor_parallel_size,
                     launch.config.pipeline_parallel_size, "NCCL" if launch.device_type == "cuda" else "gloo")
 
