@@ -70,6 +70,8 @@ def test_llm_keywords_reach_the_configs(monkeypatch):
                    block_size=32, num_kv_blocks=9, gpu_memory_utilization=0.5, kv_cache_memory_gb=0.25,
                    enable_prefix_caching=False, async_scheduling=False, enforce_eager=True, cuda_graph_max_batch=8,
                    piecewise_cuda_graph_max_tokens=0, fused_small_batch_linear=False, seed=7,
+                   tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=3,
+                   enable_lora=True, max_loras=3, max_lora_rank=8, max_cpu_loras=5,
                    speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
                                        "prompt_lookup_min": 1, "model": "/models/draft", "load_format": "dummy",
                                        "num_draft_layers": None, "synthetic_acceptance": 0.5})
@@ -99,6 +101,8 @@ def test_unknown_llm_keyword_names_it(monkeypatch):
     (dict(max_model_len=1), "max_model_len must be >= 2, got 1"),
     (dict(num_kv_blocks=0), "num_kv_blocks must be >= 1, got 0"),
     (dict(kv_cache_memory_gb=0.0), "kv_cache_memory_gb must be > 0"),
+    (dict(max_loras=4, max_cpu_loras=2), r"max_cpu_loras \(2\) must be at least max_loras \(4\)"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be >= 1, got 0"),
 ])
 def test_bad_values_are_config_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message):
