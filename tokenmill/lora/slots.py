@@ -43,10 +43,10 @@ class LayerSlots:
     b: torch.Tensor  # [S, out_features, rank]
     rank: int
     slice_sizes: tuple[int, ...]  # output rows of each slice
+    slice_starts: tuple[int, ...] = ()  # where slices 1, 2, ... begin (from slice_sizes; kept, not recomputed per step)
 
-    @property
-    def slice_starts(self) -> tuple[int, ...]:
-        return tuple(int(x) for x in np.cumsum(self.slice_sizes[:-1]))
+    def __post_init__(self):
+        self.slice_starts = tuple(int(x) for x in np.cumsum(self.slice_sizes[:-1]))
 
 
 class LoRAStepContext:
