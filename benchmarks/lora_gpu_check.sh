@@ -2,7 +2,8 @@
 # LoRA on the GPU, side by side with the base model in one call: offline-8b without adapters and with
 # 8 rank-16 adapters spread evenly over the requests, latency-8b without and with one rank-16 adapter,
 # then the LoRA GPU tests. Results (JSON) and logs go to $OUT; status.txt lists each part's exit code.
-#   OUT=/tmp/x bash benchmarks/lora_gpu_check.sh        (REPEAT: offline runs, default 1; T: seconds a part)
+#   OUT=/tmp/x bash benchmarks/lora_gpu_check.sh        (REPEAT: offline runs, default 1; T: seconds a part;
+#   PARTS: which parts, default "8b-base 8b-lora lat-base lat-lora gpu-tests kernel-tests")
 set -u
 OUT=${OUT:?set OUT}
 PY=${PYTHON:-python3}
@@ -13,8 +14,10 @@ if compgen -G ".whl/*.whl" > /dev/null; then  # what the GPU machine lacks (xgra
         && export PYTHONPATH="${PYTHONPATH:-}:$SITE"
 fi
 B=("$PY" -m tokenmill.entrypoints.cli bench)
+PARTS=${PARTS:-8b-base 8b-lora lat-base lat-lora gpu-tests kernel-tests}
 part() {
     local name=$1; shift
+    [[ " $PARTS " == *" $name "* ]] || return 0
     local t0=$(date +%s)
     timeout "${T:-170}" "$@" > "$OUT/$name.log" 2>&1
     echo "$name rc=$? $(( $(date +%s) - t0 ))s" | tee -a "$OUT/status.txt"
@@ -27,4 +30,6 @@ part lat-base "${B[@]}" latency --workload latency-8b --repeat 3 --cuda-graph-ma
     --no-plot
 part lat-lora "${B[@]}" latency --workload latency-8b --repeat 3 --cuda-graph-max-batch 8 --num-loras 1 \
     --lora-rank 16 --out "$OUT" --tag lora1-r16 --no-plot
-part gpu-tests "$PY" -m pytest -q -x -p no:cacheprovider tests/gpu/test_lora_cuda.py
+part gpu-tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu/test_lora_cuda.py
+part kernel-tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/kernels/test_lora_kernels.py tests/kernels/test_skinny_gemm.py \
+    tests/kernels/test_qkv_rope_gemv.py
