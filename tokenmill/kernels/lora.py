@@ -76,6 +76,7 @@ import triton.language as tl
 
 from tokenmill.kernels._dispatch import use_triton
 from tokenmill.kernels.activation import silu_and_mul_ref
+from tokenmill.kernels.lora_epilogue import MAX_SLICES
 from tokenmill.kernels.norm import rms_norm_ref
 from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, PLAIN, SILU_MUL
 
@@ -86,7 +87,6 @@ __all__ = ["PLAIN", "SILU_MUL", "ADD_RMSNORM", "MAX_SLICES", "GEMV_MAX_T", "lora
            "lora_shrink_config", "lora_expand_config"]
 
 MAX_RANK = 128
-MAX_SLICES = 4
 # Up to this many tokens the per-token ("gemv") kernels run; above it the token-block tile kernels.
 GEMV_MAX_T = 16
 
@@ -116,11 +116,16 @@ def _slot_groups(token_slots: torch.Tensor):
 
 
 def lora_shrink_ref(x: torch.Tensor, a_stack: torch.Tensor, token_slots: torch.Tensor, prologue: int = PLAIN,
-                    norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6) -> torch.Tensor:
+                    norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                    residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """s[t] = a_stack[token_slots[t]] @ a(x)[t] in fp32, [T, R]; rows of slot-0 tokens are 0.
+    With a residual (ADD_RMSNORM only), a() takes the residual stream x + residual.
 
     Tokens are grouped by slot (one matmul per distinct slot), the prologue a() as the base layer
     computes it (kernels/activation.py, kernels/norm.py)."""
+    if residual is not None:
+        assert prologue == ADD_RMSNORM, "a residual goes with ADD_RMSNORM"
+        x = x + residual
     inp = _lora_input(x, prologue, norm_weight, eps)
     T, R = x.shape[0], a_stack.shape[1]
     assert inp.shape[1] == a_stack.shape[2], "x does not match a_stack's K"
@@ -157,11 +162,15 @@ def lora_expand_ref(s: torch.Tensor, b_stack: torch.Tensor, token_slots: torch.T
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _prologue(x_ptr, nw_ptr, offs, kk, mask, K, PROLOGUE: tl.constexpr):
+def _prologue(x_ptr, nw_ptr, offs, kk, mask, K, PROLOGUE: tl.constexpr, r_ptr, r_offs, HAS_RESIDUAL: tl.constexpr):
     """a(x) at x_ptr + offs (any shape; kk the K index of each element, broadcastable) in fp32,
     and the squares of x (ADD_RMSNORM's sum of squares; zeros otherwise). Masked elements are 0
-    and read nothing."""
+    and read nothing. With HAS_RESIDUAL (ADD_RMSNORM), x is first x + r, rounded as the base
+    layer rounds the residual stream."""
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + r_offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
     if PROLOGUE == 1:  # SILU_MUL: the row holds [gate | up]
         gate = x.to(tl.float32)
         up = tl.load(x_ptr + offs + K, mask=mask, other=0.0)
@@ -181,11 +190,12 @@ def _prologue(x_ptr, nw_ptr, offs, kk, mask, K, PROLOGUE: tl.constexpr):
 
 @triton.jit
 def _shrink_gemv_kernel(
-    x_ptr, a_ptr, nw_ptr, slots_ptr, s_ptr,
-    R, K, eps, stride_xt, stride_as, stride_ar, stride_st,
+    x_ptr, a_ptr, nw_ptr, slots_ptr, s_ptr, r_ptr,
+    R, K, eps, stride_xt, stride_as, stride_ar, stride_st, stride_rt,
     PROLOGUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):
-    """Grid (T, cdiv(R, BLOCK_R)): s[t, r-block] for one token t."""
+    """Grid (T, cdiv(R, BLOCK_R)): s[t, r-block] for one token t (of a(x + r) with HAS_RESIDUAL)."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     k_lim = tl.where(slot > 0, K, 0)  # slot 0: every load masked off (a scalar-bool & is no block mask)
@@ -198,7 +208,8 @@ def _shrink_gemv_kernel(
     for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
         kk = k0 + ks
         k_ok = kk < k_lim
-        a, sq_k = _prologue(x_ptr, nw_ptr, t * stride_xt + kk, kk, k_ok, K, PROLOGUE)
+        a, sq_k = _prologue(x_ptr, nw_ptr, t * stride_xt + kk, kk, k_ok, K, PROLOGUE, r_ptr, t * stride_rt + kk,
+                            HAS_RESIDUAL)
         sq += sq_k
         w = tl.load(a_rows + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * a[None, :]
@@ -249,8 +260,9 @@ def _shrink_tile_kernel(
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
             kk = k0 + ks
             k_ok = kk < k_end
-            a, sq_k = _prologue(x_ptr, nw_ptr, m64[:, None] * stride_xt + kk[None, :], kk[None, :],
-                                row_on[:, None] & k_ok[None, :], K, PROLOGUE)
+            offs = m64[:, None] * stride_xt + kk[None, :]
+            a, sq_k = _prologue(x_ptr, nw_ptr, offs, kk[None, :], row_on[:, None] & k_ok[None, :], K, PROLOGUE,
+                                x_ptr, offs, False)
             if PROLOGUE == 2:
                 if SPLIT_K == 1:
                     sq += tl.sum(sq_k, axis=1)
@@ -277,8 +289,9 @@ def _shrink_tile_kernel(
             for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
                 kk = k0 + ks
                 k_ok = kk < k_end
-                a, sq_k = _prologue(x_ptr, nw_ptr, m64[:, None] * stride_xt + kk[None, :], kk[None, :],
-                                    sel[:, None] & k_ok[None, :], K, PROLOGUE)
+                offs = m64[:, None] * stride_xt + kk[None, :]
+                a, sq_k = _prologue(x_ptr, nw_ptr, offs, kk[None, :], sel[:, None] & k_ok[None, :], K, PROLOGUE,
+                                    x_ptr, offs, False)
                 if PROLOGUE == 2:
                     if SPLIT_K == 1:
                         sq += tl.sum(sq_k, axis=1)
@@ -503,9 +516,14 @@ def _last_unit(t: torch.Tensor) -> torch.Tensor:
 
 def lora_shrink_triton(x: torch.Tensor, a_stack: torch.Tensor, token_slots: torch.Tensor, prologue: int = PLAIN,
                        norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
-                       config: Optional[dict] = None) -> torch.Tensor:
-    """Triton path of lora_shrink_ref; x [T, K] ([T, 2K] for SILU_MUL), any row stride."""
+                       config: Optional[dict] = None, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Triton path of lora_shrink_ref; x [T, K] ([T, 2K] for SILU_MUL), any row stride; the
+    residual [T, K] likewise (the per-token kernel adds it in its prologue, the tile kernel takes
+    the sum from torch)."""
     assert x.dim() == 2 and a_stack.dim() == 3 and token_slots.dim() == 1
+    if residual is not None:
+        assert prologue == ADD_RMSNORM and residual.shape == x.shape, "a residual goes with ADD_RMSNORM, x's shape"
+        residual = _last_unit(residual)
     T = x.shape[0]
     S, R, K = a_stack.shape
     assert x.shape[1] == (2 * K if prologue == SILU_MUL else K), "x does not match a_stack's K"
@@ -526,11 +544,16 @@ def lora_shrink_triton(x: torch.Tensor, a_stack: torch.Tensor, token_slots: torc
         _log_launch("shrink", T, (R, K, prologue), tuple(sorted(cfg.items())))
     if cfg["mode"] == "gemv":
         grid = (T, triton.cdiv(R, cfg["block_r"]))
+        has_residual = residual is not None
+        r_arg = residual if has_residual else x
         _shrink_gemv_kernel[grid](
-            x, a_stack, nw, slots, s, R, K, eps, x.stride(0), a_stack.stride(0), a_stack.stride(1), s.stride(0),
-            PROLOGUE=prologue, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"], LOOP_STAGES=cfg["num_stages"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            x, a_stack, nw, slots, s, r_arg, R, K, eps, x.stride(0), a_stack.stride(0), a_stack.stride(1), s.stride(0),
+            r_arg.stride(0), PROLOGUE=prologue, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
+            LOOP_STAGES=cfg["num_stages"], HAS_RESIDUAL=has_residual, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
     else:
+        if residual is not None:
+            x = x + residual
         assert cfg["bm"] >= 16 and cfg["block_r"] >= 16 and cfg["block_k"] >= 16, "tl.dot tiles are >= 16"
         ieee = _dot_ieee(x.device, x.dtype, a_stack.dtype)
         split_k = cfg.get("split_k")  # None: chosen for the config's tiles
@@ -598,11 +621,13 @@ def lora_expand_triton(s: torch.Tensor, b_stack: torch.Tensor, token_slots: torc
 
 
 def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, token_slots: torch.Tensor, prologue: int = PLAIN,
-                norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6) -> torch.Tensor:
-    """s [T, R] fp32 = per-token a_stack[slot] @ a(x); Triton on CUDA, the reference elsewhere."""
+                norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """s [T, R] fp32 = per-token a_stack[slot] @ a(x) (a(x + residual) with a residual); Triton on
+    CUDA, the reference elsewhere."""
     if use_triton(x):
-        return lora_shrink_triton(x, a_stack, token_slots, prologue, norm_weight, eps)
-    return lora_shrink_ref(x, a_stack, token_slots, prologue, norm_weight, eps)
+        return lora_shrink_triton(x, a_stack, token_slots, prologue, norm_weight, eps, residual=residual)
+    return lora_shrink_ref(x, a_stack, token_slots, prologue, norm_weight, eps, residual=residual)
 
 
 def lora_expand(s: torch.Tensor, b_stack: torch.Tensor, token_slots: torch.Tensor, y: torch.Tensor,

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.lora import lora_expand_ref
+from tokenmill.kernels.lora_epilogue import LoRATerm, add_lora, lora_epilogue_args
 from tokenmill.kernels.qkv_prep import qkv_prep_ref
 from tokenmill.kernels.skinny_gemm import (ADD_RMSNORM, MAX_ROWS, _gemv_multi_rows, _gemv_rows, padded_rows,
                                            skinny_gemm_config, skinny_linear_ref)
@@ -26,11 +28,14 @@ MAX_TOKENS = MAX_ROWS
 
 
 def skinny_qkv_rope_ref(x, weight, residual, norm_weight, eps, positions, cos_sin_cache, slot_mapping,
-                        k_cache, v_cache, num_q_heads: int, num_kv_heads: int):
+                        k_cache, v_cache, num_q_heads: int, num_kv_heads: int, lora: Optional[LoRATerm] = None):
     """Torch reference: (rotated q [T, Hq, D], the new residual stream x + residual, or x without
-    one); k (rotated) and v go into the caches at slot_mapping (a negative slot stores nothing)."""
+    one); k (rotated) and v go into the caches at slot_mapping (a negative slot stores nothing).
+    With `lora`, the adapter's term is added to the projection (lora_expand_ref) before the rotation."""
     y = skinny_linear_ref(x, weight, ADD_RMSNORM, residual, norm_weight, eps)
     qkv, summed = y if residual is not None else (y, x)
+    if lora is not None:
+        lora_expand_ref(lora.s, lora.b_stack, lora.token_slots[: qkv.shape[0]], qkv, lora.rank, lora.slice_starts)
     head_dim = weight.shape[0] // (num_q_heads + 2 * num_kv_heads)
     q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q_rot = qkv_prep_ref(positions, q.view(-1, num_q_heads, head_dim), k.view(-1, num_kv_heads, head_dim),
@@ -67,17 +72,24 @@ def _kv_destination(head, page, offset, k_cache_ptr, v_cache_ptr, stride_kcb, st
 @triton.jit
 def _qkv_rope_gemv_kernel(
     x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, pos_ptr, slot_ptr, cos_sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    ls_ptr, lb_ptr, lslot_ptr, stride_lbs, stride_lbn,
     K, eps, stride_wn, stride_cs, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    LORA: tl.constexpr, LORA_RANK: tl.constexpr, LORA_RANK_P: tl.constexpr,
+    LS1: tl.constexpr, LS2: tl.constexpr, LS3: tl.constexpr,
 ):
     """Grid (heads * HEAD_DIM / BLOCK_N,): program p takes head p // (HALF / PAIRS) (q heads, then k,
-    then v) and, in it, dims d0 + [0, PAIRS) and their partners d0 + HALF + [0, PAIRS)."""
+    then v) and, in it, dims d0 + [0, PAIRS) and their partners d0 + HALF + [0, PAIRS). With LORA,
+    the adapter's term (kernels/lora_epilogue.py) joins the projection before its rounding and the
+    rotation."""
     HALF: tl.constexpr = HEAD_DIM // 2
     PAIRS: tl.constexpr = BLOCK_N // 2
     pid, head, d0, rows = _program_rows(HEAD_DIM, BLOCK_N)
     y = _gemv_rows(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, rows >= 0, K, eps, stride_wn, pid == 0,
                    2, HAS_RESIDUAL, BLOCK_K)
+    y = add_lora(y, rows, rows >= 0, ls_ptr, lb_ptr, lslot_ptr, stride_lbs, stride_lbn, LORA, LORA_RANK,
+                 LORA_RANK_P, LS1, LS2, LS3)
     # The projection as the unfused path stores it (model dtype), split into the two halves.
     y = tl.reshape(y.to(q_out_ptr.dtype.element_ty).to(tl.float32), (2, PAIRS))
     half_of = tl.arange(0, 2)[:, None]
@@ -166,9 +178,11 @@ def fusable(n: int, k: int, head_dim: int, dtype: torch.dtype, config: Optional[
 
 def skinny_qkv_rope_triton(x, weight, residual, norm_weight, eps, positions, cos_sin_cache, slot_mapping,
                            k_cache, v_cache, num_q_heads: int, num_kv_heads: int,
-                           q_out: Optional[torch.Tensor] = None, config: Optional[dict] = None):
+                           q_out: Optional[torch.Tensor] = None, config: Optional[dict] = None,
+                           lora: Optional[LoRATerm] = None):
     """Triton version of skinny_qkv_rope_ref, one launch; q goes into q_out ([T, Hq, D],
-    contiguous) when given. x [T, K] with T <= MAX_TOKENS, rows contiguous (any row stride), the
+    contiguous) when given. `lora` (one token only) adds an adapter's term to the projection
+    before the rotation (kernels/lora_epilogue.py). x [T, K] with T <= MAX_TOKENS, rows contiguous (any row stride), the
     residual likewise; positions and slot_mapping [T]; weight [(Hq + 2 Hk) D, K] with q, k, v rows
     in that order; caches [blocks, page, Hk, D]."""
     tokens, K = x.shape
@@ -193,13 +207,15 @@ def skinny_qkv_rope_triton(x, weight, residual, norm_weight, eps, positions, cos
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     heads = dict(NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1])
+    assert lora is None or tokens == 1, "the LoRA epilogue is the one-token kernel's"
     if tokens == 1:
+        lora_args, lora_meta = lora_epilogue_args(lora, q_out, N)
         _qkv_rope_gemv_kernel[grid](
             x, residual if has_residual else x, norm_weight, weight, summed, positions, slot_mapping, cos_sin_cache,
-            q_out, k_cache, v_cache,
+            q_out, k_cache, v_cache, *lora_args,
             K, eps, weight.stride(0), cos_sin_cache.stride(0), *cache_strides,
             **heads, HAS_RESIDUAL=has_residual, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            **lora_meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     elif tokens > 1:
         assert cfg["block_k"] >= 8, "the several-row kernel takes K in groups of 8"

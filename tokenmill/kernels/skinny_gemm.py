@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.activation import silu_and_mul_ref
+from tokenmill.kernels.lora_epilogue import LoRATerm, add_lora, lora_epilogue_args
 from tokenmill.kernels.norm import rms_norm_ref
 
 PLAIN, SILU_MUL, ADD_RMSNORM = 0, 1, 2
@@ -114,17 +115,23 @@ def _gemv_rows(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, n, n_ok, K, eps, stride_wn,
 @triton.jit
 def _gemv_kernel(
     x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr,
+    ls_ptr, lb_ptr, lslot_ptr, stride_lbs, stride_lbn,
     N, K, eps, stride_wn,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    LORA: tl.constexpr, LORA_RANK: tl.constexpr, LORA_RANK_P: tl.constexpr,
+    LS1: tl.constexpr, LS2: tl.constexpr, LS3: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N),): program p computes out[p*BLOCK_N : (p+1)*BLOCK_N] for one row x;
-    program 0 writes the residual stream."""
+    program 0 writes the residual stream. With LORA, each output also takes its adapter term
+    (kernels/lora_epilogue.py) before the one rounding."""
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     y = _gemv_rows(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, n, n_ok, K, eps, stride_wn, pid == 0,
                    PROLOGUE, HAS_RESIDUAL, BLOCK_K)
+    y = add_lora(y, n, n_ok, ls_ptr, lb_ptr, lslot_ptr, stride_lbs, stride_lbn, LORA, LORA_RANK, LORA_RANK_P,
+                 LS1, LS2, LS3)
     tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -294,11 +301,13 @@ def skinny_gemm_config(n: int, k: int, dtype: torch.dtype, prologue: int = PLAIN
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, prologue: int = PLAIN,
                          residual: Optional[torch.Tensor] = None, norm_weight: Optional[torch.Tensor] = None,
-                         eps: float = 1e-6, config: Optional[dict] = None):
+                         eps: float = 1e-6, config: Optional[dict] = None, lora: Optional[LoRATerm] = None):
     """Triton path of skinny_linear_ref for M <= MAX_ROWS rows x [M, K] (or [M, 2K] for SILU_MUL),
     each row contiguous (any row stride); residual [M, K] likewise. One row takes the one-row
-    kernel, more rows _gemv_multi_kernel (one launch either way)."""
+    kernel, more rows _gemv_multi_kernel (one launch either way). `lora` (one row only) adds an
+    adapter's term to the product: skinny_linear_ref, then kernels/lora.lora_expand_ref."""
     M = x.shape[0]
+    assert lora is None or M == 1, "the LoRA epilogue is the one-row kernel's"
     N, K = weight.shape
     assert M <= MAX_ROWS, f"skinny_linear takes at most {MAX_ROWS} rows, got {M}"
     assert x.dim() == 2 and x.stride(-1) == 1 and weight.stride(-1) == 1
@@ -313,11 +322,12 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, prologue: int = 
     nw_arg = norm_weight if prologue == ADD_RMSNORM else x
     grid = (triton.cdiv(N, cfg["block_n"]),)
     if M == 1:
+        lora_args, lora_meta = lora_epilogue_args(lora, out, N)
         _gemv_kernel[grid](
-            x, r_arg, nw_arg, weight, out, summed,
+            x, r_arg, nw_arg, weight, out, summed, *lora_args,
             N, K, eps, weight.stride(0),
             PROLOGUE=prologue, HAS_RESIDUAL=has_residual, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            **lora_meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     elif M > 1:
         assert cfg["block_k"] >= 8, "the several-row kernel takes K in groups of 8"

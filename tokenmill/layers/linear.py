@@ -64,12 +64,17 @@ class LinearBase(nn.Module):
         ctx = current_forward_context()
         lora = ctx.lora if ctx is not None else None
         if self._use_skinny(x):
+            # One token with adapters: the shrink first, its term added inside the GEMV
+            # (kernels/lora_epilogue.py); more tokens: the term after the product. Either way
+            # the adapters apply the layer's prologue to its input.
+            in_kernel = lora is not None and x.shape[0] == 1
+            term = lora.gemv_term(self, x, prologue, norm, residual) if in_kernel else None
             y = skinny_gemm.skinny_linear_triton(x, self.weight, prologue, residual,
                                                  None if norm is None else norm.weight,
-                                                 1e-6 if norm is None else norm.eps)
+                                                 1e-6 if norm is None else norm.eps, lora=term)
             if isinstance(y, tuple):
                 y, summed = y
-            if lora is not None:  # the adapters apply the same prologue to the layer's input
+            if lora is not None and not in_kernel:
                 lora.apply(self, x if summed is None else summed, prologue, norm, y)
         else:
             if prologue == SILU_MUL:
@@ -160,11 +165,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     def fuses_rope(self, x: torch.Tensor) -> bool:
         """Whether x (1 to skinny_gemm.MAX_ROWS tokens) takes the GEMV that also does rotary and the
         KV-cache write (forward_rope_into_cache). Not while piecewise graphs are captured: there
-        attention runs between the pieces (Attention.forward), after qkv_prep. Nor in steps with
-        LoRA adapters."""
+        attention runs between the pieces (Attention.forward), after qkv_prep. In steps with
+        LoRA adapters only at one token (the kernel's LoRA epilogue is the one-token kernel's)."""
         ctx = current_forward_context()
-        if ctx is not None and (ctx.splitter is not None or ctx.lora is not None):
-            return False  # (with adapters, q/k/v take their LoRA terms before rotary and the cache write)
+        if ctx is not None and (ctx.splitter is not None or (ctx.lora is not None and x.shape[0] != 1)):
+            return False
         return self._use_skinny(x) and qkv_rope_gemv.fusable(self.out_features, self.in_features, self.head_dim,
                                                              x.dtype, tokens=x.shape[0])
 
@@ -173,10 +178,14 @@ class QKVParallelLinear(ColumnParallelLinear):
                                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """1 to MAX_ROWS tokens: q/k/v of norm(x + residual), with q and k rotated and k/v stored at
         each token's slot, in one kernel (kernels/qkv_rope_gemv.py). Returns (rotated q [T, Hq, D],
-        the residual stream)."""
+        the residual stream). In a step with adapters, the q/k/v LoRA term joins the projection
+        before the rotation (the shrink runs first)."""
+        ctx = current_forward_context()
+        lora = ctx.lora if ctx is not None else None
+        term = lora.gemv_term(self, x, ADD_RMSNORM, norm, residual) if lora is not None else None
         return qkv_rope_gemv.skinny_qkv_rope_triton(x, self.weight, residual, norm.weight, norm.eps, positions,
                                                     cos_sin_cache, slot_mapping, k_cache, v_cache,
-                                                    self.num_heads, self.num_kv_heads)
+                                                    self.num_heads, self.num_kv_heads, lora=term)
 
 
 class RowParallelLinear(LinearBase):

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels.lora import lora_expand, lora_shrink
+from tokenmill.kernels.lora_epilogue import LoRATerm
 from tokenmill.lora.adapter import LoRAAdapter
 from tokenmill.lora.request import LoRARequest
 
@@ -55,7 +56,20 @@ class LoRAStepContext:
 
     def __init__(self, token_slots: torch.Tensor, layers: dict[nn.Module, LayerSlots]):
         self.token_slots = token_slots  # [max_num_tokens] int32; a step reads its first T
+        self.first_slot = token_slots[:1]  # a one-token step's
         self.layers = layers
+
+    def gemv_term(self, module: nn.Module, x: torch.Tensor, prologue: int, norm: Optional[nn.Module],
+                  residual: Optional[torch.Tensor]) -> Optional[LoRATerm]:
+        """One token on the fused GEMV path: runs the shrink (the layer's prologue applied to x,
+        and to x + residual with one) and returns the term the GEMV adds in its epilogue
+        (kernels/lora_epilogue.py); None for a module without adapter stacks."""
+        layer = self.layers.get(module)
+        if layer is None:
+            return None
+        s = lora_shrink(x, layer.a, self.first_slot, prologue, None if norm is None else norm.weight,
+                        1e-6 if norm is None else norm.eps, residual=residual)
+        return LoRATerm(s, layer.b, self.first_slot, layer.rank, layer.slice_starts)
 
     def apply(self, module: nn.Module, x: torch.Tensor, prologue: int, norm: Optional[nn.Module],
               y: torch.Tensor) -> None:

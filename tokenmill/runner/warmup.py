@@ -58,9 +58,11 @@ def warm_up_lora(runner) -> int:
     """With LoRA: every specialization of the shrink and expand kernels a step can select (their
     launch configs change with the token count, and Triton specializes the count itself on
     divisibility by 16), launched once per projection shape on zero inputs; returns how many ran.
-    Steps above one token take the unfused path, whose LoRA input needs no prologue."""
+    Steps above one token take the unfused path, whose LoRA input needs no prologue; one-token
+    steps run the shrink with the layer's prologue (and residual) before the fused GEMV, whose
+    LoRA epilogue the decode graphs' eager warm-up compiles with the rest of the batch-1 path."""
     from tokenmill.kernels.lora import lora_expand, lora_expand_config, lora_shrink, lora_shrink_config
-    from tokenmill.kernels.skinny_gemm import PLAIN
+    from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, PLAIN, SILU_MUL
 
     lora = runner.lora
     if lora is None:
@@ -85,4 +87,14 @@ def warm_up_lora(runner) -> int:
             s = lora_shrink(x, layer.a, slots, PLAIN)
             lora_expand(s, layer.b, slots, y, layer.rank, layer.slice_starts)
             launched += 1
+        one = torch.ones(1, dtype=torch.int32, device=runner.device)
+        x = torch.zeros((1, 2 * k), dtype=runner.dtype, device=runner.device)
+        norm_weight = torch.ones(k, dtype=runner.dtype, device=runner.device)
+        for prologue, residual in ((SILU_MUL, None), (ADD_RMSNORM, None), (ADD_RMSNORM, x[:, :k])):
+            key = (r_total, k, prologue, residual is None)
+            if key not in seen:
+                seen.add(key)
+                lora_shrink(x if prologue == SILU_MUL else x[:, :k], layer.a, one, prologue, norm_weight,
+                            residual=residual)
+                launched += 1
     return launched
