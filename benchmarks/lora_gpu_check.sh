@@ -31,5 +31,5 @@ part lat-base "${B[@]}" latency --workload latency-8b --repeat 3 --cuda-graph-ma
 part lat-lora "${B[@]}" latency --workload latency-8b --repeat 3 --cuda-graph-max-batch 8 --num-loras 1 \
     --lora-rank 16 --out "$OUT" --tag lora1-r16 --no-plot
 part gpu-tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu/test_lora_cuda.py
-part kernel-tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/kernels/test_lora_kernels.py tests/kernels/test_skinny_gemm.py \
+part kernel-tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/kernels/test_lora_epilogue.py tests/kernels/test_lora_kernels.py tests/kernels/test_skinny_gemm.py \
     tests/kernels/test_qkv_rope_gemv.py
