@@ -128,3 +128,30 @@ def test_prefill_cap_applies_only_when_decodes_run():
     for rid in ("a", "b", "c"):
         sched.finish_request(sched.requests[rid], RequestStatus.FINISHED_ABORTED)
     assert kv.num_free_blocks == 64
+
+
+def test_pipeline_depth_keeps_steps_in_flight_disjoint():
+    """With two pipeline stages, a step takes at most half the requests and never one whose token
+    is still in flight; a prompt's chunks (nothing in flight) may follow one another."""
+    kv = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+                                      pipeline_depth=2), kv)
+    for i in range(5):
+        sched.add_request(make_request(f"r{i}", list(range(10 * i, 10 * i + 6)), max_tokens=4))
+    first = sched.schedule()
+    second = sched.schedule()
+    ids = [{e.req_id for e in out.batch} for out in (first, second)]
+    assert [len(x) for x in ids] == [3, 2] and not ids[0] & ids[1]  # ceil(5 / 2), then the rest
+    assert not sched.schedule().batch  # every request's token is in flight
+    for e in first.batch:  # the first step's tokens come back: its requests decode again
+        sched.take_sampled_token(e.req_id).output_token_ids.append(7)
+    third = sched.schedule()
+    assert {e.req_id for e in third.batch} == ids[0] and all(e.num_tokens == 1 for e in third.batch)
+
+    long = Scheduler(SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=8, max_model_len=128,
+                                     pipeline_depth=2), KVCacheManager(num_blocks=64, block_size=4))
+    long.add_request(make_request("p", list(range(20)), max_tokens=2))
+    chunks = [long.schedule().batch for _ in range(3)]
+    assert [[(e.req_id, e.num_tokens, e.samples) for e in b] for b in chunks] == [
+        [("p", 8, False)], [("p", 8, False)], [("p", 4, True)]]
+    assert not long.schedule().batch

@@ -1,8 +1,8 @@
 """Tensor and pipeline parallelism on the CPU (gloo, one process per rank): greedy tokens equal the
 single-process engine's and HF transformers' (fp32) with the embedded model at TP = 3 (9 query
 heads, 3 KV heads) and PP = 2, and a tiny HF model at TP = 2 and TP x PP = 2 x 2, with chunked
-prefill and preemption too; layouts that do not split are refused; a dead worker fails the engine
-with a clear error."""
+prefill and preemption too (with pipeline stages, one step per stage in flight); layouts that do
+not split are refused; a dead worker fails the engine with a clear error."""
 
 import os
 import signal
@@ -42,6 +42,7 @@ def test_embedded_model_equals_hf(layout, regime, chat_prompt_ids, hf_greedy):
             assert model.layers[0].self_attn.qkv_proj.weight.shape[0] == (9 + 2 * 3) * 64 // 3
         else:  # rank 0 is the last stage: it holds the last 15 of the 30 layers only
             assert (model.start, model.end) == (15, 30) and not list(model.layers[0].parameters())
+            assert engine.max_steps_in_flight == 2  # one step per stage
     finally:
         llm.engine.close()
 
@@ -70,6 +71,7 @@ def test_tp2_pp2_tiny_model_equals_single_process(tmp_path):
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         assert got == want
         assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.max_steps_in_flight == 2
     finally:
         llm.engine.close()
 
@@ -92,5 +94,42 @@ def test_a_dead_worker_fails_the_engine_clearly(tmp_path):
         worker.join(10)
         with pytest.raises(RuntimeError, match="worker rank 1 exited"):
             llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.parametrize("layout", ["tp3+ngram", "pp2"])
+def test_features_together_in_parallel_layouts(layout, smollm):
+    """The sampling features of tests/engine/test_features_together.py (grammars, bad words, allowed
+    tokens, n = 2 with prompt logprobs, the prefix cache; n-gram speculation at TP = 3, which pipeline
+    stages do not take) with chunked prefill and preemption: each request's tokens equal its run
+    alone on a single-process engine, and nothing leaks."""
+    from tests.engine.conftest import assert_no_leaks, make_llm
+    from tests.engine.test_features_together import NUM_KV_BLOCKS, feature_requests
+    from tests.engine.test_structured_output import NGRAM
+
+    plain = make_llm(smollm)
+    requests, _, banned = feature_requests(plain)
+    alone = [plain.generate([p], q, use_tqdm=False)[0] for p, q in requests]
+    kw = dict(max_num_batched_tokens=48, num_kv_blocks=NUM_KV_BLOCKS)
+    llm = (_tp_llm(3, speculative_config=NGRAM, **kw) if layout == "tp3+ngram" else _tp_llm(1, pp=2, **kw))
+    try:
+        together = llm.generate([p for p, _ in requests], [q for _, q in requests], use_tqdm=False)
+        for want, got in zip(alone, together):
+            assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+        # the same tokens and ranks; the values to fp32 rounding (TP sums in another order)
+        got_lp, want_lp = together[5].prompt_logprobs, alone[5].prompt_logprobs
+        assert len(got_lp) == len(want_lp) and got_lp[0] is None and want_lp[0] is None
+        for g, w in zip(got_lp[1:], want_lp[1:]):
+            assert {t: lp.rank for t, lp in g.items()} == {t: lp.rank for t, lp in w.items()}
+            assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 for t in w)
+        assert banned not in together[3].outputs[0].token_ids
+        engine = llm.engine
+        assert engine.scheduler.num_preemptions > 0
+        if layout == "pp2":
+            assert engine.max_steps_in_flight == 2
+        else:
+            assert engine.spec_stats.accepted > 0
+        assert_no_leaks(llm)
     finally:
         llm.engine.close()

@@ -2,7 +2,8 @@
 
 With async scheduling the engine keeps one step in flight: it schedules and launches step N+1,
 then waits for step N's sampled tokens (the only point where the CPU waits for the device) and
-processes them while the device runs N+1.
+processes them while the device runs N+1. With pipeline stages it keeps one step per stage in
+flight (executor/pipeline.py).
 """
 
 import itertools
@@ -109,8 +110,13 @@ class LLMEngine:
                                                    self.config.resolve_prefill_cap(self.loaded.device.type),
                                                    spec.num_speculative_tokens if spec else 0,
                                                    spec.num_lookahead_tokens if spec else 0,
-                                                   self.config.max_loras if self.loras is not None else 0),
+                                                   self.config.max_loras if self.loras is not None else 0,
+                                                   self.config.pipeline_parallel_size),
                                    self.kv, self.step_budget)
+        # Steps kept in flight beyond the one being completed: one with async scheduling; with
+        # pipeline stages pp - 1, so that every stage has a step (executor/pipeline.py).
+        self.steps_ahead = max(self.config.pipeline_parallel_size - 1, 1 if self.config.async_scheduling else 0)
+        self.max_steps_in_flight = 0  # the most seen at once
         self.outputs = OutputProcessor(self.tokenizer)
         # Structured output: grammars compiled (and cached) on validation, a matcher per request.
         self.structured = StructuredOutputManager(self.tokenizer, arch.vocab_size, list(self.loaded.eos_token_ids))
@@ -336,12 +342,14 @@ class LLMEngine:
                     completed = self._complete(0, results, emit_unfinished)
                     bitmask = self.structured.bitmask(sched, self.scheduler.requests)
                 self._inflight.append((sched, self.runner.sample_tokens(bitmask)))
+                self.max_steps_in_flight = max(self.max_steps_in_flight, len(self._inflight))
                 if self.step_budget is not None:
                     self.step_budget.launched()
                 launched = True
             elif sched.freed_req_ids:
                 self.runner.release(sched.freed_req_ids)
-        keep = 1 if (self.config.async_scheduling and launched) else 0
+        # Nothing launched: complete the oldest step only (its requests may then be scheduled).
+        keep = self.steps_ahead if launched else max(0, len(self._inflight) - 1)
         completed += self._complete(keep, results, emit_unfinished)
         # (A speculating request may wait a step for its in-flight tokens without finishing.)
         if not launched and not completed and self.scheduler.has_unfinished and not self._inflight:

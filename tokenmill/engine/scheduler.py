@@ -45,6 +45,10 @@ class SchedulerLimits:
     # ahead (a draft model or the layer-truncated draft: k; n-gram lookup: 0)
     num_lookahead_tokens: int = 0
     max_loras: int = 0  # distinct LoRA adapters among the running requests (the runner's slots); 0: no LoRA
+    # Steps in flight at once with pipeline stages (pipeline_parallel_size): a request whose token
+    # is on its way is not scheduled again until it is back, and a step takes at most a 1/depth
+    # share of the requests, so that the steps in flight hold different requests (executor/pipeline.py).
+    pipeline_depth: int = 1
 
 
 class Scheduler:
@@ -102,6 +106,8 @@ class Scheduler:
         new_requests: list[NewRequestData] = []
         scheduled: set[str] = set()
         preempted_now: set[str] = set()
+        depth = self.limits.pipeline_depth
+        share = -(-len(self.requests) // depth) if depth > 1 else None  # entries a step may take
 
         # Decodes first, then prefills still in progress (stable, so oldest first within each).
         for request in sorted(self.running, key=lambda r: r.is_prefilling):
@@ -109,6 +115,8 @@ class Scheduler:
                 break
             if request.request_id in preempted_now:
                 continue
+            if share is not None and (request.num_pending or len(batch) >= share):
+                continue  # its token is in flight / this step has its share (pipeline stages)
             prefilling = request.num_computed_tokens < request.num_prefill_tokens  # its prompt is not done
             if prefilling and num_decodes > capped_at:
                 prefill_budget, capped_at = self._cap_prefill(prefill_budget, num_decodes, decode_tokens,
@@ -140,7 +148,7 @@ class Scheduler:
             prefill_budget = self._cap_prefill(prefill_budget, num_decodes, decode_tokens, prefill_tokens)
         skipped: list[Request] = []  # waiting requests whose adapter has no slot now (kept in order)
         while (self.waiting and min(budget, prefill_budget) > 0
-               and len(self.running) < self.limits.max_num_seqs):
+               and len(self.running) < self.limits.max_num_seqs and (share is None or len(batch) < share)):
             request = self.waiting[0]
             if request.num_pending or request.request_id in preempted_now:
                 break  # wait for its in-flight token / don't re-admit what was just preempted

@@ -128,9 +128,10 @@ class ControlChannel:
         return buf.numpy().tobytes()
 
 
-def _init_rank(launch: RankLaunch, rank: int) -> tuple[torch.device, object, ParallelState]:
-    """Join the process group; returns this rank's device, the control group and its place (with
-    pipeline stages: its stage's tensor-parallel group, every rank creating every group in order)."""
+def _init_rank(launch: RankLaunch, rank: int) -> tuple[torch.device, object, ParallelState, object]:
+    """Join the process group; returns this rank's device, the control group, its place (with
+    pipeline stages: its stage's tensor-parallel group, every rank creating every group in order)
+    and, with pipeline stages, the group of the stages' sends."""
     cuda = launch.device_type == "cuda"
     local = int(os.environ.get("LOCAL_RANK", rank))
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
@@ -140,10 +141,11 @@ def _init_rank(launch: RankLaunch, rank: int) -> tuple[torch.device, object, Par
                             world_size=launch.world_size, timeout=COLLECTIVE_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     tp, pp = launch.config.tensor_parallel_size, launch.config.pipeline_parallel_size
-    group = None  # one stage: the tensor-parallel group is the world
+    group = p2p = None  # one stage: the tensor-parallel group is the world
     if pp > 1:
         from tokenmill.executor.pipeline import rank_of
 
+        p2p = dist.new_group()
         for stage in range(pp):
             ranks = [rank_of(stage, t, tp, pp) for t in range(tp)]
             g = dist.new_group(ranks=sorted(ranks))
@@ -152,10 +154,10 @@ def _init_rank(launch: RankLaunch, rank: int) -> tuple[torch.device, object, Par
     from tokenmill.executor.pipeline import stage_of
 
     state = ParallelState(tp_rank=rank % tp, tp_size=tp, group=group, pp_rank=stage_of(rank, tp, pp), pp_size=pp)
-    return device, control, state
+    return device, control, state, p2p
 
 
-def _build(launch: RankLaunch, rank: int, device: torch.device, state: ParallelState):
+def _build(launch: RankLaunch, rank: int, device: torch.device, state: ParallelState, p2p=None):
     """This rank's model shard (its stage's layers, its tensor-parallel part of each) and runner."""
     from tokenmill.loader import load_model
     from tokenmill.runner.model_runner import ModelRunner
@@ -170,7 +172,7 @@ def _build(launch: RankLaunch, rank: int, device: torch.device, state: ParallelS
         from tokenmill.executor.pipeline import PipelineLink
 
         runner.pipeline = PipelineLink(state.pp_rank, state.pp_size, state.tp_rank, state.tp_size,
-                                       loaded.arch.hidden_size, loaded.dtype, loaded.device)
+                                       loaded.arch.hidden_size, loaded.dtype, loaded.device, p2p_group=p2p)
     return loaded, runner
 
 
@@ -191,20 +193,38 @@ def _watch_parent(parent_pid: Optional[int]) -> None:
 def run_worker(launch: RankLaunch, rank: int, parent_pid: Optional[int] = None) -> int:
     """A worker rank: build the shard and runner, then run what the driver sends until it says stop."""
     _watch_parent(parent_pid)
-    device, control, state = _init_rank(launch, rank)
+    device, control, state, p2p = _init_rank(launch, rank)
     channel = ControlChannel(control)
-    _, runner = _build(launch, rank, device, state)
+    _, runner = _build(launch, rank, device, state, p2p)
     logger.info("tensor-parallel rank %d/%d ready on %s", rank, launch.world_size, device)
+    stage = last = None  # with pipeline stages: this rank's steps in flight (executor/pipeline.py)
+    if runner.pipeline is not None:
+        from tokenmill.executor.pipeline import LastStageSteps, StageSteps
+
+        if runner.pipeline.is_last:
+            last = LastStageSteps(runner)
+        else:
+            stage = StageSteps(runner, runner.pipeline)
     with torch.inference_mode():
         while True:
             msg = step_wire.decode(channel.recv())
             kind = msg[0]
             if kind == "exec":
-                runner.execute_model(msg[1])
-            elif kind == "sample":
-                runner.sample_tokens(msg[1])  # rank 0's tokens are the ones the engine takes
+                if stage is not None:
+                    stage.execute(msg[1])
+                elif last is not None:
+                    last.execute(msg[1])
+                else:
+                    runner.execute_model(msg[1])
+            elif kind == "sample":  # rank 0's tokens are the ones the engine takes
+                if stage is not None:
+                    stage.finish()
+                elif last is not None:
+                    last.sample(msg[1])
+                else:
+                    runner.sample_tokens(msg[1])
             elif kind == "release":
-                runner.release(msg[1])
+                (last or runner).release(msg[1])
             elif kind == "call":
                 _, name, args = msg
                 _call(runner, name, args, control)
@@ -277,13 +297,18 @@ class TPExecutor:
                 p.start()
                 self._procs.append(p)
         try:
-            device, control, state = _init_rank(launch, 0)
+            device, control, state, p2p = _init_rank(launch, 0)
             self.control = control
             self.channel = ControlChannel(control)
-            self.loaded, self.runner = _build(launch, 0, device, state)
+            self.loaded, self.runner = _build(launch, 0, device, state, p2p)
         except BaseException:
             self._kill_workers()
             raise
+        self.steps = None  # with pipeline stages: rank 0's (the last stage's) queued steps
+        if self.runner.pipeline is not None:
+            from tokenmill.executor.pipeline import LastStageSteps
+
+            self.steps = LastStageSteps(self.runner, lambda bitmask: self._send(step_wire.encode_sample(bitmask)))
         atexit.register(self.close)
         logger.info("tensor x pipeline parallelism: %d x %d ranks (%s)", launch.config.tensor_parallel_size,
                     launch.config.pipeline_parallel_size, "NCCL" if launch.device_type == "cuda" else "gloo")
@@ -332,21 +357,34 @@ class TPExecutor:
         self._send(step_wire.encode("call", "dummy_run", list(args)))
         return self.runner.dummy_run(*args)
 
+    @property
+    def steps_ahead(self) -> int:
+        """Steps the engine keeps in flight beyond the one it completes: pp - 1 with pipeline
+        stages (each stage then has one), else 0."""
+        return self.launch.config.pipeline_parallel_size - 1
+
     def execute_model(self, out) -> None:
         self._send(step_wire.encode_exec(out))
-        self.runner.execute_model(out)
+        if self.steps is not None:  # the stages before the last start it now; rank 0 runs it when asked
+            self.steps.execute(out)
+        else:
+            self.runner.execute_model(out)
 
     def sample_tokens(self, grammar_bitmask=None):
+        if self.steps is not None:
+            from tokenmill.executor.pipeline import DeferredOutput
+
+            return DeferredOutput(self.steps, grammar_bitmask)
         self._send(step_wire.encode_sample(grammar_bitmask))
         return self.runner.sample_tokens(grammar_bitmask)
 
     def release(self, req_ids: list[str]) -> None:
         if req_ids:
             self._send(step_wire.encode("release", list(req_ids)))
-        self.runner.release(req_ids)
+        (self.steps or self.runner).release(req_ids)
 
     def __getattr__(self, name):  # everything else (speculates, states, ...) reads rank 0's runner
-        if name in ("runner", "launch", "channel", "control", "_procs"):
+        if name in ("runner", "launch", "channel", "control", "_procs", "steps"):
             raise AttributeError(name)
         return getattr(self.runner, name)
 

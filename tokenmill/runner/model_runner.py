@@ -236,11 +236,17 @@ class ModelRunner:
                 t = step.padded_tokens
                 hidden = self.run_model(self.buffers.attention_metadata(step), self.buffers.input_ids[:t],
                                         self.buffers.positions[:t], lora=lora_ctx)
-            rows_out = self._plan.logit_index if self._plan else self.buffers.logits_indices[: len(batch)]
-            self._logits = self.model.compute_logits(hidden[rows_out])
-            if lp_plan is not None:
-                self._prompt_lp = self.prompt_logprobs.compute(hidden, lp_plan, self.model.compute_logits)
+            if self.pipeline is None or self.pipeline.is_last:  # (earlier stages: no logits)
+                rows_out = self._plan.logit_index if self._plan else self.buffers.logits_indices[: len(batch)]
+                self._logits = self.model.compute_logits(hidden[rows_out])
+                if lp_plan is not None:
+                    self._prompt_lp = self.prompt_logprobs.compute(hidden, lp_plan, self.model.compute_logits)
         self._step = step
+
+    def forget_step(self) -> None:
+        """Drop the launched step unsampled (a pipeline stage before the last: its tokens come from
+        the last stage, executor/pipeline.py)."""
+        self._step = self._logits = self._plan = self._prompt_lp = None
 
     def _full_graphs(self, batch, q_lens: np.ndarray, lora: bool = False):
         """The graph manager that covers this step whole, if any: decode graphs when every entry

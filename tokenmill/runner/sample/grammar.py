@@ -40,6 +40,8 @@ class GrammarStage(SamplingStage):
         self.has_grammar[row] = grammar
 
     def apply_staged(self) -> None:
+        if self._reset and self.table is None:  # no mask was ever written (e.g. a pipeline stage
+            self._reset = []                    # before the last, which never samples)
         if self._reset:
             s = self.rows_per_request
             slots = (np.asarray(self._reset, dtype=np.int64)[:, None] * s + np.arange(s)).ravel()
