@@ -184,6 +184,10 @@ class EngineConfig:
     fused_small_batch_linear: bool = option(
         True, "CUDA: one-token steps (batch-1 decode) run each linear layer as one Triton GEMV with the "
               "RMSNorm / SiLU-and-mul before it fused in; off: cuBLAS and separate kernels")
+    # quantization/: weights quantized at load
+    quantization: Optional[str] = option(
+        None, "quantize the model's linear layers at load: fp8 (e4m3 weights, a scale per output row; "
+              "FP8 matmuls on Hopper and later, dequantized elsewhere)", choices=("fp8",), default_help="off")
     seed: int = option(0, "seeds dummy weights and requests that bring no seed of their own",
                        aliases=("--engine-seed",))
     # executor/: worker processes, one per rank (torch.distributed: NCCL on CUDA, gloo on the CPU).

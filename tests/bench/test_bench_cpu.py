@@ -82,6 +82,8 @@ def test_step_floor_by_hand():
     assert (b, f) == (4592, 13760) and s == pytest.approx(13.76)
     # Bandwidth-bound with a slow copy: 4592 / 100.
     assert step_floor(shape, ARCH, 2, _ceil(100, 1000)).seconds == pytest.approx(45.92)
+    # FP8 linear weights: the 1192 non-embedding parameters at 1 byte instead of 2.
+    assert step_floor(shape, ARCH, 2, _ceil(1000, 1000), dense_bytes=1.0).bytes == 4592 - 1192
 
 
 def test_step_floor_tied_and_kinds():
@@ -535,3 +537,17 @@ def test_throughput_and_latency_with_lora_adapters(tmp_path):
     assert rc == 0
     r = _load(tmp_path / "latency-latency-tiny+custom-lora.json")
     assert r["engine"]["loras"] == {"count": 1, "rank": 16} and r["summary"]["output_tokens"] == 4
+
+
+def test_latency_with_fp8_weights_counts_their_bytes(tmp_path):
+    """--quantization fp8: the engine runs FP8 linear weights and the roofline counts them at one
+    byte each, so the same run's decode bytes per token are lower than bf16's."""
+    runs = {}
+    for tag, extra in (("plain", []), ("fp8", ["--quantization", "fp8"])):
+        rc = main(["bench", "latency", "--workload", "latency-tiny", "--device", "cpu", "--out", str(tmp_path),
+                   "--repeat", "1", "--output-len", "4", "--tag", tag, *extra])
+        assert rc == 0
+        runs[tag] = _load(tmp_path / f"latency-latency-tiny+custom-{tag}.json")
+    assert runs["fp8"]["engine"]["config"]["quantization"] == "fp8"
+    roof = [r["roofline"]["bytes"] for r in (runs["plain"], runs["fp8"])]
+    assert roof[1] < roof[0]

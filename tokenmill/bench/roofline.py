@@ -170,8 +170,10 @@ def attention_context_sum(query_lens: np.ndarray, seq_lens: np.ndarray) -> int:
 
 
 def step_floor(shape, arch: ModelArchConfig, dtype_bytes: int, ceilings: Ceilings,
-               convention: str = "as-run") -> StepFloor:
-    """(bytes, FLOPs, seconds) of the floor of one step; `shape` is a StepShape (query_lens, seq_lens)."""
+               convention: str = "as-run", dense_bytes: Optional[float] = None) -> StepFloor:
+    """(bytes, FLOPs, seconds) of the floor of one step; `shape` is a StepShape (query_lens, seq_lens).
+    dense_bytes: bytes per non-embedding parameter when the linear layers are stored otherwise
+    than in the model dtype (FP8 weights: 1; their per-row scales, about 0.1 %, are not counted)."""
     q = np.asarray(shape.query_lens, dtype=np.int64)
     s = np.asarray(shape.seq_lens, dtype=np.int64)
     new_tokens = int(q.sum())
@@ -190,6 +192,8 @@ def step_floor(shape, arch: ModelArchConfig, dtype_bytes: int, ceilings: Ceiling
     else:
         raise ValueError(f"unknown roofline convention {convention!r} (as-run or spec)")
     nbytes = weight_params * dtype_bytes + int(s.sum()) * kv_tok + new_tokens * kv_tok
+    if dense_bytes is not None:
+        nbytes += dense * (dense_bytes - dtype_bytes)
     attn = 4 * arch.num_layers * arch.num_heads * arch.head_dim * attention_context_sum(q, s)
     flops = 2 * dense * new_tokens + 2 * emb * lm_head_rows + attn
     seconds = max(nbytes / ceilings.copy_bytes_per_s, flops / ceilings.matmul_flops_per_s)
@@ -217,7 +221,7 @@ def _pct(floor: float, measured: Optional[float]) -> Optional[float]:
 
 def run_roofline(step_log: Sequence, arch: ModelArchConfig, dtype_bytes: int, ceilings: Ceilings,
                  measured_s: float, step_seconds: Optional[Sequence[float]] = None,
-                 kinds: Optional[Sequence[str]] = None) -> dict:
+                 kinds: Optional[Sequence[str]] = None, dense_bytes: Optional[float] = None) -> dict:
     """The roofline report of one run: floor / measured time, overall and by kind of step.
 
     `step_seconds` (host-side intervals, one per step, see step_timer) gives each kind its own
@@ -234,8 +238,8 @@ def run_roofline(step_log: Sequence, arch: ModelArchConfig, dtype_bytes: int, ce
                for k in KINDS}
     total = {"floor_s": 0.0, "floor_s_spec": 0.0, "bytes": 0.0, "flops": 0.0, "memory_bound_steps": 0}
     for i, shape in enumerate(step_log):
-        f = step_floor(shape, arch, dtype_bytes, ceilings, "as-run")
-        f_spec = step_floor(shape, arch, dtype_bytes, ceilings, "spec")
+        f = step_floor(shape, arch, dtype_bytes, ceilings, "as-run", dense_bytes)
+        f_spec = step_floor(shape, arch, dtype_bytes, ceilings, "spec", dense_bytes)
         kind = by_kind[kinds[i] if kinds is not None else step_kind(shape)]
         mem_bound = f.bytes / ceilings.copy_bytes_per_s >= f.flops / ceilings.matmul_flops_per_s
         for d in (kind, total):
@@ -284,3 +288,8 @@ def format_roofline(r: dict) -> str:
         lines.append(f"  {k:8s} {d['steps']:6d} steps, {d['new_tokens']:8d} tokens, floor {d['floor_s']:.3f} s "
                      f"({100 * d['share_of_floor']:.0f}% of the floor){pct}")
     return "\n".join(lines)
+
+
+def dense_bytes_of(config) -> Optional[float]:
+    """Bytes per linear-layer weight under the engine config's quantization (None: the model dtype)."""
+    return 1.0 if getattr(config, "quantization", None) == "fp8" else None

@@ -17,7 +17,7 @@ import time
 from tokenmill.bench import report
 from tokenmill.bench.common import (build_engine, format_spec, free_device_memory, median_index, reset_prefix_cache,
                                     resolve_workload, spec_snapshot, spec_summary, synchronize)
-from tokenmill.bench.roofline import format_roofline, measure_ceilings, run_roofline, step_kind
+from tokenmill.bench.roofline import dense_bytes_of, format_roofline, measure_ceilings, run_roofline, step_kind
 from tokenmill.bench.step_timer import StepKinds, StepTimer
 from tokenmill.bench.lora import spread, synthetic_adapters
 from tokenmill.bench.workloads import generate_requests, summarize, warmup_requests
@@ -78,7 +78,8 @@ def _run_tokenmill(args, w, log) -> dict:
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         step_log, seconds = engine.step_log, timer.step_seconds()
         engine.step_log = None
-        roof = run_roofline(step_log, arch, dtype_bytes, args.ceilings, elapsed, seconds, kinds)
+        roof = run_roofline(step_log, arch, dtype_bytes, args.ceilings, elapsed, seconds, kinds,
+                            dense_bytes_of(engine.config))
         stats = engine.stats()
         spec = spec_summary(spec_snapshot(engine).since(spec_before)) if spec_before is not None else None
         run = {"elapsed_s": elapsed, "output_tokens": out_tokens, "prompt_tokens": expected["prompt_tokens"],

@@ -78,7 +78,7 @@ class LLMEngine:
         else:
             self.loaded = loaded or load_model(model, dtype=dtype, device=device, load_format=load_format,
                                                max_positions=self.config.max_model_len, seed=self.config.seed,
-                                               tokenizer=tokenizer)
+                                               tokenizer=tokenizer, quantization=self.config.quantization)
         arch = self.loaded.arch
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self.config.resolve_max_model_len(arch.max_position_embeddings)

@@ -72,10 +72,10 @@ def _kv_destination(head, page, offset, k_cache_ptr, v_cache_ptr, stride_kcb, st
 @triton.jit
 def _qkv_rope_gemv_kernel(
     x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, pos_ptr, slot_ptr, cos_sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-    ls_ptr, lb_ptr, lslot_ptr, stride_lbs, stride_lbn,
+    ws_ptr, ls_ptr, lb_ptr, lslot_ptr, stride_lbs, stride_lbn,
     K, eps, stride_wn, stride_cs, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_SCALE: tl.constexpr,
     LORA: tl.constexpr, LORA_RANK: tl.constexpr, LORA_RANK_P: tl.constexpr,
     LS1: tl.constexpr, LS2: tl.constexpr, LS3: tl.constexpr,
 ):
@@ -88,6 +88,8 @@ def _qkv_rope_gemv_kernel(
     pid, head, d0, rows = _program_rows(HEAD_DIM, BLOCK_N)
     y = _gemv_rows(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, rows >= 0, K, eps, stride_wn, pid == 0,
                    2, HAS_RESIDUAL, BLOCK_K)
+    if W_SCALE:  # FP8 weights: each row's scale
+        y = y * tl.load(ws_ptr + rows)
     y = add_lora(y, rows, rows >= 0, ls_ptr, lb_ptr, lslot_ptr, stride_lbs, stride_lbn, LORA, LORA_RANK,
                  LORA_RANK_P, LS1, LS2, LS3)
     # The projection as the unfused path stores it (model dtype), split into the two halves.
@@ -119,11 +121,11 @@ def _qkv_rope_gemv_kernel(
 @triton.jit
 def _qkv_rope_gemv_multi_kernel(
     x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, pos_ptr, slot_ptr, cos_sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-    M, K, eps, stride_xm, stride_rm, stride_wn, stride_cs,
+    ws_ptr, M, K, eps, stride_xm, stride_rm, stride_wn, stride_cs,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, PIN_PROLOGUE: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, PIN_PROLOGUE: tl.constexpr, W_SCALE: tl.constexpr,
 ):
     """_qkv_rope_gemv_kernel for M <= ROWS tokens (ROWS a power of two; tokens M.. masked off), each
     with its own position and slot: the same programs and rotary pairs, the several-row GEMV
@@ -139,6 +141,8 @@ def _qkv_rope_gemv_multi_kernel(
     y = _gemv_multi_rows(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, m, m_ok, sum_rows, rows, rows >= 0, K, eps,
                          stride_xm, stride_rm, stride_wn, 2, HAS_RESIDUAL, ROWS, BLOCK_N, BLOCK_K, LOOP_STAGES,
                          PIN_PROLOGUE)
+    if W_SCALE:
+        y = y * tl.load(ws_ptr + rows)[None, :]
     # The projection as the unfused path stores it (model dtype), split into the two halves.
     y = tl.reshape(y.to(q_out_ptr.dtype.element_ty).to(tl.float32), (ROWS, 2, PAIRS))
     half_of = tl.arange(0, 2)[None, :, None]
@@ -179,10 +183,11 @@ def fusable(n: int, k: int, head_dim: int, dtype: torch.dtype, config: Optional[
 def skinny_qkv_rope_triton(x, weight, residual, norm_weight, eps, positions, cos_sin_cache, slot_mapping,
                            k_cache, v_cache, num_q_heads: int, num_kv_heads: int,
                            q_out: Optional[torch.Tensor] = None, config: Optional[dict] = None,
-                           lora: Optional[LoRATerm] = None):
+                           lora: Optional[LoRATerm] = None, weight_scale: Optional[torch.Tensor] = None):
     """Triton version of skinny_qkv_rope_ref, one launch; q goes into q_out ([T, Hq, D],
     contiguous) when given. `lora` (one token only) adds an adapter's term to the projection
-    before the rotation (kernels/lora_epilogue.py). x [T, K] with T <= MAX_TOKENS, rows contiguous (any row stride), the
+    before the rotation (kernels/lora_epilogue.py). weight_scale [N] fp32: FP8 weights with these
+    per-row scales (reference: skinny_qkv_rope_ref on the dequantized weight). x [T, K] with T <= MAX_TOKENS, rows contiguous (any row stride), the
     residual likewise; positions and slot_mapping [T]; weight [(Hq + 2 Hk) D, K] with q, k, v rows
     in that order; caches [blocks, page, Hk, D]."""
     tokens, K = x.shape
@@ -204,6 +209,9 @@ def skinny_qkv_rope_triton(x, weight, residual, norm_weight, eps, positions, cos
     if has_residual:
         assert residual.shape == x.shape and residual.stride(-1) == 1
     grid = (N // cfg["block_n"],)
+    if weight_scale is not None:
+        assert weight_scale.shape == (N,) and weight_scale.dtype == torch.float32 and weight_scale.is_contiguous()
+    ws_arg = weight_scale if weight_scale is not None else x
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     heads = dict(NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1])
@@ -212,20 +220,21 @@ def skinny_qkv_rope_triton(x, weight, residual, norm_weight, eps, positions, cos
         lora_args, lora_meta = lora_epilogue_args(lora, q_out, N)
         _qkv_rope_gemv_kernel[grid](
             x, residual if has_residual else x, norm_weight, weight, summed, positions, slot_mapping, cos_sin_cache,
-            q_out, k_cache, v_cache, *lora_args,
+            q_out, k_cache, v_cache, ws_arg, *lora_args,
             K, eps, weight.stride(0), cos_sin_cache.stride(0), *cache_strides,
             **heads, HAS_RESIDUAL=has_residual, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-            **lora_meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            W_SCALE=weight_scale is not None, **lora_meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     elif tokens > 1:
         assert cfg["block_k"] >= 8, "the several-row kernel takes K in groups of 8"
         _qkv_rope_gemv_multi_kernel[grid](
             x, residual if has_residual else x, norm_weight, weight, summed, positions, slot_mapping, cos_sin_cache,
-            q_out, k_cache, v_cache,
+            q_out, k_cache, v_cache, ws_arg,
             tokens, K, eps, x.stride(0), residual.stride(0) if has_residual else 0, weight.stride(0),
             cos_sin_cache.stride(0), *cache_strides,
             **heads, HAS_RESIDUAL=has_residual, ROWS=padded_rows(tokens), BLOCK_N=cfg["block_n"],
             BLOCK_K=cfg["block_k"], LOOP_STAGES=cfg["num_stages"], PIN_PROLOGUE=x.is_cuda,
+            W_SCALE=weight_scale is not None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     return q_out, summed

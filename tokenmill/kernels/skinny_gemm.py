@@ -114,22 +114,25 @@ def _gemv_rows(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, n, n_ok, K, eps, stride_wn,
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr,
+    x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, ws_ptr,
     ls_ptr, lb_ptr, lslot_ptr, stride_lbs, stride_lbn,
     N, K, eps, stride_wn,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_SCALE: tl.constexpr,
     LORA: tl.constexpr, LORA_RANK: tl.constexpr, LORA_RANK_P: tl.constexpr,
     LS1: tl.constexpr, LS2: tl.constexpr, LS3: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N),): program p computes out[p*BLOCK_N : (p+1)*BLOCK_N] for one row x;
-    program 0 writes the residual stream. With LORA, each output also takes its adapter term
+    program 0 writes the residual stream. With W_SCALE (FP8 weights), each output is multiplied
+    by its row's scale; with LORA, each output also takes its adapter term
     (kernels/lora_epilogue.py) before the one rounding."""
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     y = _gemv_rows(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, n, n_ok, K, eps, stride_wn, pid == 0,
                    PROLOGUE, HAS_RESIDUAL, BLOCK_K)
+    if W_SCALE:
+        y = y * tl.load(ws_ptr + n, mask=n_ok, other=0.0)
     y = add_lora(y, n, n_ok, ls_ptr, lb_ptr, lslot_ptr, stride_lbs, stride_lbn, LORA, LORA_RANK, LORA_RANK_P,
                  LS1, LS2, LS3)
     tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -231,11 +234,11 @@ def _gemv_multi_rows(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, m, m_ok, sum_rows, n,
 
 @triton.jit
 def _gemv_multi_kernel(
-    x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr,
+    x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, ws_ptr,
     M, N, K, eps, stride_xm, stride_rm, stride_wn,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    PIN_PROLOGUE: tl.constexpr,
+    PIN_PROLOGUE: tl.constexpr, W_SCALE: tl.constexpr,
 ):
     """_gemv_kernel for M <= ROWS rows (ROWS a power of two; rows M.. are masked off): grid
     (cdiv(N, BLOCK_N),), program p computes out[:M, p*BLOCK_N : (p+1)*BLOCK_N]; program 0 writes
@@ -249,6 +252,8 @@ def _gemv_multi_kernel(
     y = _gemv_multi_rows(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, m, m_ok, sum_rows, n, n_ok, K, eps,
                          stride_xm, stride_rm, stride_wn, PROLOGUE, HAS_RESIDUAL, ROWS, BLOCK_N, BLOCK_K, LOOP_STAGES,
                          PIN_PROLOGUE)
+    if W_SCALE:
+        y = y * tl.load(ws_ptr + n, mask=n_ok, other=0.0)[None, :]
     tl.store(out_ptr + m[:, None] * N + n[None, :], y.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
@@ -301,11 +306,14 @@ def skinny_gemm_config(n: int, k: int, dtype: torch.dtype, prologue: int = PLAIN
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, prologue: int = PLAIN,
                          residual: Optional[torch.Tensor] = None, norm_weight: Optional[torch.Tensor] = None,
-                         eps: float = 1e-6, config: Optional[dict] = None, lora: Optional[LoRATerm] = None):
+                         eps: float = 1e-6, config: Optional[dict] = None, lora: Optional[LoRATerm] = None,
+                         weight_scale: Optional[torch.Tensor] = None):
     """Triton path of skinny_linear_ref for M <= MAX_ROWS rows x [M, K] (or [M, 2K] for SILU_MUL),
     each row contiguous (any row stride); residual [M, K] likewise. One row takes the one-row
     kernel, more rows _gemv_multi_kernel (one launch either way). `lora` (one row only) adds an
-    adapter's term to the product: skinny_linear_ref, then kernels/lora.lora_expand_ref."""
+    adapter's term to the product: skinny_linear_ref, then kernels/lora.lora_expand_ref.
+    weight_scale [N] fp32: the weight is FP8 (e4m3) with these per-row scales (quantization/fp8.py;
+    reference: skinny_linear_ref on the dequantized weight)."""
     M = x.shape[0]
     assert lora is None or M == 1, "the LoRA epilogue is the one-row kernel's"
     N, K = weight.shape
@@ -318,24 +326,28 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, prologue: int = 
     if has_residual:
         assert residual.shape == (M, K) and residual.stride(-1) == 1
     cfg = {**skinny_gemm_config(N, K, x.dtype, prologue, M), **(config or {})}
+    if weight_scale is not None:
+        assert weight_scale.shape == (N,) and weight_scale.dtype == torch.float32 and weight_scale.is_contiguous()
+    ws_arg = weight_scale if weight_scale is not None else out
     r_arg = residual if has_residual else x
     nw_arg = norm_weight if prologue == ADD_RMSNORM else x
     grid = (triton.cdiv(N, cfg["block_n"]),)
     if M == 1:
         lora_args, lora_meta = lora_epilogue_args(lora, out, N)
         _gemv_kernel[grid](
-            x, r_arg, nw_arg, weight, out, summed, *lora_args,
+            x, r_arg, nw_arg, weight, out, summed, ws_arg, *lora_args,
             N, K, eps, weight.stride(0),
             PROLOGUE=prologue, HAS_RESIDUAL=has_residual, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-            **lora_meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            W_SCALE=weight_scale is not None, **lora_meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     elif M > 1:
         assert cfg["block_k"] >= 8, "the several-row kernel takes K in groups of 8"
         _gemv_multi_kernel[grid](
-            x, r_arg, nw_arg, weight, out, summed,
+            x, r_arg, nw_arg, weight, out, summed, ws_arg,
             M, N, K, eps, x.stride(0), residual.stride(0) if has_residual else 0, weight.stride(0),
             PROLOGUE=prologue, HAS_RESIDUAL=has_residual, ROWS=padded_rows(M), BLOCK_N=cfg["block_n"],
             BLOCK_K=cfg["block_k"], LOOP_STAGES=cfg["num_stages"], PIN_PROLOGUE=x.is_cuda,
+            W_SCALE=weight_scale is not None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     return (out, summed) if has_residual else out

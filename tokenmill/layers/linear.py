@@ -16,6 +16,7 @@ from tokenmill.kernels import qkv_rope_gemv, skinny_gemm
 from tokenmill.kernels.activation import silu_and_mul
 from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, PLAIN, SILU_MUL
 from tokenmill.layers.forward_context import current_forward_context
+from tokenmill.quantization.fp8 import fp8_linear, quantize_weight_fp8
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if dst.shape != src.shape:
@@ -48,6 +49,13 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.weight_scale: Optional[torch.Tensor] = None  # FP8 weights: per output row (quantize_fp8)
+
+    def quantize_fp8(self) -> None:
+        """Replace the loaded weight by its FP8 (e4m3) form and per-row scales (quantization/fp8.py)."""
+        w_q, scale = quantize_weight_fp8(self.weight.data)
+        self.weight = nn.Parameter(w_q, requires_grad=False)
+        self.weight_scale = scale
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _copy_checked(param.data, loaded, type(self).__name__)
@@ -71,7 +79,8 @@ class LinearBase(nn.Module):
             term = lora.gemv_term(self, x, prologue, norm, residual) if in_kernel else None
             y = skinny_gemm.skinny_linear_triton(x, self.weight, prologue, residual,
                                                  None if norm is None else norm.weight,
-                                                 1e-6 if norm is None else norm.eps, lora=term)
+                                                 1e-6 if norm is None else norm.eps, lora=term,
+                                                 weight_scale=self.weight_scale)
             if isinstance(y, tuple):
                 y, summed = y
             if lora is not None and not in_kernel:
@@ -83,7 +92,7 @@ class LinearBase(nn.Module):
                 x = norm(x, residual)
                 if residual is not None:
                     x, summed = x
-            y = self._matmul(x)
+            y = self._matmul(x, self.bias)
             if lora is not None:
                 lora.apply(self, x, PLAIN, None, y)
         y = self._finish(y)
@@ -99,8 +108,10 @@ class LinearBase(nn.Module):
         ctx = current_forward_context()
         return ctx is None or ctx.small_batch_fusion
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, bias)
+        return F.linear(x, self.weight, bias)
 
     def _finish(self, y: torch.Tensor) -> torch.Tensor:
         """What follows the product (the tensor-parallel reduction of row-parallel layers)."""
@@ -185,7 +196,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         term = lora.gemv_term(self, x, ADD_RMSNORM, norm, residual) if lora is not None else None
         return qkv_rope_gemv.skinny_qkv_rope_triton(x, self.weight, residual, norm.weight, norm.eps, positions,
                                                     cos_sin_cache, slot_mapping, k_cache, v_cache,
-                                                    self.num_heads, self.num_kv_heads, lora=term)
+                                                    self.num_heads, self.num_kv_heads, lora=term,
+                                                    weight_scale=self.weight_scale)
 
 
 class RowParallelLinear(LinearBase):
@@ -204,8 +216,8 @@ class RowParallelLinear(LinearBase):
         _check_full_shape(loaded, (param.shape[0], cols * self.tp_size), type(self).__name__)
         _copy_checked(param.data, loaded.narrow(1, self.tp_rank * cols, cols), type(self).__name__)
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)  # the bias is added once, after the reduction
+    def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return super()._matmul(x)  # the bias is added once, after the reduction
 
     def _finish(self, y: torch.Tensor) -> torch.Tensor:
         y = tp_all_reduce(y, self.tp)

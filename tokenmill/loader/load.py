@@ -131,7 +131,9 @@ def read_arch(model: Optional[str] = None, load_format: str = "auto"):
 
 
 def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_format: str = "auto",
-               max_positions: Optional[int] = None, seed: int = 0, tokenizer: Optional[str] = None) -> LoadedModel:
+               max_positions: Optional[int] = None, seed: int = 0, tokenizer: Optional[str] = None,
+               quantization: Optional[str] = None) -> LoadedModel:
+    """quantization: quantize the linear layers after loading ("fp8", loader/quantize.py)."""
     started = time.perf_counter()
     dev = resolve_device(device)
     source = resolve_model(model, load_format)
@@ -154,6 +156,9 @@ def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_f
             directory = convert_gguf_to_hf_dir(source.path)
         hf_cfg = _read_config(directory)
     arch = arch_config_from_hf(hf_cfg)
+    from tokenmill.loader.quantize import quantize_model, resolve_quantization
+
+    quantization = resolve_quantization(quantization, hf_cfg)
     torch_dtype = resolve_dtype(dtype, dev, arch.torch_dtype)
     model_cls = get_model_class(arch.architecture)
     with torch.device(dev):
@@ -178,6 +183,8 @@ def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_f
         if len(tokenizer) > arch.vocab_size:
             raise ModelLoadError(f"the tokenizer {tokenizer_ref} has {len(tokenizer)} tokens, more than the "
                                  f"model's vocabulary ({arch.vocab_size})")
+    if quantization is not None:
+        quantize_model(net, quantization)
     net.eval()
     elapsed = time.perf_counter() - started
     logger.info("loaded %s (%s, %s on %s) in %.2fs", source.name, arch.architecture, torch_dtype, dev, elapsed)

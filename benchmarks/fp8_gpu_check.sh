@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# FP8 weights on the GPU, side by side with bf16 in one call: the FP8 GPU tests, then latency-8b,
+# prefill-8b and offline-8b without and with --quantization fp8 (Llama-3.1-8B preset, dummy
+# weights). Results (JSON) and logs go to $OUT; status.txt lists each part's exit code and seconds.
+#   OUT=/tmp/x bash benchmarks/fp8_gpu_check.sh   (REPEAT: offline/prefill runs, default 1; T: seconds a part;
+#   PARTS: default "tests lat-bf16 lat-fp8 prefill-bf16 prefill-fp8 8b-bf16 8b-fp8")
+set -u
+OUT=${OUT:?set OUT}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then  # what the GPU machine lacks (xgrammar, gguf, ...)
+    SITE=$(mktemp -d)
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl \
+        && export PYTHONPATH="${PYTHONPATH:-}:$SITE"
+fi
+B=("$PY" -m tokenmill.entrypoints.cli bench)
+PARTS=${PARTS:-tests lat-bf16 lat-fp8 prefill-bf16 prefill-fp8 8b-bf16 8b-fp8}
+part() {
+    local name=$1; shift
+    [[ " $PARTS " == *" $name "* ]] || return 0
+    local t0=$(date +%s)
+    timeout "${T:-170}" "$@" > "$OUT/$name.log" 2>&1
+    echo "$name rc=$? $(( $(date +%s) - t0 ))s" | tee -a "$OUT/status.txt"
+}
+part tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/quantization/test_fp8.py -k "not cpu"
+part lat-bf16 "${B[@]}" latency --workload latency-8b --repeat 3 --cuda-graph-max-batch 8 --out "$OUT" --tag bf16 --no-plot
+part lat-fp8 "${B[@]}" latency --workload latency-8b --repeat 3 --cuda-graph-max-batch 8 --quantization fp8 \
+    --out "$OUT" --tag fp8 --no-plot
+part prefill-bf16 "${B[@]}" throughput --workload prefill-8b --repeat "${REPEAT:-1}" --out "$OUT" --tag bf16 --no-plot
+part prefill-fp8 "${B[@]}" throughput --workload prefill-8b --repeat "${REPEAT:-1}" --quantization fp8 --out "$OUT" \
+    --tag fp8 --no-plot
+part 8b-bf16 "${B[@]}" throughput --workload offline-8b --repeat "${REPEAT:-1}" --cuda-graph-max-batch 128 \
+    --out "$OUT" --tag bf16 --no-plot
+part 8b-fp8 "${B[@]}" throughput --workload offline-8b --repeat "${REPEAT:-1}" --cuda-graph-max-batch 128 \
+    --quantization fp8 --out "$OUT" --tag fp8 --no-plot

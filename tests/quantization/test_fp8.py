@@ -1,0 +1,149 @@
+"""FP8 (e4m3) weights: quantization, the GEMV kernels reading FP8 weights (plain, with the prologues,
+several rows, the rotary-fused q/k/v one) against their references on the dequantized weight, the
+_scaled_mm path against its reference (CUDA), a quantized model against the same model carrying the
+dequantized weights, and the errors for what is not supported."""
+
+import json
+
+import pytest
+import torch
+
+from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.errors import ModelLoadError
+from tokenmill.kernels.qkv_rope_gemv import skinny_qkv_rope_ref, skinny_qkv_rope_triton
+from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, PLAIN, SILU_MUL, skinny_linear_ref, skinny_linear_triton
+from tokenmill.layers.rotary import RotaryEmbedding, rope_inv_freq
+from tokenmill.quantization.fp8 import (FP8_MAX, dequantize_weight_fp8, fp8_linear, fp8_linear_ref,
+                                        quantize_weight_fp8)
+
+from tests.kernels.common import CUDA, DEVICES, TOL, nan_empty, rel_err  # noqa: F401
+
+
+def test_quantize_round_trip():
+    torch.manual_seed(0)
+    w = torch.randn(64, 96) * torch.logspace(-3, 1, 64)[:, None]  # rows of very different sizes
+    w[5] = 0  # an all-zero row
+    w_q, scale = quantize_weight_fp8(w)
+    assert w_q.dtype == torch.float8_e4m3fn and scale.shape == (64,) and scale.dtype == torch.float32
+    assert torch.allclose(w_q.float().abs().amax(dim=1)[torch.arange(64) != 5], torch.tensor(FP8_MAX))
+    back = dequantize_weight_fp8(w_q, scale, torch.float32)
+    assert torch.equal(back[5], torch.zeros(96))
+    rows = torch.arange(64) != 5
+    # e4m3 keeps 3 mantissa bits: each element within 1/16 of its row's scale-relative size
+    err = ((back - w).abs() / w.abs().amax(dim=1, keepdim=True).clamp(min=1e-30))[rows]
+    assert err.max() <= 1 / 16 + 1e-6
+    assert rel_err(back, w) < 0.04
+
+
+def _weights(n, k, dtype, device):
+    w = torch.randn(n, k, device=device) / k ** 0.5
+    w_q, scale = quantize_weight_fp8(w)
+    return w_q, scale, dequantize_weight_fp8(w_q, scale, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("prologue", [PLAIN, SILU_MUL, ADD_RMSNORM], ids=["plain", "silu", "norm"])
+def test_gemv_reads_fp8_weights(device, rows, prologue, nan_empty):
+    cases = [(48, 64, torch.float32)] if device == "cpu" else [(6144, 4096, torch.bfloat16),
+                                                               (4096, 14336, torch.bfloat16), (48, 64, torch.float32)]
+    for n, k, dtype in cases:
+        torch.manual_seed(n + k + rows)
+        w_q, scale, w_deq = _weights(n, k, dtype, device)
+        x = torch.randn(rows, 2 * k if prologue == SILU_MUL else k, device=device, dtype=dtype)
+        res = torch.randn(rows, k, device=device, dtype=dtype) if prologue == ADD_RMSNORM else None
+        nw = (1 + 0.1 * torch.randn(k, device=device)).to(dtype) if prologue == ADD_RMSNORM else None
+        out = skinny_linear_triton(x, w_q, prologue, res, nw, 1e-5, weight_scale=scale)
+        ref = skinny_linear_ref(x, w_deq, prologue, res, nw, 1e-5)
+        if res is not None:
+            (out, summed), (ref, summed_ref) = out, ref
+            assert torch.equal(summed, summed_ref)
+        assert rel_err(out, ref) < TOL[dtype], (n, k, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qkv_rope_gemv_reads_fp8_weights(device, nan_empty):
+    cases = [(64, 4, 2, 16, torch.float32)] + ([(4096, 32, 8, 128, torch.bfloat16)] if device == "cuda" else [])
+    for hidden, hq, hk, d, dtype in cases:
+        torch.manual_seed(hidden)
+        w_q, scale, w_deq = _weights((hq + 2 * hk) * d, hidden, dtype, device)
+        common = dict(x=torch.randn(1, hidden, device=device, dtype=dtype),
+                      residual=torch.randn(1, hidden, device=device, dtype=dtype),
+                      norm_weight=(1 + 0.1 * torch.randn(hidden, device=device)).to(dtype), eps=1e-5,
+                      positions=torch.tensor([321], device=device),
+                      cos_sin_cache=RotaryEmbedding(d, 4096, rope_inv_freq(d, 500000.0),
+                                                    device=device).cos_sin_cache,
+                      slot_mapping=torch.tensor([5], device=device), num_q_heads=hq, num_kv_heads=hk)
+        caches = [torch.zeros(2, 16, hk, d, device=device, dtype=dtype) for _ in range(4)]
+        q, summed = skinny_qkv_rope_triton(weight=w_q, weight_scale=scale, k_cache=caches[0], v_cache=caches[1],
+                                           **common)
+        q_ref, summed_ref = skinny_qkv_rope_ref(weight=w_deq, k_cache=caches[2], v_cache=caches[3], **common)
+        assert rel_err(q, q_ref) < TOL[dtype] and torch.equal(summed, summed_ref)
+        assert rel_err(caches[0][0, 5], caches[2][0, 5]) < TOL[dtype]
+        assert rel_err(caches[1][0, 5], caches[3][0, 5]) < TOL[dtype]
+
+
+def test_fp8_linear_on_the_cpu_is_the_dequantized_matmul():
+    w_q, scale, w_deq = _weights(32, 48, torch.float32, "cpu")
+    x = torch.randn(5, 48)
+    assert torch.equal(fp8_linear(x, w_q, scale), x @ w_deq.t())
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_scaled_mm_path_matches_its_reference(device):
+    """Activations quantized per token, e4m3 x e4m3 on the tensor cores (Llama-3.1-8B shapes)."""
+    for m, n, k in ((64, 6144, 4096), (512, 28672, 4096), (17, 4096, 14336)):
+        w_q, scale, w_deq = _weights(n, k, torch.bfloat16, device)
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        out = fp8_linear(x, w_q, scale)
+        assert rel_err(out, fp8_linear_ref(x, w_q, scale, quantize_input=True)) < 1e-2
+        assert rel_err(out, x @ w_deq.t()) < 0.06  # what quantizing the activations costs
+
+
+def _teacher_forced_logprobs(llm, prompts):
+    from tokenmill.sampling_params import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=3), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [o.prompt_logprobs for o in outs]
+
+
+def test_quantized_model_equals_the_model_with_dequantized_weights():
+    """tiny-llama with quantization="fp8" on the CPU against the same model whose linear weights are
+    replaced by their dequantized FP8 values: the same greedy tokens and prompt logprobs (fp32)."""
+    from tests.engine.conftest import make_llm
+    from tokenmill.layers.linear import LinearBase
+    from tokenmill.loader import load_model
+
+    quantized = load_model("tiny-llama", load_format="dummy", device="cpu", dtype="float32", quantization="fp8")
+    linears = [m for m in quantized.model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.weight.dtype == torch.float8_e4m3fn and m.weight_scale is not None for m in linears)
+    reference = load_model("tiny-llama", load_format="dummy", device="cpu", dtype="float32")
+    full = {name: m.weight.detach().clone() for name, m in reference.model.named_modules() if isinstance(m, LinearBase)}
+    for name, m in reference.model.named_modules():
+        if isinstance(m, LinearBase):
+            w_q, scale = quantize_weight_fp8(m.weight.data)
+            m.weight.data.copy_(dequantize_weight_fp8(w_q, scale, torch.float32))
+    assert any(not torch.equal(full[n], m.weight) for n, m in reference.model.named_modules() if n in full)
+    prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(6 + 3 * i)] for i in range(4)]
+    tokens, logprobs = _teacher_forced_logprobs(make_llm(quantized), prompts)
+    want_tokens, want_logprobs = _teacher_forced_logprobs(make_llm(reference), prompts)
+    assert tokens == want_tokens
+    for got, want in zip(logprobs, want_logprobs):
+        for g, w in zip(got[1:], want[1:]):
+            assert g.keys() == w.keys() and all(abs(g[t].logprob - w[t].logprob) < 1e-5 for t in w)
+
+
+def test_what_is_not_supported_is_refused(tmp_path):
+    from tokenmill.loader import load_model
+    from tests.test_hf_dir_models import _save_random_hf_model
+
+    with pytest.raises(ConfigError, match="quantization must be one of fp8"):
+        EngineConfig(quantization="int4").validate()
+    with pytest.raises(ModelLoadError, match="quantization method 'awq' is not supported"):
+        load_model("tiny-llama", load_format="dummy", device="cpu", quantization="awq")
+    _save_random_hf_model("llama3.1", False, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="quant_method 'gptq'"):
+        load_model(str(tmp_path), device="cpu")
