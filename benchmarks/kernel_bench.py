@@ -316,6 +316,10 @@ SKINNY_CONFIGS = [(8, 512, 4, 3), (16, 256, 4, 3), (32, 128, 4, 3), (4, 1024, 4,
 SKINNY_MULTI_CONFIGS = [(16, 512, 4, 3), (16, 256, 4, 4), (32, 256, 4, 3), (32, 256, 8, 4), (32, 128, 4, 4),
                         (16, 128, 4, 4), (64, 128, 4, 3), (32, 256, 4, 1)]
 SKINNY_ROWS = [1, 2, 4, 8]
+SKINNY_FP8 = False  # --skinny-fp8
+# one row with FP8 weights: the same bytes a tile as the 16-bit configs, and more
+SKINNY_FP8_CONFIGS = [(8, 1024, 4, 3), (16, 512, 4, 3), (16, 1024, 8, 3), (8, 2048, 8, 3), (4, 2048, 4, 3),
+                      (32, 512, 8, 3), (16, 2048, 8, 3), (8, 512, 4, 3)]
 
 
 def _linear_shapes(m: Model) -> list[tuple[str, int, int]]:
@@ -352,6 +356,13 @@ def bench_skinny(rec: Recorder, m: Model, rows_list: Optional[list[int]] = None)
         for name, n, k in _linear_shapes(m):
             w = torch.randn(n, k, device=DEVICE, dtype=DTYPE) / k ** 0.5
             nbytes = n * k * esz
+            w_kernel, w_scale = w, None  # --skinny-fp8: the kernel reads e4m3 weights and their row scales
+            if SKINNY_FP8:
+                from tokenmill.quantization.fp8 import dequantize_weight_fp8, quantize_weight_fp8
+
+                w_kernel, w_scale = quantize_weight_fp8(w)
+                w = dequantize_weight_fp8(w_kernel, w_scale, DTYPE)  # the chain and the reference use these values
+                nbytes = n * k
             prologue = {"qkv": skinny_gemm.ADD_RMSNORM, "gate_up": skinny_gemm.ADD_RMSNORM,
                         "down": skinny_gemm.SILU_MUL}.get(name, skinny_gemm.PLAIN)
             norm_w = torch.ones(k, device=DEVICE, dtype=DTYPE)
@@ -369,7 +380,7 @@ def bench_skinny(rec: Recorder, m: Model, rows_list: Optional[list[int]] = None)
             unfused = graph_ms(chain)
             shape = f"{name} M={rows} N={n} K={k}"
             rec.add("cublas_chain", m.name, shape, unfused, nbytes=nbytes, config="-", rows=rows)
-            default = skinny_gemm.skinny_gemm_config(n, k, DTYPE, prologue, rows)
+            default = skinny_gemm.skinny_gemm_config(n, k, DTYPE, prologue, rows, w_kernel.dtype)
             default_label = _config_label(default)
             sweep = [dict(block_n=c[0], block_k=c[1], num_warps=c[2], num_stages=c[3])
                      for c in (SKINNY_CONFIGS if rows == 1 else SKINNY_MULTI_CONFIGS)]
@@ -379,7 +390,8 @@ def bench_skinny(rec: Recorder, m: Model, rows_list: Optional[list[int]] = None)
             for conf in sweep:
                 label = _config_label(conf)
                 def fn(conf=conf):
-                    return skinny_gemm.skinny_linear_triton(x, w, prologue, r, norm_w, 1e-5, config=conf)
+                    return skinny_gemm.skinny_linear_triton(x, w_kernel, prologue, r, norm_w, 1e-5, config=conf,
+                                                            weight_scale=w_scale)
                 try:
                     out = fn()
                     out = (out[0] if isinstance(out, tuple) else out).float()
@@ -514,6 +526,8 @@ def main() -> None:
     parser.add_argument("--skip-small-ops", action="store_true")
     parser.add_argument("--skip-attention", action="store_true")
     parser.add_argument("--skip-skinny", action="store_true", help="no batch-1 GEMV (skinny_gemm) sweep")
+    parser.add_argument("--skinny-fp8", action="store_true",
+                        help="the skinny sweep with FP8 (e4m3) weights and row scales (bandwidth over 1 byte a weight)")
     parser.add_argument("--skinny-rows", default=None,
                         help="row counts of the GEMV sweep, comma-separated (default 1,2,4,8; at most "
                              f"{skinny_gemm.MAX_ROWS}); 1 is the batch-1 decode, 4 a verify step of 3 drafts")
@@ -532,6 +546,9 @@ def main() -> None:
     if args.smoke:
         token_counts = [1, 5]
     rows_list = [int(v) for v in args.skinny_rows.split(",")] if args.skinny_rows else SKINNY_ROWS
+    if args.skinny_fp8:
+        global SKINNY_FP8, SKINNY_CONFIGS
+        SKINNY_FP8, SKINNY_CONFIGS = True, SKINNY_FP8_CONFIGS
     best_rows: list[dict] = []
     skinny_rows: list[dict] = []
     qkv_rope_rows: list[dict] = []

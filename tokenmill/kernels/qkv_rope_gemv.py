@@ -198,7 +198,7 @@ def skinny_qkv_rope_triton(x, weight, residual, norm_weight, eps, positions, cos
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and cos_sin_cache.shape[1] == head_dim
     assert positions.shape[0] >= tokens and slot_mapping.shape[0] >= tokens
-    cfg = {**skinny_gemm_config(N, K, x.dtype, ADD_RMSNORM, tokens), **(config or {})}
+    cfg = {**skinny_gemm_config(N, K, x.dtype, ADD_RMSNORM, tokens, weight.dtype), **(config or {})}
     assert fusable(N, K, head_dim, x.dtype, cfg, max(tokens, 1)), \
         f"BLOCK_N {cfg['block_n']} does not split head_dim {head_dim} into rotary pairs"
     if q_out is None:

@@ -263,7 +263,8 @@ def padded_rows(m: int) -> int:
     return 1 if m <= 1 else triton.next_power_of_2(m)
 
 
-def skinny_gemm_config(n: int, k: int, dtype: torch.dtype, prologue: int = PLAIN, rows: int = 1) -> dict:
+def skinny_gemm_config(n: int, k: int, dtype: torch.dtype, prologue: int = PLAIN, rows: int = 1,
+                       weight_dtype: Optional[torch.dtype] = None) -> dict:
     """BLOCK_N output features per program, BLOCK_K per step, warps, stages, for `rows` rows (keyed
     by padded_rows(rows)). Tune here.
 
@@ -281,8 +282,14 @@ def skinny_gemm_config(n: int, k: int, dtype: torch.dtype, prologue: int = PLAIN
     one FMA per weight element and the SM issues about 14 instructions per element at the copy
     bandwidth, so at 8 rows the loop is close to issue-bound: those configs take the widest tiles
     that fit without spills (32 features: the prologue and the row broadcast are shared by more
-    weights). Sweep: benchmarks/kernel_bench.py --skinny-rows 2,4,8."""
+    weights). Sweep: benchmarks/kernel_bench.py --skinny-rows 2,4,8.
+
+    One-byte (FP8) weights at one row: twice the K per step, so that a tile holds as many bytes
+    as a 16-bit one (not yet swept; benchmarks/kernel_bench.py --skinny-fp8)."""
     rows = padded_rows(rows)
+    if rows == 1 and weight_dtype is not None and weight_dtype.itemsize == 1:
+        cfg = skinny_gemm_config(n, k, dtype, prologue, 1)
+        return {**cfg, "block_k": 2 * cfg["block_k"]}
     if rows == 1:
         if prologue == ADD_RMSNORM:
             return dict(block_n=16, block_k=256, num_warps=4, num_stages=3) if n >= 16384 else \
@@ -325,7 +332,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, prologue: int = 
     summed = torch.empty((M, K), dtype=x.dtype, device=x.device) if has_residual else out
     if has_residual:
         assert residual.shape == (M, K) and residual.stride(-1) == 1
-    cfg = {**skinny_gemm_config(N, K, x.dtype, prologue, M), **(config or {})}
+    cfg = {**skinny_gemm_config(N, K, x.dtype, prologue, M, weight.dtype), **(config or {})}
     if weight_scale is not None:
         assert weight_scale.shape == (N,) and weight_scale.dtype == torch.float32 and weight_scale.is_contiguous()
     ws_arg = weight_scale if weight_scale is not None else out

@@ -8,9 +8,9 @@ paths read them:
   rotary-fused q/k/v GEMV) load the e4m3 bytes, widen them in registers and multiply the sum by
   s[n] at the end (a per-row scale factors out of the dot product), with the op before the layer
   fused in as for bf16. The activations stay in the model dtype (weight-only quantization).
-* larger steps on CUDA: the activations are quantized per token (dynamic: a[m] = max|x[m]| / 448)
-  and torch._scaled_mm multiplies e4m3 by e4m3 on the tensor cores with both scales, out in the
-  model dtype (W8A8).
+* larger steps on CUDA: the activations are quantized per token (dynamic: a[m] = max|x[m]| / 448,
+  one Triton launch, kernels/fp8_quant.py) and torch._scaled_mm multiplies e4m3 by e4m3 on the
+  tensor cores with both scales, out in the model dtype (W8A8).
 * the CPU (and the reference): W is dequantized (s[:, None] * W_q, in the model dtype) and
   multiplied as usual.
 
@@ -22,6 +22,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from tokenmill.kernels.fp8_quant import quantize_per_token_fp8_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -73,6 +75,6 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
     CUDA, the dequantized weight elsewhere."""
     if not _scaled_mm_ok(x, w_q):
         return fp8_linear_ref(x, w_q, scale, bias)
-    x_q, x_scale = quantize_activation_fp8(x)
+    x_q, x_scale = quantize_per_token_fp8_triton(x if x.stride(-1) == 1 else x.contiguous())
     y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=scale[None, :], out_dtype=x.dtype)
     return y if bias is None else y + bias

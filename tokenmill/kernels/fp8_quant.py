@@ -1,0 +1,46 @@
+"""Per-token FP8 (e4m3) quantization of activations, the input of the W8A8 matmul (quantization/fp8.py).
+
+For each row x[m]: s[m] = max(max|x[m]|, tiny) / 448 and x_q[m] = round_e4m3(x[m] / s[m]). The
+torch version is about six passes over the activations in fp32 (a copy, abs, amax, a division, a
+clamp, the cast); here one program per row reads its row twice (the second time from L2: the max,
+then the quantized row) and writes one byte per element and the scale.
+Reference: quantization/fp8.quantize_activation_fp8.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+MIN_SCALE = 1e-12
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    amax = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        x = tl.load(x_ptr + m * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        x = tl.load(x_ptr + m * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        tl.store(q_ptr + m * stride_qm + kk, q.to(q_ptr.dtype.element_ty), mask=kk < K)
+    tl.store(s_ptr + m, scale)
+
+
+def quantize_per_token_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_q [M, K] e4m3, scales [M, 1] fp32) for x [M, K] (unit last stride)."""
+    assert x.dim() == 2 and x.stride(-1) == 1
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    if M:
+        block_k = min(2048, triton.next_power_of_2(K))
+        _quant_rows_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), BLOCK_K=block_k,
+                                 num_warps=4 if block_k <= 1024 else 8)
+    return q, s
