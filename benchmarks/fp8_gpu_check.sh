@@ -3,7 +3,8 @@
 # prefill-8b and offline-8b without and with --quantization fp8 (Llama-3.1-8B preset, dummy
 # weights). Results (JSON) and logs go to $OUT; status.txt lists each part's exit code and seconds.
 #   OUT=/tmp/x bash benchmarks/fp8_gpu_check.sh   (REPEAT: offline/prefill runs, default 1; T: seconds a part;
-#   PARTS: default "tests lat-bf16 lat-fp8 prefill-bf16 prefill-fp8 8b-bf16 8b-fp8")
+#   PARTS: default "tests sweep lat-bf16 lat-fp8 prefill-bf16 prefill-fp8 8b-bf16 8b-fp8"; sweep: the FP8
+#   batch-1 GEMV's tile configs at Llama-3.1-8B shapes, benchmarks/kernel_bench.py --skinny-fp8)
 set -u
 OUT=${OUT:?set OUT}
 PY=${PYTHON:-python3}
@@ -14,7 +15,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then  # what the GPU machine lacks (xgra
         && export PYTHONPATH="${PYTHONPATH:-}:$SITE"
 fi
 B=("$PY" -m tokenmill.entrypoints.cli bench)
-PARTS=${PARTS:-tests lat-bf16 lat-fp8 prefill-bf16 prefill-fp8 8b-bf16 8b-fp8}
+PARTS=${PARTS:-tests sweep lat-bf16 lat-fp8 prefill-bf16 prefill-fp8 8b-bf16 8b-fp8}
 part() {
     local name=$1; shift
     [[ " $PARTS " == *" $name "* ]] || return 0
@@ -23,6 +24,8 @@ part() {
     echo "$name rc=$? $(( $(date +%s) - t0 ))s" | tee -a "$OUT/status.txt"
 }
 part tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/quantization/test_fp8.py -k "not cpu"
+part sweep "$PY" benchmarks/kernel_bench.py --skinny-fp8 --skinny-rows 1 --skip-attention --skip-small-ops \
+    --models llama3.1-8b --out "$OUT/kernel-bench-skinny-fp8.json"
 part lat-bf16 "${B[@]}" latency --workload latency-8b --repeat 3 --cuda-graph-max-batch 8 --out "$OUT" --tag bf16 --no-plot
 part lat-fp8 "${B[@]}" latency --workload latency-8b --repeat 3 --cuda-graph-max-batch 8 --quantization fp8 \
     --out "$OUT" --tag fp8 --no-plot
