@@ -28,7 +28,7 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
         x = tl.load(x_ptr + m * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)  # IEEE division, as torch's
         tl.store(q_ptr + m * stride_qm + kk, q.to(q_ptr.dtype.element_ty), mask=kk < K)
     tl.store(s_ptr + m, scale)
 

@@ -284,12 +284,16 @@ def skinny_gemm_config(n: int, k: int, dtype: torch.dtype, prologue: int = PLAIN
     that fit without spills (32 features: the prologue and the row broadcast are shared by more
     weights). Sweep: benchmarks/kernel_bench.py --skinny-rows 2,4,8.
 
-    One-byte (FP8) weights at one row: twice the K per step, so that a tile holds as many bytes
-    as a 16-bit one (not yet swept; benchmarks/kernel_bench.py --skinny-fp8)."""
+    One-byte (FP8) weights at one row, from the H200 sweep (2026-12-01, 89868d7, kernel_bench
+    --skinny-fp8, Llama-3.1-8B shapes in CUDA graphs): 67-83 % of copy bandwidth at the best
+    configs (q/k/v 16 x 512, 4 warps; o and down 8 x 1024; gate/up 8 x 512), below the 16-bit
+    kernels' 91-96 %: the widening of each byte costs issue slots the 16-bit loads do not."""
     rows = padded_rows(rows)
     if rows == 1 and weight_dtype is not None and weight_dtype.itemsize == 1:
-        cfg = skinny_gemm_config(n, k, dtype, prologue, 1)
-        return {**cfg, "block_k": 2 * cfg["block_k"]}
+        if prologue == ADD_RMSNORM:
+            return dict(block_n=8, block_k=512, num_warps=4, num_stages=3) if n >= 16384 else \
+                dict(block_n=16, block_k=512, num_warps=4, num_stages=3)
+        return dict(block_n=8, block_k=1024, num_warps=4, num_stages=3)
     if rows == 1:
         if prologue == ADD_RMSNORM:
             return dict(block_n=16, block_k=256, num_warps=4, num_stages=3) if n >= 16384 else \
