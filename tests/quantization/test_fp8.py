@@ -165,3 +165,112 @@ def test_per_token_quantization_kernel_matches_torch(device):
             q_ref, s_ref = quantize_activation_fp8(x.to(dtype))
             torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
             assert torch.equal(q.float(), q_ref.float()), (m, k, dtype)
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _write_fp8_checkpoint(src, dst, fmt: str, strategy: str) -> dict:
+    """A copy of the HF directory `src` with its projections stored as FP8 in the format's own
+    layout: fmt "fp8" (quant_method fp8, per-tensor scales, static input scales) or
+    "compressed-tensors" (float-quantized, per-channel or per-tensor scales). Returns each
+    projection's dequantized weight (what tokenmill must compute with)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    out, dequantized = {}, {}
+    for name, t in tensors.items():
+        if not any(f".{p}.weight" in name for p in PROJECTIONS):
+            out[name] = t
+            continue
+        w = t.float()
+        if strategy == "channel":
+            w_q, scale = quantize_weight_fp8(w)
+            stored = scale[:, None]  # [N, 1], as compressed-tensors stores channel scales
+        else:
+            scale = (w.abs().max() / FP8_MAX).reshape(1)
+            w_q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            stored = scale.reshape(()) if fmt == "fp8" else scale
+        out[name] = w_q
+        out[name.replace(".weight", ".weight_scale")] = stored
+        if fmt == "fp8":
+            out[name.replace(".weight", ".input_scale")] = torch.tensor(0.05)  # static: not used
+        dequantized[name] = w_q.float() * (scale[:, None] if strategy == "channel" else scale)
+    save_file(out, str(dst / "model.safetensors"))
+    cfg = json.loads((dst / "config.json").read_text())
+    if fmt == "fp8":
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+    else:
+        cfg["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"],
+                                          "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
+                                                      "symmetric": True, "dynamic": False},
+                                          "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                                                "symmetric": True, "dynamic": True}}}}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dequantized
+
+
+@pytest.mark.parametrize("fmt,strategy", [("fp8", "tensor"), ("compressed-tensors", "channel"),
+                                          ("compressed-tensors", "tensor")])
+def test_fp8_checkpoints_load_as_stored(tmp_path, fmt, strategy):
+    """Each format's FP8 checkpoint loads without requantizing: the e4m3 bytes and scales as stored
+    (per-tensor scales spread over the rows of each q/k/v and gate/up shard); the model computes what
+    the full-precision model computes with the dequantized weights."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.engine.conftest import make_llm
+    from tests.test_hf_dir_models import _save_random_hf_model
+    from tokenmill.layers.linear import LinearBase
+    from tokenmill.loader import load_model
+
+    _save_random_hf_model("llama3.1", False, tmp_path / "full")
+    dequantized = _write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", fmt, strategy)
+    loaded = load_model(str(tmp_path / "fp8"), device="cpu", dtype="float32")
+    linears = [m for m in loaded.model.modules() if isinstance(m, LinearBase)]
+    assert all(m.weight.dtype == torch.float8_e4m3fn for m in linears)
+    stored = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    qkv = loaded.model.model.layers[0].self_attn.qkv_proj
+    want = torch.cat([stored[f"model.layers.0.self_attn.{p}.weight"].float() for p in ("q_proj", "k_proj", "v_proj")])
+    assert torch.equal(qkv.weight.float(), want)  # the bytes as stored
+    # the reference: the full-precision directory with the dequantized projections
+    full = load_file(str(tmp_path / "full" / "model.safetensors"))
+    full.update({k: v for k, v in dequantized.items()})
+    save_file(full, str(tmp_path / "full" / "model.safetensors"))
+    reference = load_model(str(tmp_path / "full"), device="cpu", dtype="float32")
+    prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(6 + 3 * i)] for i in range(4)]
+    tokens, logprobs = _teacher_forced_logprobs(make_llm(loaded), prompts)
+    want_tokens, want_logprobs = _teacher_forced_logprobs(make_llm(reference), prompts)
+    assert tokens == want_tokens
+    for got, want_lp in zip(logprobs, want_logprobs):
+        for g, w in zip(got[1:], want_lp[1:]):
+            assert g.keys() == w.keys() and all(abs(g[t].logprob - w[t].logprob) < 1e-5 for t in w)
+
+
+def test_fp8_checkpoints_that_are_not_supported_are_refused(tmp_path):
+    from tests.test_hf_dir_models import _save_random_hf_model
+    from tokenmill.loader import load_model
+
+    _save_random_hf_model("llama3.1", False, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cases = [
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise scales"),
+        ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {}}, "format 'int-quantized'"),
+        ({"quant_method": "compressed-tensors", "format": "float-quantized",
+          "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
+                                                                       "strategy": "group", "group_size": 128}}}},
+         "per channel or per tensor"),
+        ({"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["model.layers.0.mlp.down_proj"],
+          "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
+                                                                       "strategy": "channel"}}}},
+         "other than the LM head"),
+        ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+    ]
+    for qc, message in cases:
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+        with pytest.raises(ModelLoadError, match=message):
+            load_model(str(tmp_path), device="cpu")

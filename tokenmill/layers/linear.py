@@ -57,6 +57,33 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(w_q, requires_grad=False)
         self.weight_scale = scale
 
+    def expect_fp8_checkpoint(self) -> None:
+        """Before loading an FP8 checkpoint: the weight parameter holds e4m3 bytes as stored, and a
+        `weight_scale` parameter [N] takes the checkpoint's scales, per output row or one per
+        tensor (or per q/k/v, gate/up shard), each written to the rows it covers."""
+        w = nn.Parameter(torch.empty(self.weight.shape, dtype=torch.float8_e4m3fn, device=self.weight.device),
+                         requires_grad=False)
+        w.weight_loader = self.weight_loader
+        self.weight = w
+        scale = nn.Parameter(torch.ones(self.out_features, dtype=torch.float32, device=w.device), requires_grad=False)
+        scale.weight_loader = self.scale_loader
+        del self.weight_scale  # the plain attribute becomes the parameter the checkpoint fills
+        self.register_parameter("weight_scale", scale)
+
+    def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        rows = loaded.float().reshape(-1)
+        if rows.shape[0] == 1:  # one scale for the tensor (or the shard): every row of it
+            rows = rows.expand(self._checkpoint_rows(shard_id))
+        self._load_scale_rows(param, rows.contiguous(), shard_id)
+
+    def _checkpoint_rows(self, shard_id) -> int:
+        """Output rows of the checkpoint tensor (of one shard) that this layer's rows come from."""
+        return self.out_features
+
+    def _load_scale_rows(self, param: nn.Parameter, rows: torch.Tensor, shard_id) -> None:
+        """Per-row scales [rows] go where the weight's rows go (the weight loader's split)."""
+        self.weight_loader(param, rows, shard_id)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _copy_checked(param.data, loaded, type(self).__name__)
 
@@ -131,6 +158,9 @@ class ColumnParallelLinear(LinearBase):
         _check_full_shape(loaded, (rows * self.tp_size, *param.shape[1:]), type(self).__name__)
         _copy_checked(param.data, loaded.narrow(0, self.tp_rank * rows, rows), type(self).__name__)
 
+    def _checkpoint_rows(self, shard_id) -> int:
+        return self.out_features * self.tp_size
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs stored as one matrix (gate and up of the MLP)."""
@@ -145,6 +175,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         _check_full_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]), f"shard {shard_id}")
         part = loaded.narrow(0, self.tp_rank * shard_rows, shard_rows)
         _copy_checked(param.data.narrow(0, offset, shard_rows), part, f"shard {shard_id}")
+
+    def _checkpoint_rows(self, shard_id) -> int:
+        return self.output_sizes[shard_id or 0]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -172,6 +205,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_heads = self.num_heads * self.tp_size if shard_id == "q" else self.num_kv_heads * self.tp_size // self.kv_replicas
         _check_full_shape(loaded, (total_heads * self.head_dim, *param.shape[1:]), f"{shard_id}_proj")
         _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size), f"{shard_id}_proj")
+
+    def _checkpoint_rows(self, shard_id) -> int:
+        if shard_id in (None, "q"):
+            return self.num_heads * self.tp_size * self.head_dim
+        return self.num_kv_heads * self.tp_size // self.kv_replicas * self.head_dim
 
     def fuses_rope(self, x: torch.Tensor) -> bool:
         """Whether x (1 to skinny_gemm.MAX_ROWS tokens) takes the GEMV that also does rotary and the
@@ -215,6 +253,9 @@ class RowParallelLinear(LinearBase):
         cols = param.shape[1]
         _check_full_shape(loaded, (param.shape[0], cols * self.tp_size), type(self).__name__)
         _copy_checked(param.data, loaded.narrow(1, self.tp_rank * cols, cols), type(self).__name__)
+
+    def _load_scale_rows(self, param, rows, shard_id) -> None:
+        _copy_checked(param.data, rows, "weight_scale")  # every rank has every output row
 
     def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return super()._matmul(x)  # the bias is added once, after the reduction

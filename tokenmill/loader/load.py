@@ -156,13 +156,18 @@ def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_f
             directory = convert_gguf_to_hf_dir(source.path)
         hf_cfg = _read_config(directory)
     arch = arch_config_from_hf(hf_cfg)
-    from tokenmill.loader.quantize import quantize_model, resolve_quantization
+    from tokenmill.loader.quantize import expect_fp8_checkpoint, quantize_model, resolve_quantization
 
-    quantization = resolve_quantization(quantization, hf_cfg)
+    plan = resolve_quantization(quantization, hf_cfg)
     torch_dtype = resolve_dtype(dtype, dev, arch.torch_dtype)
     model_cls = get_model_class(arch.architecture)
     with torch.device(dev):
         net = model_cls(arch, max_positions=max_positions, dtype=torch_dtype, device=dev)
+    if plan is not None and plan.from_checkpoint:
+        if source.kind == "dummy":
+            raise ModelLoadError("an FP8 checkpoint's config with dummy weights: use quantization=\"fp8\" on a "
+                                 "full-precision model instead")
+        expect_fp8_checkpoint(net)
     tokenizer_ref, tokenizer = tokenizer, None
     if source.kind == "dummy":
         from tokenmill.loader.dummy import initialize_dummy_weights
@@ -173,7 +178,7 @@ def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_f
 
             tokenizer = load_hf_tokenizer(directory)
     else:
-        _load_checkpoint(net, directory)
+        _load_checkpoint(net, directory, plan)
         if tokenizer_ref is None:
             from tokenmill.loader.tokenizer import load_hf_tokenizer
 
@@ -183,15 +188,16 @@ def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_f
         if len(tokenizer) > arch.vocab_size:
             raise ModelLoadError(f"the tokenizer {tokenizer_ref} has {len(tokenizer)} tokens, more than the "
                                  f"model's vocabulary ({arch.vocab_size})")
-    if quantization is not None:
-        quantize_model(net, quantization)
+    if plan is not None and not plan.from_checkpoint:
+        quantize_model(net, plan.method)
     net.eval()
     elapsed = time.perf_counter() - started
     logger.info("loaded %s (%s, %s on %s) in %.2fs", source.name, arch.architecture, torch_dtype, dev, elapsed)
     return LoadedModel(net, arch, tokenizer, source, torch_dtype, dev, _eos_ids(arch, tokenizer, directory), elapsed)
 
 
-def _load_checkpoint(net, directory: str) -> None:
+def _load_checkpoint(net, directory: str, plan=None) -> None:
+    from tokenmill.loader.quantize import skip_checkpoint_tensor
     from tokenmill.loader.safetensors_weights import iter_safetensors, safetensors_files
 
     files = safetensors_files(directory)
@@ -199,6 +205,8 @@ def _load_checkpoint(net, directory: str) -> None:
 
     def stream():
         for name, tensor in iter_safetensors(directory):
+            if skip_checkpoint_tensor(name, plan):
+                continue
             # Straight to the device; the dtype conversion happens in the parameter's copy_.
             yield name, tensor.to(device, non_blocking=True)
             bar.update(1)
