@@ -1,0 +1,59 @@
+"""`tokenmill serve --tensor-parallel-size 3` (the embedded model, CPU, gloo): a request is served by
+the three ranks, and killing a tensor-parallel worker mid-request gives the streaming client an error naming the worker,
+then 503 from health and new requests, within 10 s (never a hang)."""
+
+import json
+import os
+import re
+import signal
+import time
+
+import httpx
+
+from tests.server.conftest import SMALL_ENGINE
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+def test_killing_a_worker_mid_request(start_server):
+    server = start_server(["--tensor-parallel-size", "3", *SMALL_ENGINE])
+    r = httpx.post(server.base_url + "/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    engine = int(re.search(r"engine process (\d+) ready", server.log()).group(1))
+    workers = [p for p in _children(engine) if "spawn_main" in _cmdline(p) and "resource_tracker" not in _cmdline(p)]
+    assert len(workers) == 2, [(p, _cmdline(p)) for p in _children(engine)]
+    body = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    events, killed_at = [], None
+    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        try:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if len(events) == 3 and killed_at is None:
+                    os.kill(workers[0], signal.SIGKILL)
+                    killed_at = time.monotonic()
+        except httpx.HTTPError:
+            pass
+    assert killed_at is not None and time.monotonic() - killed_at < 10
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "engine" in error["message"], error
+    status = None
+    while time.monotonic() < killed_at + 10:
+        status = httpx.get(server.url + "/health", timeout=5).status_code
+        if status == 503:
+            break
+        time.sleep(0.2)
+    assert status == 503
+    r = httpx.post(server.base_url + "/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=10)
+    assert r.status_code == 503
+    assert server.stop() == 1  # the engine failed: not a clean exit
