@@ -68,6 +68,15 @@ def tp_all_reduce(x: torch.Tensor, state: Optional[ParallelState] = None) -> tor
     return x
 
 
+def tp_all_reduce_max(x: torch.Tensor, state: Optional[ParallelState] = None) -> torch.Tensor:
+    """The elementwise max of x over the ranks of `state`, in place (e.g. the rows' largest
+    weights before quantizing a row-parallel layer)."""
+    state = state or _BUILDING.get()
+    if state.tp_size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=state.group)
+    return x
+
+
 def tp_all_gather(x: torch.Tensor, dim: int = -1, state: Optional[ParallelState] = None) -> torch.Tensor:
     state = state or _BUILDING.get()
     if state.tp_size == 1:

@@ -274,3 +274,29 @@ def test_fp8_checkpoints_that_are_not_supported_are_refused(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
         with pytest.raises(ModelLoadError, match=message):
             load_model(str(tmp_path), device="cpu")
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "online"])
+def test_fp8_with_tensor_parallelism_equals_one_process(tmp_path, source):
+    """TP = 2 (gloo): each rank takes its rows of the FP8 weights and scales (a per-tensor checkpoint's
+    shards, or its own quantization of its shard, the row-parallel layers' scales agreed over the
+    ranks), and the greedy tokens equal one process's (the tiny random model is so sensitive that
+    a scale one rounding apart changes its first token)."""
+    from tests.test_hf_dir_models import _save_random_hf_model
+    from tokenmill.entrypoints.llm import LLM
+    from tokenmill.sampling_params import SamplingParams
+
+    _save_random_hf_model("llama3.1", False, tmp_path / "full")
+    path, kw = str(tmp_path / "full"), {"quantization": "fp8"}
+    if source == "checkpoint":
+        _write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", "compressed-tensors", "tensor")
+        path, kw = str(tmp_path / "fp8"), {}
+    common = dict(dtype="float32", device="cpu", max_num_seqs=8, num_kv_blocks=128, **kw)
+    prompts = [[(5 * i + 11 * j) % 500 + 1 for j in range(4 + 5 * i)] for i in range(6)]
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    want = [o.outputs[0].token_ids for o in LLM(path, **common).generate(prompts, greedy, use_tqdm=False)]
+    llm = LLM(path, tensor_parallel_size=2, **common)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+    finally:
+        llm.engine.close()

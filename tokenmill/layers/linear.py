@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.distributed import divide, get_tp_size, get_tp_state, tp_all_reduce
+from tokenmill.distributed import divide, get_tp_size, get_tp_state, tp_all_reduce, tp_all_reduce_max
 from tokenmill.kernels import qkv_rope_gemv, skinny_gemm
 from tokenmill.kernels.activation import silu_and_mul
 from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, PLAIN, SILU_MUL
@@ -256,6 +256,14 @@ class RowParallelLinear(LinearBase):
 
     def _load_scale_rows(self, param, rows, shard_id) -> None:
         _copy_checked(param.data, rows, "weight_scale")  # every rank has every output row
+
+    def quantize_fp8(self) -> None:
+        """Each rank holds a slice of every row: the scales come from the whole rows' largest
+        weights (a max over the ranks), so tensor parallelism quantizes exactly as one process."""
+        amax = tp_all_reduce_max(self.weight.data.float().abs().amax(dim=1), self.tp)
+        w_q, scale = quantize_weight_fp8(self.weight.data, amax)
+        self.weight = nn.Parameter(w_q, requires_grad=False)
+        self.weight_scale = scale
 
     def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return super()._matmul(x)  # the bias is added once, after the reduction

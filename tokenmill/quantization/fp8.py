@@ -30,10 +30,14 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _MIN_SCALE = 1e-12  # an all-zero row still gets a finite scale
 
 
-def quantize_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W_q [N, K] e4m3, scales [N] fp32) with W ~ scales[:, None] * W_q (per output row)."""
+def quantize_weight_fp8(weight: torch.Tensor, row_amax: Optional[torch.Tensor] = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W_q [N, K] e4m3, scales [N] fp32) with W ~ scales[:, None] * W_q (per output row).
+    row_amax [N]: each row's largest |w| when W is a slice of the rows (a row-parallel shard: the
+    max over every rank's slice gives every rank the scales of the whole rows)."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=_MIN_SCALE)
+    amax = w.abs().amax(dim=1) if row_amax is None else row_amax.float()
+    scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
     w_q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return w_q, scale
 
