@@ -8,21 +8,8 @@
 set -u
 OUT=${OUT:?set OUT}
 PY=${PYTHON:-python3}
-mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" > /dev/null; then  # what the GPU machine lacks (xgrammar, gguf, ...)
-    SITE=$(mktemp -d)
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl \
-        && export PYTHONPATH="${PYTHONPATH:-}:$SITE"
-fi
-B=("$PY" -m tokenmill.entrypoints.cli bench)
 PARTS=${PARTS:-tests sweep lat-bf16 lat-fp8 prefill-bf16 prefill-fp8 8b-bf16 8b-fp8}
-part() {
-    local name=$1; shift
-    [[ " $PARTS " == *" $name "* ]] || return 0
-    local t0=$(date +%s)
-    timeout "${T:-170}" "$@" > "$OUT/$name.log" 2>&1
-    echo "$name rc=$? $(( $(date +%s) - t0 ))s" | tee -a "$OUT/status.txt"
-}
+source "$(dirname "$0")/_gpu_parts.sh"
 part tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/quantization/test_fp8.py -k "not cpu"
 part sweep "$PY" benchmarks/kernel_bench.py --skinny-fp8 --skinny-rows 1 --skip-attention --skip-small-ops \
     --models llama3.1-8b --out "$OUT/kernel-bench-skinny-fp8.json"

@@ -7,21 +7,8 @@
 set -u
 OUT=${OUT:?set OUT}
 PY=${PYTHON:-python3}
-mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" > /dev/null; then  # what the GPU machine lacks (xgrammar, gguf, ...)
-    SITE=$(mktemp -d)
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl \
-        && export PYTHONPATH="${PYTHONPATH:-}:$SITE"
-fi
-B=("$PY" -m tokenmill.entrypoints.cli bench)
 PARTS=${PARTS:-8b-base 8b-lora lat-base lat-lora gpu-tests kernel-tests}
-part() {
-    local name=$1; shift
-    [[ " $PARTS " == *" $name "* ]] || return 0
-    local t0=$(date +%s)
-    timeout "${T:-170}" "$@" > "$OUT/$name.log" 2>&1
-    echo "$name rc=$? $(( $(date +%s) - t0 ))s" | tee -a "$OUT/status.txt"
-}
+source "$(dirname "$0")/_gpu_parts.sh"
 part 8b-base "${B[@]}" throughput --workload offline-8b --repeat "${REPEAT:-1}" --cuda-graph-max-batch 128 \
     --out "$OUT" --tag base --no-plot
 part 8b-lora "${B[@]}" throughput --workload offline-8b --repeat "${REPEAT:-1}" --cuda-graph-max-batch 128 \

@@ -107,6 +107,16 @@ def _teacher_forced_logprobs(llm, prompts):
     return [o.outputs[0].token_ids for o in outs], [o.prompt_logprobs for o in outs]
 
 
+def _assert_same_outputs(llm, reference, prompts) -> None:
+    """The same greedy tokens, and prompt logprobs (top 3) within 1e-5 (fp32)."""
+    tokens, logprobs = _teacher_forced_logprobs(llm, prompts)
+    want_tokens, want_logprobs = _teacher_forced_logprobs(reference, prompts)
+    assert tokens == want_tokens
+    for got, want in zip(logprobs, want_logprobs):
+        for g, w in zip(got[1:], want[1:]):
+            assert g.keys() == w.keys() and all(abs(g[t].logprob - w[t].logprob) < 1e-5 for t in w)
+
+
 def test_quantized_model_equals_the_model_with_dequantized_weights():
     """tiny-llama with quantization="fp8" on the CPU against the same model whose linear weights are
     replaced by their dequantized FP8 values: the same greedy tokens and prompt logprobs (fp32)."""
@@ -125,12 +135,7 @@ def test_quantized_model_equals_the_model_with_dequantized_weights():
             m.weight.data.copy_(dequantize_weight_fp8(w_q, scale, torch.float32))
     assert any(not torch.equal(full[n], m.weight) for n, m in reference.model.named_modules() if n in full)
     prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(6 + 3 * i)] for i in range(4)]
-    tokens, logprobs = _teacher_forced_logprobs(make_llm(quantized), prompts)
-    want_tokens, want_logprobs = _teacher_forced_logprobs(make_llm(reference), prompts)
-    assert tokens == want_tokens
-    for got, want in zip(logprobs, want_logprobs):
-        for g, w in zip(got[1:], want[1:]):
-            assert g.keys() == w.keys() and all(abs(g[t].logprob - w[t].logprob) < 1e-5 for t in w)
+    _assert_same_outputs(make_llm(quantized), make_llm(reference), prompts)
 
 
 def test_what_is_not_supported_is_refused(tmp_path):
@@ -243,12 +248,7 @@ def test_fp8_checkpoints_load_as_stored(tmp_path, fmt, strategy):
     save_file(full, str(tmp_path / "full" / "model.safetensors"))
     reference = load_model(str(tmp_path / "full"), device="cpu", dtype="float32")
     prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(6 + 3 * i)] for i in range(4)]
-    tokens, logprobs = _teacher_forced_logprobs(make_llm(loaded), prompts)
-    want_tokens, want_logprobs = _teacher_forced_logprobs(make_llm(reference), prompts)
-    assert tokens == want_tokens
-    for got, want_lp in zip(logprobs, want_logprobs):
-        for g, w in zip(got[1:], want_lp[1:]):
-            assert g.keys() == w.keys() and all(abs(g[t].logprob - w[t].logprob) < 1e-5 for t in w)
+    _assert_same_outputs(make_llm(loaded), make_llm(reference), prompts)
 
 
 def test_fp8_checkpoints_that_are_not_supported_are_refused(tmp_path):

@@ -121,3 +121,28 @@ def start_server():
     yield start
     for server in servers:
         server.stop()
+
+
+def stream_and_kill(server, body: dict, pid: int, after_events: int = 3) -> tuple[list[str], float]:
+    """Stream a /completions request and SIGKILL process `pid` once `after_events` events came;
+    returns the stream's data events (to its end) and when the kill happened (time.monotonic)."""
+    import os
+    import signal
+    import time
+
+    import httpx
+
+    events, killed_at = [], None
+    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        try:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if len(events) == after_events and killed_at is None:
+                    os.kill(pid, signal.SIGKILL)
+                    killed_at = time.monotonic()
+        except httpx.HTTPError:
+            pass
+    assert killed_at is not None, "the stream ended before the kill"
+    return events, killed_at

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import SMALL_ENGINE
+from tests.server.conftest import SMALL_ENGINE, stream_and_kill
 
 
 def _engine_pid(server) -> int:
@@ -52,19 +52,7 @@ def test_killing_the_engine_process_mid_request(start_server):
     pid = _engine_pid(server)
     assert pid != server.proc.pid and _alive(pid)
     body = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True}
-    events = []
-    killed_at = None
-    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
-        assert r.status_code == 200
-        try:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                if len(events) == 3 and killed_at is None:
-                    os.kill(pid, signal.SIGKILL)
-                    killed_at = time.monotonic()
-        except httpx.HTTPError:
-            pass
+    events, killed_at = stream_and_kill(server, body, pid)
     ended = time.monotonic() - killed_at
     assert ended < 10
     assert events[-1] == "[DONE]"

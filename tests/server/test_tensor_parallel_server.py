@@ -3,14 +3,12 @@ the three ranks, and killing a tensor-parallel worker mid-request gives the stre
 then 503 from health and new requests, within 10 s (never a hang)."""
 
 import json
-import os
 import re
-import signal
 import time
 
 import httpx
 
-from tests.server.conftest import SMALL_ENGINE
+from tests.server.conftest import SMALL_ENGINE, stream_and_kill
 
 
 def _children(pid: int) -> list[int]:
@@ -31,19 +29,8 @@ def test_killing_a_worker_mid_request(start_server):
     workers = [p for p in _children(engine) if "spawn_main" in _cmdline(p) and "resource_tracker" not in _cmdline(p)]
     assert len(workers) == 2, [(p, _cmdline(p)) for p in _children(engine)]
     body = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True}
-    events, killed_at = [], None
-    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
-        assert r.status_code == 200
-        try:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                if len(events) == 3 and killed_at is None:
-                    os.kill(workers[0], signal.SIGKILL)
-                    killed_at = time.monotonic()
-        except httpx.HTTPError:
-            pass
-    assert killed_at is not None and time.monotonic() - killed_at < 10
+    events, killed_at = stream_and_kill(server, body, workers[0])
+    assert time.monotonic() - killed_at < 10
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert "engine" in error["message"], error
