@@ -90,3 +90,23 @@ def test_features_together_with_lora_adapters(smollm, adapters):
     assert busy.engine.runner.lora.slots.loads >= 3  # two slots for three adapters: rewritten
     assert_no_leaks(busy)
     assert not busy.engine.structured.matchers
+
+
+def test_features_together_with_fp8_weights():
+    """The busy run (speculation, grammars, bad words, n = 2 with prompt logprobs, preemption, a
+    step-time target) on the embedded model with FP8 weights: each request equals its run alone on
+    a plain engine over the same FP8 weights, and nothing leaks."""
+    from tokenmill.loader import load_model
+
+    fp8 = load_model(None, dtype="float32", device="cpu", quantization="fp8")
+    plain = make_llm(fp8)
+    busy = make_llm(fp8, step_time_target_ms=20.0, **BUSY)
+    requests, _, banned = feature_requests(plain)
+    alone = [plain.generate([p], q, use_tqdm=False)[0] for p, q in requests]
+    together = busy.generate([p for p, _ in requests], [q for _, q in requests], use_tqdm=False)
+    assert busy.engine.scheduler.num_preemptions > 0 and busy.engine.spec_stats.accepted > 0
+    for want, got in zip(alone, together):
+        assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+    jsonschema.validate(json.loads(together[1].outputs[0].text), SCHEMAS[0])
+    assert banned not in together[3].outputs[0].token_ids
+    assert_no_leaks(busy)

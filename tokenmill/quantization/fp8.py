@@ -18,6 +18,7 @@ fp8_linear_ref is the torch reference of the GPU paths, per path: weight-only (d
 the GEMV, and with the activations quantized and dequantized the same way for _scaled_mm.
 """
 
+import functools
 from typing import Optional
 
 import torch
@@ -65,11 +66,16 @@ def fp8_linear_ref(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, bias
     return F.linear(x, dequantize_weight_fp8(w_q, scale, x.dtype), bias)
 
 
+@functools.lru_cache(maxsize=None)
+def _has_fp8_tensor_cores(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
 def _scaled_mm_ok(x: torch.Tensor, w_q: torch.Tensor) -> bool:
-    # e4m3 tensor cores (sm_89 and later), K and N multiples of 16, row-wise scales with a 16-bit
-    # output (an fp32 model takes the dequantized path)
+    # e4m3 tensor cores (sm_89 and later; asked once per device), K and N multiples of 16, row-wise
+    # scales with a 16-bit output (an fp32 model takes the dequantized path)
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and torch.cuda.get_device_capability(x.device) >= (8, 9)
+            and _has_fp8_tensor_cores(x.device.index if x.device.index is not None else torch.cuda.current_device())
             and x.shape[1] % 16 == 0 and w_q.shape[0] % 16 == 0)
 
 
