@@ -42,8 +42,9 @@ def test_every_field_has_help_and_a_flag_with_its_default(field):
         actions = [a for a in parser._actions if a.dest == field.name]
         assert len(actions) == 1, (name, field.name)
         assert "--" + field.name.replace("_", "-") in actions[0].option_strings or field.name == "seed"
-        expected = BENCH_DEFAULTS.get(field.name, field_default(field)) if name.startswith("bench") else \
-            field_default(field)
+        # The workload benches take the model from the workload; fidelity runs any model (the embedded one by default).
+        from_workload = name.startswith("bench") and name != "bench fidelity"
+        expected = BENCH_DEFAULTS.get(field.name, field_default(field)) if from_workload else field_default(field)
         assert parser.parse_args(["x"] if name == "generate" else []).__dict__[field.name] == expected
 
 
@@ -71,7 +72,7 @@ def test_llm_keywords_reach_the_configs(monkeypatch):
                    enable_prefix_caching=False, async_scheduling=False, enforce_eager=True, cuda_graph_max_batch=8,
                    piecewise_cuda_graph_max_tokens=0, fused_small_batch_linear=False, seed=7,
                    tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=3,
-                   enable_lora=True, max_loras=3, max_lora_rank=8, max_cpu_loras=5, quantization="fp8",
+                   enable_lora=True, max_loras=3, max_lora_rank=8, max_cpu_loras=5, quantization="fp8", kv_cache_dtype="fp8",
                    speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
                                        "prompt_lookup_min": 1, "model": "/models/draft", "load_format": "dummy",
                                        "num_draft_layers": None, "synthetic_acceptance": 0.5})

@@ -188,6 +188,11 @@ class EngineConfig:
     quantization: Optional[str] = option(
         None, "quantize the model's linear layers at load: fp8 (e4m3 weights, a scale per output row; "
               "FP8 matmuls on Hopper and later, dequantized elsewhere)", choices=("fp8",), default_help="off")
+    # runner/kv_cache.py, kernels/attention.py: the paged KV cache's element type
+    kv_cache_dtype: str = option(
+        "auto", "KV-cache element type: auto (the model dtype) or fp8 (e4m3 with one scale per layer for K and one "
+                "for V: the checkpoint's self_attn.k_scale / v_scale when it has them, else 1.0; the cache holds "
+                "twice the tokens of a 16-bit one)", choices=("auto", "fp8", "fp8_e4m3"))
     seed: int = option(0, "seeds dummy weights and requests that bring no seed of their own",
                        aliases=("--engine-seed",))
     # executor/: worker processes, one per rank (torch.distributed: NCCL on CUDA, gloo on the CPU).

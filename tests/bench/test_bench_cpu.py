@@ -551,3 +551,26 @@ def test_latency_with_fp8_weights_counts_their_bytes(tmp_path):
     assert runs["fp8"]["engine"]["config"]["quantization"] == "fp8"
     roof = [r["roofline"]["bytes"] for r in (runs["plain"], runs["fp8"])]
     assert roof[1] < roof[0]
+
+
+def test_fp8_kv_cache_bytes_and_the_fp8_matmul_ceiling():
+    """--kv-cache-dtype fp8 counts one byte per cached value, and with FP8 weights the linear
+    layers' FLOPs go at the FP8 matmul rate when the ceilings have one (a prefill step)."""
+    from tokenmill.bench.roofline import Ceilings, kv_dtype_bytes_of, step_floor
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.llm_engine import StepShape
+    from tokenmill.models.config import arch_config_from_hf
+    from tokenmill.models.presets import get_preset
+
+    arch = arch_config_from_hf(get_preset("llama-3.1-8b"))
+    assert kv_dtype_bytes_of(EngineConfig(kv_cache_dtype="fp8")) == 1 and kv_dtype_bytes_of(EngineConfig()) is None
+    decode = StepShape(query_lens=[1] * 64, seq_lens=[2048] * 64)
+    ceil = Ceilings("cuda", "x", 4.0e12, 700e12, "bfloat16", "-", None)
+    full, fp8kv = (step_floor(decode, arch, 2, ceil, "as-run", None, kv) for kv in (None, 1))
+    kv_bytes_bf16 = 64 * 2049 * 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 2
+    assert abs((full.bytes - fp8kv.bytes) - kv_bytes_bf16 / 2) < 1e-3 * kv_bytes_bf16
+    prefill = StepShape(query_lens=[8192], seq_lens=[8192])
+    slow = step_floor(prefill, arch, 2, ceil, "as-run", 1.0)
+    fast = step_floor(prefill, arch, 2, Ceilings("cuda", "x", 4.0e12, 700e12, "bfloat16", "-", 1400e12),
+                      "as-run", 1.0)
+    assert slow.flops == fast.flops and 0.5 * slow.seconds < fast.seconds < 0.75 * slow.seconds

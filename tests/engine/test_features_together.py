@@ -7,6 +7,7 @@ allowed tokens hold, prompt logprobs are there, and nothing leaks."""
 import json
 
 import jsonschema
+import pytest
 
 from tests.engine.conftest import assert_no_leaks, chat_ids, make_llm
 from tests.engine.test_lora import adapters  # noqa: F401 (a fixture)
@@ -92,21 +93,27 @@ def test_features_together_with_lora_adapters(smollm, adapters):
     assert not busy.engine.structured.matchers
 
 
-def test_features_together_with_fp8_weights():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_features_together_with_fp8_weights(kv_cache_dtype):
     """The busy run (speculation, grammars, bad words, n = 2 with prompt logprobs, preemption, a
-    step-time target) on the embedded model with FP8 weights: each request equals its run alone on
-    a plain engine over the same FP8 weights, and nothing leaks."""
+    step-time target) on the embedded model with FP8 weights, and with the FP8 KV cache: each
+    request equals its run alone on a plain engine over the same FP8 weights and cache type, and
+    nothing leaks."""
     from tokenmill.loader import load_model
 
     fp8 = load_model(None, dtype="float32", device="cpu", quantization="fp8")
-    plain = make_llm(fp8)
-    busy = make_llm(fp8, step_time_target_ms=20.0, **BUSY)
+    plain = make_llm(fp8, kv_cache_dtype=kv_cache_dtype)
+    busy = make_llm(fp8, step_time_target_ms=20.0, kv_cache_dtype=kv_cache_dtype, **BUSY)
     requests, _, banned = feature_requests(plain)
     alone = [plain.generate([p], q, use_tqdm=False)[0] for p, q in requests]
     together = busy.generate([p for p, _ in requests], [q for _, q in requests], use_tqdm=False)
     assert busy.engine.scheduler.num_preemptions > 0 and busy.engine.spec_stats.accepted > 0
-    for want, got in zip(alone, together):
-        assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+    differ = [i for i, (want, got) in enumerate(zip(alone, together))
+              if [c.token_ids for c in got.outputs] != [c.token_ids for c in want.outputs]]
+    # The CPU's matmuls round differently at other batch sizes (in the last bit); a key that close
+    # to an e4m3 rounding edge is stored one step apart, and a greedy tie can then break the other
+    # way. With the FP8 cache at most 2 of the 7 requests may differ (2026-12-02: 1, the JSON one).
+    assert not differ if kv_cache_dtype == "auto" else len(differ) <= 2, differ
     jsonschema.validate(json.loads(together[1].outputs[0].text), SCHEMAS[0])
     assert banned not in together[3].outputs[0].token_ids
     assert_no_leaks(busy)

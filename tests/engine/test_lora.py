@@ -96,6 +96,38 @@ def test_adapters_in_one_batch_match_peft(regime, smollm, adapters, peft_models,
     assert_no_leaks(llm)
 
 
+def test_adapters_on_fp8_weights_match_peft_on_the_same_weights(hf_smollm, adapters, prompts):
+    """FP8 weights (quantization="fp8") with adapters: HF + PEFT over a copy of the model whose
+    linear weights are replaced by the same dequantized e4m3 values is the reference."""
+    import copy
+
+    from tokenmill.loader import load_model
+    from tokenmill.quantization.fp8 import dequantize_weight_fp8, quantize_weight_fp8
+
+    hf8 = copy.deepcopy(hf_smollm)
+    with torch.no_grad():
+        for name, mod in hf8.named_modules():
+            if isinstance(mod, torch.nn.Linear) and not name.endswith("lm_head"):
+                w_q, scale = quantize_weight_fp8(mod.weight)  # per row: the same as on a fused q/k/v row
+                mod.weight.copy_(dequantize_weight_fp8(w_q, scale, torch.float32))
+    llm = make_llm(load_model(None, dtype="float32", device="cpu", quantization="fp8"), enable_lora=True,
+                   max_loras=3, max_lora_rank=16)
+    choice = [adapters[0], None, adapters[2]]
+    seen = _record_logits(llm)
+    outs = llm.generate(prompts[:3], GREEDY, use_tqdm=False, lora_request=choice)
+    for out, ids, lora in zip(outs, prompts, choice):
+        ref_model = hf8 if lora is None else peft_reference(hf8, lora.lora_path)
+        tokens = out.outputs[0].token_ids
+        theirs = _hf_logits(ref_model, ids + tokens)[len(ids) - 1 : len(ids) - 1 + NEW]
+        mine = torch.stack(seen[out.request_id][-NEW:])
+        err = ((mine - theirs).norm(dim=-1) / theirs.norm(dim=-1)).max().item()
+        assert err < 1e-4, (lora, err)
+        plain = _hf_logits(hf_smollm if lora is None else peft_reference(hf_smollm, lora.lora_path), ids + tokens)
+        plain = plain[len(ids) - 1 : len(ids) - 1 + NEW]
+        assert ((plain - theirs).norm(dim=-1) / theirs.norm(dim=-1)).max().item() > 1e-3  # FP8 changed them
+    assert_no_leaks(llm)
+
+
 def test_greedy_tokens_equal_peft_generate(smollm, adapters, peft_models, prompts):
     llm = make_llm(smollm, enable_lora=True, max_loras=2, max_lora_rank=16)
     choice = [adapters[2], adapters[1], None, adapters[2]]

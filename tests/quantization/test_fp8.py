@@ -83,6 +83,23 @@ def test_qkv_rope_gemv_reads_fp8_weights(device, nan_empty):
         assert rel_err(caches[1][0, 5], caches[3][0, 5]) < TOL[dtype]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantization_is_the_same_on_every_device(device):
+    """Scales are max|w| / 448 correctly rounded, so a GPU quantizes exactly as the CPU does
+    (CUDA's division by a Python number is not: it multiplies by the rounded reciprocal)."""
+    torch.manual_seed(3)
+    w = torch.randn(512, 256) * torch.rand(512, 1) * 3
+    w_q, scale = quantize_weight_fp8(w.to(device))
+    want = (w.abs().amax(dim=1).double() / 448).float()
+    assert torch.equal(scale.cpu(), want)
+    w_q_cpu, _ = quantize_weight_fp8(w)
+    assert torch.equal(w_q.cpu().view(torch.uint8), w_q_cpu.view(torch.uint8))
+    x = torch.randn(4, 256, device=device) * 5
+    from tokenmill.quantization.fp8 import quantize_activation_fp8
+    _, x_scale = quantize_activation_fp8(x)
+    assert torch.equal(x_scale.cpu(), (x.cpu().abs().amax(dim=1, keepdim=True).double() / 448).float())
+
+
 def test_fp8_linear_on_the_cpu_is_the_dequantized_matmul():
     w_q, scale, w_deq = _weights(32, 48, torch.float32, "cpu")
     x = torch.randn(5, 48)
@@ -258,7 +275,7 @@ def test_fp8_checkpoints_that_are_not_supported_are_refused(tmp_path):
     _save_random_hf_model("llama3.1", False, tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     cases = [
-        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise scales"),
+        ({"quant_method": "fp8", "weight_block_size": [64, 64]}, r"only \[128, 128\] blocks"),  # test_fp8_blockwise.py
         ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {}}, "format 'int-quantized'"),
         ({"quant_method": "compressed-tensors", "format": "float-quantized",
           "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
@@ -276,12 +293,13 @@ def test_fp8_checkpoints_that_are_not_supported_are_refused(tmp_path):
             load_model(str(tmp_path), device="cpu")
 
 
-@pytest.mark.parametrize("source", ["checkpoint", "online"])
-def test_fp8_with_tensor_parallelism_equals_one_process(tmp_path, source):
+@pytest.mark.parametrize("source,layout", [("checkpoint", "tp2"), ("online", "tp2"), ("online", "pp2+fp8-kv")])
+def test_fp8_with_tensor_parallelism_equals_one_process(tmp_path, source, layout):
     """TP = 2 (gloo): each rank takes its rows of the FP8 weights and scales (a per-tensor checkpoint's
     shards, or its own quantization of its shard, the row-parallel layers' scales agreed over the
     ranks), and the greedy tokens equal one process's (the tiny random model is so sensitive that
-    a scale one rounding apart changes its first token)."""
+    a scale one rounding apart changes its first token). PP = 2 with the FP8 KV cache too: each
+    stage quantizes its own layers and keeps its layers' e4m3 cache."""
     from tests.test_hf_dir_models import _save_random_hf_model
     from tokenmill.entrypoints.llm import LLM
     from tokenmill.sampling_params import SamplingParams
@@ -291,11 +309,14 @@ def test_fp8_with_tensor_parallelism_equals_one_process(tmp_path, source):
     if source == "checkpoint":
         _write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", "compressed-tensors", "tensor")
         path, kw = str(tmp_path / "fp8"), {}
+    if layout == "pp2+fp8-kv":
+        kw["kv_cache_dtype"] = "fp8"
+    parallel = {"tensor_parallel_size": 2} if layout == "tp2" else {"pipeline_parallel_size": 2}
     common = dict(dtype="float32", device="cpu", max_num_seqs=8, num_kv_blocks=128, **kw)
     prompts = [[(5 * i + 11 * j) % 500 + 1 for j in range(4 + 5 * i)] for i in range(6)]
     greedy = SamplingParams(temperature=0, max_tokens=8)
     want = [o.outputs[0].token_ids for o in LLM(path, **common).generate(prompts, greedy, use_tqdm=False)]
-    llm = LLM(path, tensor_parallel_size=2, **common)
+    llm = LLM(path, **parallel, **common)
     try:
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
     finally:

@@ -1,4 +1,4 @@
-"""`tokenmill bench throughput|latency|serve|structured|profile`: registered into the main CLI by `register(subparsers)`."""
+"""`tokenmill bench throughput|latency|serve|structured|profile|fidelity`: registered into the main CLI by `register(subparsers)`."""
 
 from __future__ import annotations
 
@@ -116,6 +116,16 @@ def register(subparsers) -> None:
     pf.add_argument("--steps", type=int, default=20, help="steps in the profiled window")
     pf.add_argument("--trace", action="store_true", help="also write a Chrome trace (.trace.json.gz)")
     pf.set_defaults(func=functools.partial(_run, "profile"), no_plot=True)
+
+    from tokenmill.bench.fidelity import add_args as add_fidelity_args
+
+    fd = add_command(sub, "fidelity", help="numerical fidelity: engine configurations (dtype, FP8 weights, FP8 KV "
+                                           "cache, batching) against a float32 reference, and HF transformers",
+                     description="Greedy token agreement, teacher-forced top-1 agreement and KL divergence of "
+                                 "each candidate against tokenmill in float32 on the same device; see "
+                                 "tokenmill/bench/fidelity.py for the exact definitions.")
+    add_fidelity_args(fd)
+    fd.set_defaults(func=functools.partial(_run, "fidelity"), no_plot=True, log_level_default="INFO")
 
 
 def _finish(kind: str, result: dict, args) -> int:

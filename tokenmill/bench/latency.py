@@ -26,8 +26,8 @@ import numpy as np
 from tokenmill.bench import report
 from tokenmill.bench.common import (build_engine, format_spec, median_index, reset_prefix_cache, resolve_workload,
                                     spec_snapshot, spec_summary, synchronize)
-from tokenmill.bench.roofline import (dense_bytes_of, format_roofline, kv_bytes_per_token, measure_ceilings,
-                                      run_roofline, step_floor)
+from tokenmill.bench.roofline import (dense_bytes_of, format_roofline, kv_bytes_per_token, kv_dtype_bytes_of,
+                                      measure_ceilings, run_roofline, step_floor)
 from tokenmill.bench.step_timer import StepKinds
 from tokenmill.bench.lora import synthetic_adapters
 from tokenmill.bench.workloads import generate_requests, warmup_requests
@@ -64,12 +64,12 @@ def run(args, log=None) -> dict:
     device = resolve_device(args.device)
     if w.num_requests != 1:
         log(f"latency runs one request; using the first of the {w.num_requests} of {w.name}")
-    ceilings = measure_ceilings(device)
+    ceilings = measure_ceilings(device, fp8=getattr(args, "quantization", None) == "fp8")
     log(f"ceilings: copy {ceilings.copy_bytes_per_s / 1e9:.1f} GB/s, matmul "
         f"{ceilings.matmul_flops_per_s / 1e12:.2f} TFLOP/s")
     engine = build_engine(args, w)
     arch, dtype_bytes = engine.loaded.arch, engine.loaded.dtype.itemsize
-    dense_bytes = dense_bytes_of(engine.config)
+    dense_bytes, kv_bytes = dense_bytes_of(engine.config), kv_dtype_bytes_of(engine.config)
     req = generate_requests(w, arch.vocab_size)[0]
     params = SamplingParams(temperature=w.temperature, ignore_eos=True, max_tokens=req.max_tokens)
     adapters = synthetic_adapters(args, arch)  # --num-loras: the request runs with the first
@@ -78,7 +78,7 @@ def run(args, log=None) -> dict:
                                 max_tokens=req.max_tokens):  # full length: every decode shape compiled
         time_one_request(engine, warm.prompt_token_ids,
                          SamplingParams(temperature=w.temperature, ignore_eos=True, max_tokens=warm.max_tokens), lora)
-    kv_tok = kv_bytes_per_token(arch, dtype_bytes)
+    kv_tok = kv_bytes_per_token(arch, kv_bytes or dtype_bytes)
     runs = []
     for i in range(args.repeat):
         reset_prefix_cache(engine)
@@ -101,14 +101,16 @@ def run(args, log=None) -> dict:
         decode = [s for s, kind in zip(steps, kinds) if kind == "decode"]
         # bytes per decode token: weights + KV read (+ written), from the as-run floor of each decode
         # step, over the tokens those steps emitted (every token after the first)
-        dec_bytes = [step_floor(s, arch, dtype_bytes, ceilings, "as-run", dense_bytes).bytes for s in decode]
-        dec_bytes_spec = [step_floor(s, arch, dtype_bytes, ceilings, "spec", dense_bytes).bytes for s in decode]
+        dec_bytes = [step_floor(s, arch, dtype_bytes, ceilings, "as-run", dense_bytes, kv_bytes).bytes for s in decode]
+        dec_bytes_spec = [step_floor(s, arch, dtype_bytes, ceilings, "spec", dense_bytes, kv_bytes).bytes
+                          for s in decode]
         mean_bytes = float(np.sum(dec_bytes)) / (n - 1) if dec_bytes and n > 1 else float("nan")
         mean_bytes_spec = float(np.sum(dec_bytes_spec)) / (n - 1) if dec_bytes_spec and n > 1 else float("nan")
         bw = mean_bytes / tpot / ceilings.copy_bytes_per_s if n > 1 else float("nan")
         bw_spec = mean_bytes_spec / tpot / ceilings.copy_bytes_per_s if n > 1 else float("nan")
         itl = np.diff(np.asarray(times)) if n > 1 else np.zeros(0)
-        roof = run_roofline(steps, arch, dtype_bytes, ceilings, elapsed, kinds=kinds, dense_bytes=dense_bytes)
+        roof = run_roofline(steps, arch, dtype_bytes, ceilings, elapsed, kinds=kinds, dense_bytes=dense_bytes,
+                            kv_dtype_bytes=kv_bytes)
         run_ = {"elapsed_s": elapsed, "output_tokens": n, "ttft_ms": 1e3 * ttft, "tpot_ms": 1e3 * tpot,
                 "decode_tok_per_s": 1.0 / tpot if n > 1 else None, "tok_per_s": n / elapsed,
                 "decode_step_ms": 1e3 * step_s, "decode_steps": len(decode),

@@ -105,15 +105,20 @@ def linear_rooflines(model, num_tokens: int, copy_bytes_per_s: float, device) ->
     import torch.nn.functional as F
     from triton.testing import do_bench
 
+    act_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1)
     seen, rows = set(), []
     for name, mod in model.named_modules():
         w = getattr(mod, "weight", None)
         if w is None or w.dim() != 2 or not hasattr(mod, "in_features") or tuple(w.shape) in seen:
             continue
         seen.add(tuple(w.shape))
-        x = torch.randn(num_tokens, w.shape[1], dtype=w.dtype, device=device)
-        ms = float(do_bench(lambda: F.linear(x, w), warmup=10, rep=50, return_mode="median"))
-        nbytes = (w.numel() + x.numel() + num_tokens * w.shape[0]) * w.element_size()
+        x = torch.randn(num_tokens, w.shape[1], dtype=act_dtype, device=device)
+        if w.element_size() == 1:  # FP8 weights: the layer's own matmul (quantization/fp8.py)
+            fn = lambda: mod(x)  # noqa: E731
+        else:
+            fn = lambda: F.linear(x, w)  # noqa: E731
+        ms = float(do_bench(fn, warmup=10, rep=50, return_mode="median"))
+        nbytes = w.numel() * w.element_size() + (x.numel() + num_tokens * w.shape[0]) * x.element_size()
         flops = 2 * num_tokens * w.numel()
         rows.append({"layer": name, "shape": list(w.shape), "tokens": num_tokens, "us": ms * 1e3,
                      "gbps": nbytes / (ms * 1e-3) / 1e9, "copy_bw_pct": 100 * nbytes / (ms * 1e-3) / copy_bytes_per_s,

@@ -5,12 +5,18 @@ For one step (per batch entry: q new tokens, context length s after the step):
   bytes = weight bytes
         + KV read    = sum_entries s * kv_bytes_per_token
         + KV written = sum_entries q * kv_bytes_per_token
-          (kv_bytes_per_token = 2 (K and V) x layers x kv_heads x head_dim x dtype bytes)
+          (kv_bytes_per_token = 2 (K and V) x layers x kv_heads x head_dim x the cache's bytes per
+          value: the model dtype's, or 1 for an FP8 cache)
   FLOPs = 2 x non-embedding parameters x new tokens
         + 2 x LM-head parameters x LM-head rows
         + attention: per layer 4 x heads x head_dim x sum over new tokens of the context each attends
           to (for an entry with q new tokens ending at s: sum_{i=1..q} (s - q + i))
   floor = max(bytes / copy bandwidth, FLOPs / matmul rate)
+
+With FP8 linear weights the weight bytes count 1 per linear-layer parameter, and the linear
+layers' FLOPs (2 x non-embedding parameters x new tokens, run as FP8 matmuls) go at the measured
+FP8 matmul rate, the LM head and attention at the 16-bit one:
+  compute time = linear FLOPs / FP8 rate + other FLOPs / matmul rate.
 
 Two conventions are computed (both are reported; "as-run" is the headline number):
 
@@ -48,17 +54,20 @@ class Ceilings:
     matmul_flops_per_s: float
     matmul_dtype: str
     method: str
+    fp8_matmul_flops_per_s: Optional[float] = None  # e4m3 x e4m3 -> bf16 (torch._scaled_mm), when measured
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["copy_TB_per_s"] = self.copy_bytes_per_s / 1e12
         d["matmul_TFLOP_per_s"] = self.matmul_flops_per_s / 1e12
+        if self.fp8_matmul_flops_per_s:
+            d["fp8_matmul_TFLOP_per_s"] = self.fp8_matmul_flops_per_s / 1e12
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Ceilings":
         return cls(d["device_type"], d["device_name"], float(d["copy_bytes_per_s"]), float(d["matmul_flops_per_s"]),
-                   d.get("matmul_dtype", "?"), d.get("method", "?"))
+                   d.get("matmul_dtype", "?"), d.get("method", "?"), d.get("fp8_matmul_flops_per_s"))
 
 
 def device_name(device) -> str:
@@ -94,11 +103,12 @@ def _median_seconds(fn, repeats: int, warmup: int = 1) -> float:
 
 
 def measure_ceilings(device, *, copy_bytes: Optional[int] = None, matmul_n: Optional[int] = None,
-                     repeats: int = 5) -> Ceilings:
+                     repeats: int = 5, fp8: bool = False) -> Ceilings:
     """Copy bandwidth (bytes read + written) and matmul rate of `device`.
 
     CUDA: ``y.copy_(x)`` on 2 GiB and a bf16 8192^3 product, each the median of
-    ``triton.testing.do_bench``. CPU: a 512 MiB copy and an fp32 2048^3 product, each the median of
+    ``triton.testing.do_bench``; with `fp8` (and FP8 tensor cores) also an e4m3 8192^3 product
+    with row-wise scales through torch._scaled_mm, the FP8 linear layers' own call. CPU: a 512 MiB copy and an fp32 2048^3 product, each the median of
     `repeats` ``perf_counter`` timings. Memory is released before returning."""
     import torch
 
@@ -118,11 +128,20 @@ def measure_ceilings(device, *, copy_bytes: Optional[int] = None, matmul_n: Opti
         c = torch.empty(mm, mm, dtype=torch.bfloat16, device=dev)
         ms = _do_bench_median_ms(lambda: torch.matmul(a, b, out=c))
         flops = 2 * mm ** 3 / (ms * 1e-3)
+        fp8_flops = None
+        if fp8 and torch.cuda.get_device_capability(dev) >= (8, 9):
+            a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # b8: column-major, as _scaled_mm takes it
+            sa = torch.ones(mm, 1, dtype=torch.float32, device=dev)
+            sb = torch.ones(1, mm, dtype=torch.float32, device=dev)
+            ms = _do_bench_median_ms(lambda: torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
+            fp8_flops = 2 * mm ** 3 / (ms * 1e-3)
+            del a8, b8
         del a, b, c
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
-        method = (f"y.copy_(x) on {n / 2**30:g} GiB and bf16 {mm}^3 matmul, triton.testing.do_bench median")
-        return Ceilings("cuda", name, copy_bw, flops, "bfloat16", method)
+        method = (f"y.copy_(x) on {n / 2**30:g} GiB and bf16 {mm}^3 matmul"
+                  + (f" (and e4m3 {mm}^3 _scaled_mm)" if fp8_flops else "") + ", triton.testing.do_bench median")
+        return Ceilings("cuda", name, copy_bw, flops, "bfloat16", method, fp8_flops)
     n = copy_bytes or (512 << 20)
     mm = matmul_n or 2048
     x = torch.ones(n, dtype=torch.uint8)
@@ -170,17 +189,20 @@ def attention_context_sum(query_lens: np.ndarray, seq_lens: np.ndarray) -> int:
 
 
 def step_floor(shape, arch: ModelArchConfig, dtype_bytes: int, ceilings: Ceilings,
-               convention: str = "as-run", dense_bytes: Optional[float] = None) -> StepFloor:
+               convention: str = "as-run", dense_bytes: Optional[float] = None,
+               kv_dtype_bytes: Optional[int] = None) -> StepFloor:
     """(bytes, FLOPs, seconds) of the floor of one step; `shape` is a StepShape (query_lens, seq_lens).
     dense_bytes: bytes per non-embedding parameter when the linear layers are stored otherwise
-    than in the model dtype (FP8 weights: 1; their per-row scales, about 0.1 %, are not counted)."""
+    than in the model dtype (FP8 weights: 1; their per-row scales, about 0.1 %, are not counted;
+    their FLOPs then go at the FP8 matmul rate when the ceilings have one). kv_dtype_bytes: the
+    KV cache's bytes per value when not the model dtype's (FP8: 1)."""
     q = np.asarray(shape.query_lens, dtype=np.int64)
     s = np.asarray(shape.seq_lens, dtype=np.int64)
     new_tokens = int(q.sum())
     entries = int(q.size)
     emb = embedding_parameters(arch)
     dense = non_embedding_parameters(arch)
-    kv_tok = kv_bytes_per_token(arch, dtype_bytes)
+    kv_tok = kv_bytes_per_token(arch, kv_dtype_bytes or dtype_bytes)
     if convention == "spec":
         weight_params = arch.num_parameters()
         lm_head_rows = new_tokens
@@ -195,8 +217,12 @@ def step_floor(shape, arch: ModelArchConfig, dtype_bytes: int, ceilings: Ceiling
     if dense_bytes is not None:
         nbytes += dense * (dense_bytes - dtype_bytes)
     attn = 4 * arch.num_layers * arch.num_heads * arch.head_dim * attention_context_sum(q, s)
-    flops = 2 * dense * new_tokens + 2 * emb * lm_head_rows + attn
-    seconds = max(nbytes / ceilings.copy_bytes_per_s, flops / ceilings.matmul_flops_per_s)
+    linear_flops = 2 * dense * new_tokens
+    flops = linear_flops + 2 * emb * lm_head_rows + attn
+    compute_s = flops / ceilings.matmul_flops_per_s
+    if dense_bytes == 1.0 and ceilings.fp8_matmul_flops_per_s:
+        compute_s = linear_flops / ceilings.fp8_matmul_flops_per_s + (flops - linear_flops) / ceilings.matmul_flops_per_s
+    seconds = max(nbytes / ceilings.copy_bytes_per_s, compute_s)
     return StepFloor(float(nbytes), float(flops), float(seconds))
 
 
@@ -221,7 +247,8 @@ def _pct(floor: float, measured: Optional[float]) -> Optional[float]:
 
 def run_roofline(step_log: Sequence, arch: ModelArchConfig, dtype_bytes: int, ceilings: Ceilings,
                  measured_s: float, step_seconds: Optional[Sequence[float]] = None,
-                 kinds: Optional[Sequence[str]] = None, dense_bytes: Optional[float] = None) -> dict:
+                 kinds: Optional[Sequence[str]] = None, dense_bytes: Optional[float] = None,
+                 kv_dtype_bytes: Optional[int] = None) -> dict:
     """The roofline report of one run: floor / measured time, overall and by kind of step.
 
     `step_seconds` (host-side intervals, one per step, see step_timer) gives each kind its own
@@ -238,10 +265,10 @@ def run_roofline(step_log: Sequence, arch: ModelArchConfig, dtype_bytes: int, ce
                for k in KINDS}
     total = {"floor_s": 0.0, "floor_s_spec": 0.0, "bytes": 0.0, "flops": 0.0, "memory_bound_steps": 0}
     for i, shape in enumerate(step_log):
-        f = step_floor(shape, arch, dtype_bytes, ceilings, "as-run", dense_bytes)
-        f_spec = step_floor(shape, arch, dtype_bytes, ceilings, "spec", dense_bytes)
+        f = step_floor(shape, arch, dtype_bytes, ceilings, "as-run", dense_bytes, kv_dtype_bytes)
+        f_spec = step_floor(shape, arch, dtype_bytes, ceilings, "spec", dense_bytes, kv_dtype_bytes)
         kind = by_kind[kinds[i] if kinds is not None else step_kind(shape)]
-        mem_bound = f.bytes / ceilings.copy_bytes_per_s >= f.flops / ceilings.matmul_flops_per_s
+        mem_bound = f.bytes / ceilings.copy_bytes_per_s >= f.seconds - 1e-15
         for d in (kind, total):
             d["floor_s"] += f.seconds
             d["floor_s_spec"] += f_spec.seconds
@@ -293,3 +320,8 @@ def format_roofline(r: dict) -> str:
 def dense_bytes_of(config) -> Optional[float]:
     """Bytes per linear-layer weight under the engine config's quantization (None: the model dtype)."""
     return 1.0 if getattr(config, "quantization", None) == "fp8" else None
+
+
+def kv_dtype_bytes_of(config) -> Optional[int]:
+    """Bytes per KV-cache value under the engine config's kv_cache_dtype (None: the model dtype)."""
+    return 1 if str(getattr(config, "kv_cache_dtype", "auto")).startswith("fp8") else None

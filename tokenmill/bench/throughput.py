@@ -17,7 +17,8 @@ import time
 from tokenmill.bench import report
 from tokenmill.bench.common import (build_engine, format_spec, free_device_memory, median_index, reset_prefix_cache,
                                     resolve_workload, spec_snapshot, spec_summary, synchronize)
-from tokenmill.bench.roofline import dense_bytes_of, format_roofline, measure_ceilings, run_roofline, step_kind
+from tokenmill.bench.roofline import (dense_bytes_of, format_roofline, kv_dtype_bytes_of, measure_ceilings, run_roofline,
+                                      step_kind)
 from tokenmill.bench.step_timer import StepKinds, StepTimer
 from tokenmill.bench.lora import spread, synthetic_adapters
 from tokenmill.bench.workloads import generate_requests, summarize, warmup_requests
@@ -79,7 +80,7 @@ def _run_tokenmill(args, w, log) -> dict:
         step_log, seconds = engine.step_log, timer.step_seconds()
         engine.step_log = None
         roof = run_roofline(step_log, arch, dtype_bytes, args.ceilings, elapsed, seconds, kinds,
-                            dense_bytes_of(engine.config))
+                            dense_bytes_of(engine.config), kv_dtype_bytes_of(engine.config))
         stats = engine.stats()
         spec = spec_summary(spec_snapshot(engine).since(spec_before)) if spec_before is not None else None
         run = {"elapsed_s": elapsed, "output_tokens": out_tokens, "prompt_tokens": expected["prompt_tokens"],
@@ -118,7 +119,7 @@ def run(args, log=None) -> dict:
     device = resolve_device(args.device)
     log(f"workload {w.name}: {w.num_requests} requests, prompts {w.input_len}, outputs {w.output_len}, "
         f"model {w.model} ({w.load_format}, {w.dtype}) on {device}")
-    ceilings = measure_ceilings(device)
+    ceilings = measure_ceilings(device, fp8=getattr(args, "quantization", None) == "fp8")
     args.ceilings = ceilings
     log(f"ceilings: copy {ceilings.copy_bytes_per_s / 1e9:.1f} GB/s, matmul "
         f"{ceilings.matmul_flops_per_s / 1e12:.2f} TFLOP/s ({ceilings.method})")

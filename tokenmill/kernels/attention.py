@@ -9,6 +9,14 @@ request b sits at position seq_lens[b] - q_len + i and attends causally to posit
 With a sliding window W, a query at position p attends only to the keys at positions in
 (p - W, p] (HF transformers' sliding-window mask); the kernel never visits key tiles below a
 tile's window. Requests with q_len == 0 (padding) are skipped.
+
+FP8 KV cache (caches of dtype float8_e4m3fn): each layer has kv_scale [2] fp32, the scales of its
+K and of its V. A key k is stored as round_e4m3(clamp(k / k_scale, +-448)) and read back as
+k_scale * stored, likewise v. The attention kernel widens the stored bytes to q's dtype, folds
+k_scale into the softmax scale and multiplies the output by v_scale (both factor out of the dot
+products); with a 16-bit model the dot products take fp16 operands (e4m3 widens to fp16 in
+one instruction per pair), accumulating in fp32. The torch paths dequantize the gathered keys
+(the reference).
 """
 
 import functools
@@ -23,26 +31,56 @@ import triton.language as tl
 from tokenmill.kernels._dispatch import H200_SM_COUNT, sm_count, use_triton
 
 
-def write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping):
-    """Store k, v [T, Hk, D] into the caches at slot_mapping [T]; slots < 0 are padding."""
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_MAX = 448.0  # e4m3's largest finite value
+
+
+def is_fp8_kv(cache: torch.Tensor) -> bool:
+    return cache.dtype == FP8_KV_DTYPE
+
+
+def _check_kv_scale(cache: torch.Tensor, kv_scale: Optional[torch.Tensor]) -> None:
+    if is_fp8_kv(cache):
+        assert kv_scale is not None and kv_scale.numel() == 2 and kv_scale.dtype == torch.float32, \
+            "an FP8 KV cache needs its layer's kv_scale [2] fp32 (k_scale, v_scale)"
+
+
+def quantize_kv_ref(x: torch.Tensor, cache_dtype: torch.dtype, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """x as the cache stores it: e4m3 of x / scale (saturated at +-448) for an FP8 cache, else x in
+    the cache's dtype."""
+    if cache_dtype != FP8_KV_DTYPE:
+        return x.to(cache_dtype)
+    return (x.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+
+
+def write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping, kv_scale: Optional[torch.Tensor] = None):
+    """Store k, v [T, Hk, D] into the caches at slot_mapping [T]; slots < 0 are padding. kv_scale:
+    (k_scale, v_scale) for an FP8 cache."""
+    _check_kv_scale(k_cache, kv_scale)
     slots = slot_mapping.long()
     valid = slots >= 0
     if not bool(valid.all()):
         slots, k, v = slots[valid], k[valid], v[valid]
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k.to(k_cache.dtype)
-    v_cache[blocks, offsets] = v.to(v_cache.dtype)
+    k_scale, v_scale = (kv_scale[0], kv_scale[1]) if is_fp8_kv(k_cache) else (None, None)
+    k_cache[blocks, offsets] = quantize_kv_ref(k, k_cache.dtype, k_scale)
+    v_cache[blocks, offsets] = quantize_kv_ref(v, v_cache.dtype, v_scale)
 
 
-def _gather_kv(k_cache, v_cache, block_row, lo: int, hi: int):
-    """A request's keys and values at positions [lo, hi), gathered from its blocks: [hi - lo, Hk, D] each."""
+def _gather_kv(k_cache, v_cache, block_row, lo: int, hi: int, kv_scale: Optional[torch.Tensor] = None,
+               dtype: Optional[torch.dtype] = None):
+    """A request's keys and values at positions [lo, hi), gathered from its blocks: [hi - lo, Hk, D]
+    each; an FP8 cache's are dequantized (in fp32, then `dtype`)."""
     block_size = k_cache.shape[1]
     first = lo // block_size
     blocks = block_row[first:(hi + block_size - 1) // block_size].long()
     skip, n = lo - first * block_size, hi - lo
     k = k_cache[blocks].flatten(0, 1)[skip:skip + n]
     v = v_cache[blocks].flatten(0, 1)[skip:skip + n]
+    if is_fp8_kv(k_cache):
+        k = (k.float() * kv_scale[0]).to(dtype or torch.float32)
+        v = (v.float() * kv_scale[1]).to(dtype or torch.float32)
     return k, v
 
 
@@ -63,15 +101,16 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: Optional[
 
 
 def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out=None,
-                        sliding_window: Optional[int] = None):
+                        sliding_window: Optional[int] = None, kv_scale: Optional[torch.Tensor] = None):
     """q [T, Hq, D] -> out [T, Hq, D]; softmax(q k^T * scale) v over each request's cached tokens,
     in fp32 with an explicit mask: the test oracle."""
+    _check_kv_scale(k_cache, kv_scale)
     if out is None:
         out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[2]
     for b, start, end, seq_len in _live_requests(query_start_loc, seq_lens):
         q_len = end - start
-        k, v = _gather_kv(k_cache, v_cache, block_tables[b], 0, seq_len)
+        k, v = _gather_kv(k_cache, v_cache, block_tables[b], 0, seq_len, kv_scale)
         qb = q[start:end].float().transpose(0, 1)  # [Hq, q_len, D]
         kb = k.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, S, D]
         vb = v.float().transpose(0, 1).repeat_interleave(group, dim=0)
@@ -84,17 +123,18 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
 
 
 def paged_attention_sdpa(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out=None,
-                         sliding_window: Optional[int] = None):
+                         sliding_window: Optional[int] = None, kv_scale: Optional[torch.Tensor] = None):
     """paged_attention_ref's semantics through torch's fused scaled_dot_product_attention (the CPU
     path): per request, over the keys gathered from its blocks, only those inside the window of its
     first query. A whole prompt takes the causal kernel, a decode no mask, a chunk an explicit mask."""
+    _check_kv_scale(k_cache, kv_scale)
     if out is None:
         out = torch.empty_like(q)
     for b, start, end, seq_len in _live_requests(query_start_loc, seq_lens):
         q_len = end - start
         ctx = seq_len - q_len
         lo = 0 if sliding_window is None else max(0, ctx - sliding_window + 1)
-        k, v = _gather_kv(k_cache, v_cache, block_tables[b], lo, seq_len)
+        k, v = _gather_kv(k_cache, v_cache, block_tables[b], lo, seq_len, kv_scale, q.dtype)
         mask, causal = None, False
         if q_len > 1 and ctx == 0 and (sliding_window is None or sliding_window >= q_len):
             causal = True
@@ -117,11 +157,11 @@ def paged_attention_sdpa(q, k_cache, v_cache, query_start_loc, seq_lens, block_t
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, kv_scale_ptr,
     num_heads, head_dim,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Grid (T,): copy one token's k and v heads into its cache slot; slot < 0 is padding."""
     token = tl.program_id(0).to(tl.int64)
@@ -136,25 +176,60 @@ def _write_kv_kernel(
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
     k_dst = k_cache_ptr + page * stride_kcb + offset * stride_kcs + heads * stride_kch + dims
     v_dst = v_cache_ptr + page * stride_vcb + offset * stride_vcs + heads * stride_vch + dims
-    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_dst, to_kv_cache(k, kv_scale_ptr, 0, k_cache_ptr, KV_FP8), mask=mask)
+    tl.store(v_dst, to_kv_cache(v, kv_scale_ptr, 1, v_cache_ptr, KV_FP8), mask=mask)
 
 
-def write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping):
+@triton.jit
+def round_to_e4m3(x):
+    """fp32 x (|x| <= 448) rounded to the nearest e4m3 value, ties to even, in exact fp32
+    arithmetic: the cast that follows is then exact. (The GPU's own cast rounds the same way;
+    Triton's CPU interpreter does not at binade edges and ties, so the kernels round first.)"""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # subnormals: -6
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits: 2^(e - 3)
+    inv_step = ((127 - exponent + 3) << 23).to(tl.float32, bitcast=True)
+    y = x * inv_step  # exact (a power of two)
+    whole = tl.floor(y)
+    frac = y - whole
+    odd = (whole - 2.0 * tl.floor(whole * 0.5)) != 0.0
+    r = tl.abs((whole + tl.where((frac > 0.5) | ((frac == 0.5) & odd), 1.0, 0.0)) * step)
+    return tl.where(bits < 0, -r, r)  # the sign of x, a zero's too
+
+
+@triton.jit
+def to_kv_cache(x, kv_scale_ptr, which, cache_ptr, KV_FP8: tl.constexpr):
+    """x as the cache at cache_ptr stores it (quantize_kv_ref): with KV_FP8, e4m3 of x / scale,
+    the scale being kv_scale_ptr[which] (0: K, 1: V), with IEEE division as torch's."""
+    if KV_FP8:
+        scale = tl.load(kv_scale_ptr + which)
+        x = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale), -448.0), 448.0))
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+def kv_scale_arg(k_cache: torch.Tensor, kv_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """(the kv_scale pointer argument, KV_FP8) of a kernel that writes or reads k_cache."""
+    _check_kv_scale(k_cache, kv_scale)
+    fp8 = is_fp8_kv(k_cache)
+    return (kv_scale if fp8 else k_cache), fp8
+
+
+def write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, kv_scale: Optional[torch.Tensor] = None):
     """Triton KV write; k/v may be strided views (unit last stride). No host sync."""
     assert k.stride(-1) == 1 and v.stride(-1) == 1, "head_dim must be contiguous"
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     tokens, num_heads, head_dim = k.shape
     if tokens == 0:
         return
+    scale_arg, fp8 = kv_scale_arg(k_cache, kv_scale)
     block_h, block_d = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim)
     _write_kv_kernel[(tokens,)](
-        k, v, k_cache, v_cache, slot_mapping.contiguous(),
+        k, v, k_cache, v_cache, slot_mapping.contiguous(), scale_arg,
         num_heads, head_dim,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        PAGE_SIZE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
+        PAGE_SIZE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d, KV_FP8=fp8,
         num_warps=4 if block_h * block_d >= 1024 else 2,
     )
 
@@ -229,7 +304,8 @@ def _attn_kv_tile(
         kt = tl.load(kt_ptrs, mask=n_live[None, :] & d_live[:, None], other=0.0)
     else:
         kt = tl.load(kt_ptrs)
-    s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+    # An FP8 cache's bytes widen to q's dtype (no-op otherwise); its scale is in qk_scale.
+    s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         visible = n_live[None, :] & (n[None, :] <= q_pos[:, None])
         if SLIDING:
@@ -248,7 +324,7 @@ def _attn_kv_tile(
         v = tl.load(v_ptrs, mask=n_live[:, None] & d_live[None, :], other=0.0)
     else:
         v = tl.load(v_ptrs)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
 
@@ -314,18 +390,19 @@ def _attend_keys(
 @triton.jit(do_not_specialize=["num_reqs", "num_splits", "window"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr,
-    qsl_ptr, seq_lens_ptr, block_tables_ptr,
+    qsl_ptr, seq_lens_ptr, block_tables_ptr, kv_scale_ptr,
     num_reqs, num_q_heads, num_splits, qk_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, DECODE_ONLY: tl.constexpr,
     SPLIT_KV: tl.constexpr, SLIDING: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Grid (query tiles, kv heads, num_splits); num_splits is a runtime int so that CUDA graphs of
     different batch sizes share one compiled kernel (SPLIT_KV only says whether it is > 1).
-    SLIDING: keys older than `window` positions are masked and their tiles skipped."""
+    SLIDING: keys older than `window` positions are masked and their tiles skipped.
+    KV_FP8: the caches hold e4m3 with the scales at kv_scale_ptr (k_scale, v_scale)."""
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if DECODE_ONLY:
@@ -342,6 +419,8 @@ def _paged_attn_kernel(
     if q_len <= 0:  # padding request
         return
     ctx = tl.load(seq_lens_ptr + req) - q_len  # keys before this step's first query
+    if KV_FP8:  # k_scale factors out of q . k, v_scale out of p . v
+        qk_scale = qk_scale * tl.load(kv_scale_ptr)
     tok0 = tile * TOKENS_PER_TILE
     lo, edge, mid, hi = _key_range(ctx, tok0, q_len, split, num_splits, window,
                                    TOKENS_PER_TILE, SPLIT_KV, SLIDING, BLOCK_N)
@@ -355,12 +434,18 @@ def _paged_attn_kernel(
     token_idx = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + token_idx[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_mask, other=0.0)
+    if KV_FP8 and q.dtype != tl.float32:
+        # e4m3 widens to fp16 in one instruction per pair; a bf16 q is exact in fp16 (3 more
+        # mantissa bits) unless beyond 65504. The products and p then run in fp16.
+        q = q.to(tl.float16)
     acc, l_i, m_i = _attend_keys(
         q, ctx + tok, lo, edge, mid, hi, block_tables_ptr + req.to(tl.int64) * stride_bt,
         k_cache_ptr + kv_head.to(tl.int64) * stride_kh, v_cache_ptr + kv_head.to(tl.int64) * stride_vh,
         qk_scale, window, stride_kb, stride_ks, stride_vb, stride_vs,
         SLIDING, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION,
     )
+    if KV_FP8:
+        acc = acc * tl.load(kv_scale_ptr + 1)
 
     if not SPLIT_KV:
         out = acc / l_i[:, None]
@@ -521,14 +606,15 @@ def paged_attention_triton(
     max_query_len: Optional[int] = None, max_seq_len: Optional[int] = None,
     num_splits: Optional[int] = None, block_m: Optional[int] = None, block_n: Optional[int] = None,
     num_warps: Optional[int] = None, num_stages: Optional[int] = None, sliding_window: Optional[int] = None,
-    **_unused_hints,
+    kv_scale: Optional[torch.Tensor] = None, **_unused_hints,
 ):
     """Triton paged attention, same semantics as paged_attention_ref; no host/device sync.
 
     Hints (Python ints): max_query_len (an upper bound of every q_len; defaults to T; 1 selects the
     decode grid), max_seq_len (only sizes the split count; None is fine), num_splits (forces the
     split-KV count), block_m / block_n / num_warps / num_stages (override attention_config).
-    sliding_window (None: off) is semantics, not a hint. Only output rows of real requests are written.
+    sliding_window (None: off) and kv_scale (an FP8 cache's scales) are semantics, not hints. Only
+    output rows of real requests are written.
     """
     tokens, num_q_heads, head_dim = q.shape
     num_reqs = seq_lens.shape[0]
@@ -550,9 +636,10 @@ def paged_attention_triton(
                        num_splits, sms, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     block_d = triton.next_power_of_2(head_dim)
     ws_acc, ws_m, ws_l = _split_workspace(out, num_q_heads, plan.num_splits, block_d)
+    scale_arg, fp8 = kv_scale_arg(k_cache, kv_scale)
     _paged_attn_kernel[(plan.grid0, num_kv_heads, plan.num_splits)](
         q, k_cache, v_cache, out, ws_acc, ws_m, ws_l,
-        query_start_loc, seq_lens, block_tables,
+        query_start_loc, seq_lens, block_tables, scale_arg,
         num_reqs, num_q_heads, plan.num_splits, scale * LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -561,7 +648,7 @@ def paged_attention_triton(
         SPLIT_KV=plan.num_splits > 1, SLIDING=sliding_window is not None, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, PAGE_SIZE=page_size,
         BLOCK_B=1 if plan.decode_only else 128,  # fixed: one compile for every batch size
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=fp8,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if plan.num_splits > 1:
@@ -590,21 +677,21 @@ def _split_workspace(out: torch.Tensor, num_q_heads: int, num_splits: int, block
 # ----------------------------------------------------------------------------------------------
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, kv_scale: Optional[torch.Tensor] = None):
     if use_triton(k):
-        write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+        write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, kv_scale)
     else:
-        write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
+        write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping, kv_scale)
 
 
 def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out=None,
-                    sliding_window: Optional[int] = None, **hints):
+                    sliding_window: Optional[int] = None, kv_scale: Optional[torch.Tensor] = None, **hints):
     """Dispatch: Triton on CUDA, torch's fused attention elsewhere (paged_attention_sdpa); hints
     (max_query_len, max_seq_len, num_splits, tile overrides) feed the Triton path."""
     if use_triton(q):
         return paged_attention_triton(
             q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out,
-            sliding_window=sliding_window, **hints
+            sliding_window=sliding_window, kv_scale=kv_scale, **hints
         )
     return paged_attention_sdpa(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out,
-                                sliding_window)
+                                sliding_window, kv_scale)

@@ -24,7 +24,7 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl
         kk = k0 + ks
         x = tl.load(x_ptr + m * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), 1e-12)  # IEEE, as torch's
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
         x = tl.load(x_ptr + m * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)

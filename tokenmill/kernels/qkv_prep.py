@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels._dispatch import use_triton
-from tokenmill.kernels.attention import write_kv_cache_ref
+from tokenmill.kernels.attention import kv_scale_arg, to_kv_cache, write_kv_cache_ref
 from tokenmill.kernels.norm import rms_norm_ref
 from tokenmill.kernels.rotary import rotary_ref
 
@@ -25,17 +25,18 @@ TOKEN_GRID_MIN_TOKENS = 256
 
 def qkv_prep_ref(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
                  q_norm_weight: Optional[torch.Tensor] = None, k_norm_weight: Optional[torch.Tensor] = None,
-                 eps: float = 0.0) -> torch.Tensor:
+                 eps: float = 0.0, kv_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hk, D] (strided views are fine) -> rotated q, a new tensor.
 
     With norm weights, q and k are first RMS-normalised per head. k (rotated) and v are stored into
-    the caches at slot_mapping [T]; slots < 0 are padding.
+    the caches at slot_mapping [T]; slots < 0 are padding (an FP8 cache quantized with kv_scale,
+    kernels/attention.py).
     """
     if q_norm_weight is not None:
         q = rms_norm_ref(q, q_norm_weight, eps)
         k = rms_norm_ref(k, k_norm_weight, eps)
     q, k = rotary_ref(positions, q, k, cos_sin_cache)
-    write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
+    write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping, kv_scale)
     return q
 
 
@@ -64,11 +65,12 @@ def _norm_rotate(row_ptrs, rows_ok, cols, partner, col_ok, w_ptr, cos, sin, eps,
 @triton.jit
 def _qkv_prep_kernel(
     pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, k_cache_ptr, v_cache_ptr,
-    eps,
+    kv_scale_ptr, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_cs,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     GROUP: tl.constexpr, KV_PER_PROG: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Grid (T, Hk // KV_PER_PROG): KV_PER_PROG kv heads of one token and the GROUP q heads of each."""
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -103,15 +105,16 @@ def _qkv_prep_kernel(
         k_rot = _norm_rotate(k_ptr + token * stride_kt + kv_heads * stride_kh, kv_ok, cols, partner, col_ok,
                              k_w_ptr, cos, sin, eps, HAS_NORM, HEAD_DIM)
         k_dst = k_cache_ptr + page * stride_kcb + offset * stride_kcs + kv_heads[:, None] * stride_kch + cols[None, :]
-        tl.store(k_dst, k_rot.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(k_dst, to_kv_cache(k_rot, kv_scale_ptr, 0, k_cache_ptr, KV_FP8), mask=kv_mask)
         v = tl.load(v_ptr + token * stride_vt + kv_heads[:, None] * stride_vh + cols[None, :], mask=kv_mask)
         v_dst = v_cache_ptr + page * stride_vcb + offset * stride_vcs + kv_heads[:, None] * stride_vch + cols[None, :]
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(v_dst, to_kv_cache(v, kv_scale_ptr, 1, v_cache_ptr, KV_FP8), mask=kv_mask)
 
 
 def qkv_prep_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
                     q_norm_weight: Optional[torch.Tensor] = None, k_norm_weight: Optional[torch.Tensor] = None,
-                    eps: float = 0.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    eps: float = 0.0, out: Optional[torch.Tensor] = None,
+                    kv_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Triton version of qkv_prep_ref, one launch; the rotated q is a new contiguous [T, Hq, D]
     (not in place: see _norm_rotate), or goes into `out` (contiguous, that shape).
 
@@ -140,27 +143,28 @@ def qkv_prep_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_ma
     block_q = triton.next_power_of_2(kv_per_prog * group)
     block_d = triton.next_power_of_2(head_dim)
     w_q, w_k = (q_norm_weight, k_norm_weight) if has_norm else (q, k)  # unused without the norm
+    scale_arg, fp8 = kv_scale_arg(k_cache, kv_scale)
     _qkv_prep_kernel[(tokens, num_kv_heads // kv_per_prog)](
         positions.contiguous(), slot_mapping.contiguous(), q, k, v, q_out, cos_sin_cache, w_q, w_k, k_cache, v_cache,
-        eps,
+        scale_arg, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         GROUP=group, KV_PER_PROG=kv_per_prog, BLOCK_Q=block_q, BLOCK_KV=triton.next_power_of_2(kv_per_prog),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=k_cache.shape[1], HAS_NORM=has_norm,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=k_cache.shape[1], HAS_NORM=has_norm, KV_FP8=fp8,
         num_warps=max(1, min(8, block_q * block_d // 512)),
     )
     return q_out
 
 
 def qkv_prep(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-             q_norm_weight=None, k_norm_weight=None, eps=0.0, out=None):
+             q_norm_weight=None, k_norm_weight=None, eps=0.0, out=None, kv_scale=None):
     """Dispatch: the fused Triton kernel on CUDA, the torch composition elsewhere; returns rotated q
     (written into `out` when given)."""
     if use_triton(q):
         return qkv_prep_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                               q_norm_weight, k_norm_weight, eps, out)
+                               q_norm_weight, k_norm_weight, eps, out, kv_scale)
     q_rot = qkv_prep_ref(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                         q_norm_weight, k_norm_weight, eps)
+                         q_norm_weight, k_norm_weight, eps, kv_scale)
     return q_rot if out is None else out.copy_(q_rot)

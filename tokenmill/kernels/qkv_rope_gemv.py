@@ -20,6 +20,7 @@ import triton.language as tl
 
 from tokenmill.kernels.lora import lora_expand_ref
 from tokenmill.kernels.lora_epilogue import LoRATerm, add_lora, lora_epilogue_args
+from tokenmill.kernels.attention import kv_scale_arg, to_kv_cache
 from tokenmill.kernels.qkv_prep import qkv_prep_ref
 from tokenmill.kernels.skinny_gemm import (ADD_RMSNORM, MAX_ROWS, _gemv_multi_rows, _gemv_rows, padded_rows,
                                            skinny_gemm_config, skinny_linear_ref)
@@ -28,7 +29,8 @@ MAX_TOKENS = MAX_ROWS
 
 
 def skinny_qkv_rope_ref(x, weight, residual, norm_weight, eps, positions, cos_sin_cache, slot_mapping,
-                        k_cache, v_cache, num_q_heads: int, num_kv_heads: int, lora: Optional[LoRATerm] = None):
+                        k_cache, v_cache, num_q_heads: int, num_kv_heads: int, lora: Optional[LoRATerm] = None,
+                        kv_scale: Optional[torch.Tensor] = None):
     """Torch reference: (rotated q [T, Hq, D], the new residual stream x + residual, or x without
     one); k (rotated) and v go into the caches at slot_mapping (a negative slot stores nothing).
     With `lora`, the adapter's term is added to the projection (lora_expand_ref) before the rotation."""
@@ -39,7 +41,8 @@ def skinny_qkv_rope_ref(x, weight, residual, norm_weight, eps, positions, cos_si
     head_dim = weight.shape[0] // (num_q_heads + 2 * num_kv_heads)
     q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q_rot = qkv_prep_ref(positions, q.view(-1, num_q_heads, head_dim), k.view(-1, num_kv_heads, head_dim),
-                         v.view(-1, num_kv_heads, head_dim), cos_sin_cache, k_cache, v_cache, slot_mapping)
+                         v.view(-1, num_kv_heads, head_dim), cos_sin_cache, k_cache, v_cache, slot_mapping,
+                         kv_scale=kv_scale)
     return q_rot, summed
 
 
@@ -72,12 +75,12 @@ def _kv_destination(head, page, offset, k_cache_ptr, v_cache_ptr, stride_kcb, st
 @triton.jit
 def _qkv_rope_gemv_kernel(
     x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, pos_ptr, slot_ptr, cos_sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-    ws_ptr, ls_ptr, lb_ptr, lslot_ptr, stride_lbs, stride_lbn,
+    kv_scale_ptr, ws_ptr, ls_ptr, lb_ptr, lslot_ptr, stride_lbs, stride_lbn,
     K, eps, stride_wn, stride_cs, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_SCALE: tl.constexpr,
     LORA: tl.constexpr, LORA_RANK: tl.constexpr, LORA_RANK_P: tl.constexpr,
-    LS1: tl.constexpr, LS2: tl.constexpr, LS3: tl.constexpr,
+    LS1: tl.constexpr, LS2: tl.constexpr, LS3: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Grid (heads * HEAD_DIM / BLOCK_N,): program p takes head p // (HALF / PAIRS) (q heads, then k,
     then v) and, in it, dims d0 + [0, PAIRS) and their partners d0 + HALF + [0, PAIRS). With LORA,
@@ -114,18 +117,19 @@ def _qkv_rope_gemv_kernel(
         if slot >= 0:  # a padding slot stores nothing
             dst = _kv_destination(head, slot // PAGE_SIZE, slot % PAGE_SIZE, k_cache_ptr, v_cache_ptr, stride_kcb,
                                   stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, NUM_Q_HEADS, NUM_KV_HEADS)
-            tl.store(dst + d, lo.to(k_cache_ptr.dtype.element_ty))
-            tl.store(dst + HALF + d, hi.to(k_cache_ptr.dtype.element_ty))
+            which = (head >= NUM_Q_HEADS + NUM_KV_HEADS).to(tl.int32)  # the K or the V scale
+            tl.store(dst + d, to_kv_cache(lo, kv_scale_ptr, which, k_cache_ptr, KV_FP8))
+            tl.store(dst + HALF + d, to_kv_cache(hi, kv_scale_ptr, which, k_cache_ptr, KV_FP8))
 
 
 @triton.jit
 def _qkv_rope_gemv_multi_kernel(
     x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, pos_ptr, slot_ptr, cos_sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-    ws_ptr, M, K, eps, stride_xm, stride_rm, stride_wn, stride_cs,
+    kv_scale_ptr, ws_ptr, M, K, eps, stride_xm, stride_rm, stride_wn, stride_cs,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, PIN_PROLOGUE: tl.constexpr, W_SCALE: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, PIN_PROLOGUE: tl.constexpr, W_SCALE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """_qkv_rope_gemv_kernel for M <= ROWS tokens (ROWS a power of two; tokens M.. masked off), each
     with its own position and slot: the same programs and rotary pairs, the several-row GEMV
@@ -167,8 +171,9 @@ def _qkv_rope_gemv_multi_kernel(
         dst = _kv_destination(head, slot // PAGE_SIZE, slot % PAGE_SIZE, k_cache_ptr, v_cache_ptr, stride_kcb,
                               stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, NUM_Q_HEADS, NUM_KV_HEADS)
         dst = dst[:, None] + d[None, :]
-        tl.store(dst, lo.to(k_cache_ptr.dtype.element_ty), mask=store)
-        tl.store(dst + HALF, hi.to(k_cache_ptr.dtype.element_ty), mask=store)
+        which = (head >= NUM_Q_HEADS + NUM_KV_HEADS).to(tl.int32)  # the K or the V scale
+        tl.store(dst, to_kv_cache(lo, kv_scale_ptr, which, k_cache_ptr, KV_FP8), mask=store)
+        tl.store(dst + HALF, to_kv_cache(hi, kv_scale_ptr, which, k_cache_ptr, KV_FP8), mask=store)
 
 
 def fusable(n: int, k: int, head_dim: int, dtype: torch.dtype, config: Optional[dict] = None, tokens: int = 1) -> bool:
@@ -183,11 +188,13 @@ def fusable(n: int, k: int, head_dim: int, dtype: torch.dtype, config: Optional[
 def skinny_qkv_rope_triton(x, weight, residual, norm_weight, eps, positions, cos_sin_cache, slot_mapping,
                            k_cache, v_cache, num_q_heads: int, num_kv_heads: int,
                            q_out: Optional[torch.Tensor] = None, config: Optional[dict] = None,
-                           lora: Optional[LoRATerm] = None, weight_scale: Optional[torch.Tensor] = None):
+                           lora: Optional[LoRATerm] = None, weight_scale: Optional[torch.Tensor] = None,
+                           kv_scale: Optional[torch.Tensor] = None):
     """Triton version of skinny_qkv_rope_ref, one launch; q goes into q_out ([T, Hq, D],
     contiguous) when given. `lora` (one token only) adds an adapter's term to the projection
     before the rotation (kernels/lora_epilogue.py). weight_scale [N] fp32: FP8 weights with these
-    per-row scales (reference: skinny_qkv_rope_ref on the dequantized weight). x [T, K] with T <= MAX_TOKENS, rows contiguous (any row stride), the
+    per-row scales (reference: skinny_qkv_rope_ref on the dequantized weight). kv_scale: an FP8
+    cache's (k_scale, v_scale) (kernels/attention.py). x [T, K] with T <= MAX_TOKENS, rows contiguous (any row stride), the
     residual likewise; positions and slot_mapping [T]; weight [(Hq + 2 Hk) D, K] with q, k, v rows
     in that order; caches [blocks, page, Hk, D]."""
     tokens, K = x.shape
@@ -212,6 +219,7 @@ def skinny_qkv_rope_triton(x, weight, residual, norm_weight, eps, positions, cos
     if weight_scale is not None:
         assert weight_scale.shape == (N,) and weight_scale.dtype == torch.float32 and weight_scale.is_contiguous()
     ws_arg = weight_scale if weight_scale is not None else x
+    scale_arg, kv_fp8 = kv_scale_arg(k_cache, kv_scale)
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     heads = dict(NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1])
@@ -220,21 +228,21 @@ def skinny_qkv_rope_triton(x, weight, residual, norm_weight, eps, positions, cos
         lora_args, lora_meta = lora_epilogue_args(lora, q_out, N)
         _qkv_rope_gemv_kernel[grid](
             x, residual if has_residual else x, norm_weight, weight, summed, positions, slot_mapping, cos_sin_cache,
-            q_out, k_cache, v_cache, ws_arg, *lora_args,
+            q_out, k_cache, v_cache, scale_arg, ws_arg, *lora_args,
             K, eps, weight.stride(0), cos_sin_cache.stride(0), *cache_strides,
             **heads, HAS_RESIDUAL=has_residual, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-            W_SCALE=weight_scale is not None, **lora_meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            W_SCALE=weight_scale is not None, KV_FP8=kv_fp8, **lora_meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     elif tokens > 1:
         assert cfg["block_k"] >= 8, "the several-row kernel takes K in groups of 8"
         _qkv_rope_gemv_multi_kernel[grid](
             x, residual if has_residual else x, norm_weight, weight, summed, positions, slot_mapping, cos_sin_cache,
-            q_out, k_cache, v_cache, ws_arg,
+            q_out, k_cache, v_cache, scale_arg, ws_arg,
             tokens, K, eps, x.stride(0), residual.stride(0) if has_residual else 0, weight.stride(0),
             cos_sin_cache.stride(0), *cache_strides,
             **heads, HAS_RESIDUAL=has_residual, ROWS=padded_rows(tokens), BLOCK_N=cfg["block_n"],
             BLOCK_K=cfg["block_k"], LOOP_STAGES=cfg["num_stages"], PIN_PROLOGUE=x.is_cuda,
-            W_SCALE=weight_scale is not None,
+            W_SCALE=weight_scale is not None, KV_FP8=kv_fp8,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     return q_out, summed

@@ -20,6 +20,10 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window  # a query at p sees keys in (p - window, p]; None: all
+        # An FP8 KV cache's (k_scale, v_scale) (kernels/attention.py): from the checkpoint's
+        # self_attn.k_scale / v_scale when it has them (LlamaModel.load_weights), else 1.0.
+        # Unused by a cache in the model dtype.
+        self.register_buffer("kv_scale", torch.ones(2, dtype=torch.float32), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos_sin_cache: torch.Tensor, q_norm_weight: Optional[torch.Tensor] = None,
@@ -36,19 +40,19 @@ class Attention(nn.Module):
         splitter = ctx.splitter
         q = qkv_prep(positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
                      q_norm_weight, k_norm_weight, norm_eps,
-                     out=splitter.q_buffer(q.shape[0]) if splitter is not None else None)
+                     out=splitter.q_buffer(q.shape[0]) if splitter is not None else None, kv_scale=self.kv_scale)
         if splitter is not None:  # capturing piecewise graphs: attention runs between the pieces
             out = splitter.split(self)
         else:
             out = self.attend(q, meta, ctx.kv_caches)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
-    def step_cache(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This layer's (k_cache, v_cache) and the step's slot mapping, for a projection that writes
-        the cache itself (QKVParallelLinear.forward_rope_into_cache)."""
+    def step_cache(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This layer's (k_cache, v_cache), the step's slot mapping and the layer's kv_scale, for a
+        projection that writes the cache itself (QKVParallelLinear.forward_rope_into_cache)."""
         ctx = get_forward_context()
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        return k_cache, v_cache, ctx.metadata.slot_mapping
+        return k_cache, v_cache, ctx.metadata.slot_mapping, self.kv_scale
 
     def attend_prepared(self, q: torch.Tensor) -> torch.Tensor:
         """forward() for a q that is already rotated, with this step's K/V already cached -> [T, Hq * D]."""
@@ -62,5 +66,5 @@ class Attention(nn.Module):
         return paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale, out,
             sliding_window=self.sliding_window, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-            num_splits=meta.num_splits,
+            num_splits=meta.num_splits, kv_scale=self.kv_scale,
         )

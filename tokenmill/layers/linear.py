@@ -16,7 +16,7 @@ from tokenmill.kernels import qkv_rope_gemv, skinny_gemm
 from tokenmill.kernels.activation import silu_and_mul
 from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, PLAIN, SILU_MUL
 from tokenmill.layers.forward_context import current_forward_context
-from tokenmill.quantization.fp8 import fp8_linear, quantize_weight_fp8
+from tokenmill.quantization.fp8 import FP8_DTYPE, fp8_linear, quantize_weight_fp8, requantize_blockwise_fp8
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if dst.shape != src.shape:
@@ -57,18 +57,101 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(w_q, requires_grad=False)
         self.weight_scale = scale
 
-    def expect_fp8_checkpoint(self) -> None:
+    def expect_fp8_checkpoint(self, block_size: Optional[tuple[int, int]] = None) -> None:
         """Before loading an FP8 checkpoint: the weight parameter holds e4m3 bytes as stored, and a
         `weight_scale` parameter [N] takes the checkpoint's scales, per output row or one per
-        tensor (or per q/k/v, gate/up shard), each written to the rows it covers."""
-        w = nn.Parameter(torch.empty(self.weight.shape, dtype=torch.float8_e4m3fn, device=self.weight.device),
+        tensor (or per q/k/v, gate/up shard), each written to the rows it covers.
+
+        block_size (bn, bk): the checkpoint has one scale per bn x bk block instead
+        (`weight_scale_inv` [ceil(N / bn), ceil(K / bk)], which multiplies). A parameter
+        `weight_scale_inv` [N, B] takes them, repeated over the rows of each block so that the
+        weight loader's row split (q/k/v, gate/up, tensor-parallel shards, of any size) applies to
+        them as to the weight; B is the number of column blocks this layer's columns touch (all of
+        them, or a row-parallel shard's). convert_block_fp8 then turns them into `weight_scale`."""
+        w = nn.Parameter(torch.empty(self.weight.shape, dtype=FP8_DTYPE, device=self.weight.device),
                          requires_grad=False)
-        w.weight_loader = self.weight_loader
+        w.weight_loader = self._fp8_weight_loader
         self.weight = w
+        if block_size is not None:
+            self.fp8_block_size = (int(block_size[0]), int(block_size[1]))
+            first, count = self._scale_block_cols()
+            inv = nn.Parameter(torch.ones(self.out_features, count, dtype=torch.float32, device=w.device),
+                               requires_grad=False)
+            inv.weight_loader = self.block_scale_loader
+            self.register_parameter("weight_scale_inv", inv)  # weight_scale stays None until converted
+            return
         scale = nn.Parameter(torch.ones(self.out_features, dtype=torch.float32, device=w.device), requires_grad=False)
         scale.weight_loader = self.scale_loader
         del self.weight_scale  # the plain attribute becomes the parameter the checkpoint fills
         self.register_parameter("weight_scale", scale)
+
+    def _fp8_weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """An FP8 checkpoint's weight must be e4m3 (a wider one would be rounded to e4m3 without a scale)."""
+        if param.dim() == 2 and loaded.dtype != FP8_DTYPE:
+            what = type(self).__name__ if shard_id is None else f"{type(self).__name__} shard {shard_id}"
+            raise ValueError(f"{what}: the FP8 checkpoint stores this weight as {loaded.dtype}, not float8_e4m3fn "
+                             f"(layers left unquantized are not supported)")
+        if shard_id is None:
+            self.weight_loader(param, loaded)
+        else:
+            self.weight_loader(param, loaded, shard_id)
+
+    def _checkpoint_cols(self) -> int:
+        """Input columns of the checkpoint tensor (all of them; a row-parallel layer holds a slice)."""
+        return self.in_features
+
+    def _col_offset(self) -> int:
+        """Where this layer's columns start in the checkpoint tensor."""
+        return 0
+
+    def _scale_block_cols(self) -> tuple[int, int]:
+        """(first, count): the column blocks of the checkpoint that this layer's columns fall in."""
+        bk = self.fp8_block_size[1]
+        start = self._col_offset()
+        first, last = start // bk, (start + self.in_features - 1) // bk
+        return first, last - first + 1
+
+    def block_scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """Block scales [ceil(rows / bn), ceil(cols / bk)] of a checkpoint tensor (of one shard):
+        each block row repeated over its bn weight rows (the last block may be ragged), this
+        layer's column blocks kept, then split over the rows as the weight is."""
+        bn, bk = self.fp8_block_size
+        rows, cols = self._checkpoint_rows(shard_id), self._checkpoint_cols()
+        want = (-(-rows // bn), -(-cols // bk))
+        if tuple(loaded.shape) != want:
+            what = type(self).__name__ if shard_id is None else f"{type(self).__name__} shard {shard_id}"
+            raise ValueError(f"shape mismatch loading weight_scale_inv of {what}: checkpoint {tuple(loaded.shape)}, "
+                             f"expected {want} (one scale per {bn}x{bk} block of the {rows}x{cols} weight)")
+        first, count = self._scale_block_cols()
+        per_row = loaded.float().repeat_interleave(bn, dim=0)[:rows, first:first + count]
+        self._load_scale_rows(param, per_row.contiguous(), shard_id)
+
+    def _row_scale_from_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The converted per-row scales: each row's largest block scale."""
+        return blocks.amax(dim=1)
+
+    @torch.no_grad()
+    def convert_block_fp8(self) -> bool:
+        """After loading a block-wise FP8 checkpoint: the e4m3 weight and its block scales become an
+        e4m3 weight with one scale per output row, the form the kernels read
+        (quantization/fp8.py's requantize_blockwise_fp8). False if the layer has no block scales."""
+        inv = self._parameters.get("weight_scale_inv")
+        if inv is None:
+            return False
+        blocks = inv.data
+        if not bool(torch.isfinite(blocks).all()) or bool((blocks < 0).any()):
+            raise ValueError(f"{type(self).__name__}: the checkpoint's weight_scale_inv has negative or non-finite "
+                             f"values")
+        first, _ = self._scale_block_cols()
+        cols = torch.arange(self._col_offset(), self._col_offset() + self.in_features, device=blocks.device)
+        block_of_col = cols // self.fp8_block_size[1] - first
+        w_q, scale = requantize_blockwise_fp8(self.weight.data, blocks, block_of_col,
+                                              self._row_scale_from_blocks(blocks))
+        self.weight = nn.Parameter(w_q, requires_grad=False)
+        del self.weight_scale_inv
+        del self.weight_scale  # the plain attribute (None) becomes a parameter, as for the other FP8 checkpoints
+        self.register_parameter("weight_scale", nn.Parameter(scale, requires_grad=False))
+        return True
 
     def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         rows = loaded.float().reshape(-1)
@@ -224,7 +307,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def forward_rope_into_cache(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: nn.Module,
                                 positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
-                                v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                                v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                                kv_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """1 to MAX_ROWS tokens: q/k/v of norm(x + residual), with q and k rotated and k/v stored at
         each token's slot, in one kernel (kernels/qkv_rope_gemv.py). Returns (rotated q [T, Hq, D],
         the residual stream). In a step with adapters, the q/k/v LoRA term joins the projection
@@ -235,7 +319,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return qkv_rope_gemv.skinny_qkv_rope_triton(x, self.weight, residual, norm.weight, norm.eps, positions,
                                                     cos_sin_cache, slot_mapping, k_cache, v_cache,
                                                     self.num_heads, self.num_kv_heads, lora=term,
-                                                    weight_scale=self.weight_scale)
+                                                    weight_scale=self.weight_scale, kv_scale=kv_scale)
 
 
 class RowParallelLinear(LinearBase):
@@ -256,6 +340,17 @@ class RowParallelLinear(LinearBase):
 
     def _load_scale_rows(self, param, rows, shard_id) -> None:
         _copy_checked(param.data, rows, "weight_scale")  # every rank has every output row
+
+    def _checkpoint_cols(self) -> int:
+        return self.in_features * self.tp_size
+
+    def _col_offset(self) -> int:
+        return self.tp_rank * self.in_features
+
+    def _row_scale_from_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The largest block scale of each whole row (a max over the ranks' slices), so every rank
+        converts as one process does."""
+        return tp_all_reduce_max(blocks.amax(dim=1).contiguous(), self.tp)
 
     def quantize_fp8(self) -> None:
         """Each rank holds a slice of every row: the scales come from the whole rows' largest

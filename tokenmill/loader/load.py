@@ -156,7 +156,8 @@ def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_f
             directory = convert_gguf_to_hf_dir(source.path)
         hf_cfg = _read_config(directory)
     arch = arch_config_from_hf(hf_cfg)
-    from tokenmill.loader.quantize import expect_fp8_checkpoint, quantize_model, resolve_quantization
+    from tokenmill.loader.quantize import (convert_block_fp8_checkpoint, expect_fp8_checkpoint, quantize_model,
+                                           resolve_quantization)
 
     plan = resolve_quantization(quantization, hf_cfg)
     torch_dtype = resolve_dtype(dtype, dev, arch.torch_dtype)
@@ -167,7 +168,7 @@ def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_f
         if source.kind == "dummy":
             raise ModelLoadError("an FP8 checkpoint's config with dummy weights: use quantization=\"fp8\" on a "
                                  "full-precision model instead")
-        expect_fp8_checkpoint(net)
+        expect_fp8_checkpoint(net, plan.block_size)
     tokenizer_ref, tokenizer = tokenizer, None
     if source.kind == "dummy":
         from tokenmill.loader.dummy import initialize_dummy_weights
@@ -179,6 +180,8 @@ def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_f
             tokenizer = load_hf_tokenizer(directory)
     else:
         _load_checkpoint(net, directory, plan)
+        if plan is not None and plan.block_size is not None:
+            convert_block_fp8_checkpoint(net)  # block scales -> the per-row scales the kernels read
         if tokenizer_ref is None:
             from tokenmill.loader.tokenizer import load_hf_tokenizer
 

@@ -1,5 +1,18 @@
 """Quantization at load: which method a model gets (the engine's option, a checkpoint's
-`quantization_config`), and quantizing its linear layers."""
+`quantization_config`), and quantizing its linear layers.
+
+Block-wise FP8 checkpoints (HF's fine-grained FP8: `quant_method` "fp8" with `weight_block_size`
+[128, 128], as Qwen3-FP8 and DeepSeek-V3 ship) store e4m3 weights [N, K] and `weight_scale_inv`
+[ceil(N / 128), ceil(K / 128)], one scale per 128x128 block that multiplies: W[n, k] =
+weight[n, k] * weight_scale_inv[n // 128, k // 128]. tokenmill's kernels read one scale per output
+row, so these checkpoints are converted at load, once every tensor is in: the block scales are
+loaded as stored (through the layers' weight loaders, split like the weight's rows and, for
+row-parallel layers, columns), then each layer's rows are requantized to their largest block scale
+(convert_block_fp8; quantization/fp8.py's requantize_blockwise_fp8). That costs one more e4m3
+rounding of the elements whose block scale is not their row's largest (within 1/16 of the element,
+or 2^-10 of the row's scale near zero); rows whose block scales are all equal convert exactly.
+tests/quantization/test_fp8_blockwise.py measures it.
+"""
 
 from dataclasses import dataclass
 from typing import Optional
@@ -18,6 +31,11 @@ logger = init_logger(__name__)
 class QuantizationPlan:
     method: str  # "fp8"
     from_checkpoint: bool  # the checkpoint stores FP8 weights and scales (else: quantized after loading)
+    block_size: Optional[tuple[int, int]] = None  # the checkpoint's scales are per block (converted at load)
+
+
+# the block size of block-wise FP8 checkpoints that tokenmill loads
+SUPPORTED_BLOCK_SIZE = (128, 128)
 
 
 # compressed-tensors "ignore" entries that name the LM head (which tokenmill never quantizes)
@@ -28,8 +46,9 @@ def resolve_quantization(requested: Optional[str], hf_config: dict) -> Optional[
     """What to do about quantization (None: nothing). An FP8 checkpoint is read as stored:
     `quant_method` fp8 with per-tensor scales, or compressed-tensors float-quantized 8-bit weights
     with per-channel or per-tensor scales (static input scales are not used: activations are
-    quantized per token at run time). Any other quantized checkpoint, block-wise FP8 scales
-    included, is refused with a message naming what it is."""
+    quantized per token at run time). `quant_method` fp8 with 128x128 block scales
+    (`weight_block_size`) is loaded and converted to per-row scales (module docstring). Any other
+    quantized checkpoint is refused with a message naming what it is."""
     checkpoint = hf_config.get("quantization_config")
     if checkpoint is None:
         if requested is None:
@@ -39,10 +58,9 @@ def resolve_quantization(requested: Optional[str], hf_config: dict) -> Optional[
                                  f"(supported: {', '.join(QUANTIZATION_METHODS)})")
         return QuantizationPlan(requested, False)
     method = checkpoint.get("quant_method") if isinstance(checkpoint, dict) else None
+    block_size = None
     if method == "fp8":
-        if checkpoint.get("weight_block_size"):
-            raise ModelLoadError(f"FP8 checkpoints with block-wise scales (weight_block_size "
-                                 f"{checkpoint['weight_block_size']}) are not supported yet; per-tensor ones are")
+        block_size = _check_fp8(checkpoint)
     elif method == "compressed-tensors":
         _check_compressed_tensors(checkpoint)
     else:
@@ -50,7 +68,38 @@ def resolve_quantization(requested: Optional[str], hf_config: dict) -> Optional[
                              f"load (it loads fp8 and compressed-tensors FP8 checkpoints, and full-precision ones)")
     if requested not in (None, "fp8"):
         raise ModelLoadError(f"quantization {requested!r} was asked for, but the checkpoint is already FP8")
-    return QuantizationPlan("fp8", True)
+    return QuantizationPlan("fp8", True, block_size)
+
+
+def _check_fp8(cfg: dict) -> Optional[tuple[int, int]]:
+    """HF's `quant_method` fp8 config (FineGrainedFP8Config's fields); returns the block size (None:
+    per-tensor scales)."""
+    fmt = cfg.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ModelLoadError(f"FP8 checkpoint with fmt {fmt!r}: only e4m3 weights are supported")
+    scheme = cfg.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise ModelLoadError(f"FP8 checkpoint with activation_scheme {scheme!r} (dynamic or static are supported)")
+    # "ignored_layers" is an alias some checkpoints use (HF reads it as modules_to_not_convert)
+    skipped = cfg.get("modules_to_not_convert") or cfg.get("ignored_layers") or []
+    unquantized = [m for m in skipped if m not in _LM_HEAD]
+    if unquantized:
+        raise ModelLoadError(f"FP8 checkpoint with modules_to_not_convert {unquantized[:3]}: layers left unquantized "
+                             f"other than the LM head are not supported")
+    if cfg.get("modules_to_convert"):
+        raise ModelLoadError(f"FP8 checkpoint with modules_to_convert {cfg['modules_to_convert'][:3]}: quantized "
+                             f"modules other than the linear layers (e.g. embeddings) are not supported")
+    block = cfg.get("weight_block_size")
+    if not block:
+        return None
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or tuple(b if isinstance(b, int) else None for b in block) != SUPPORTED_BLOCK_SIZE):
+        raise ModelLoadError(f"FP8 checkpoint with weight_block_size {block}: only "
+                             f"{list(SUPPORTED_BLOCK_SIZE)} blocks are supported")
+    scale_fmt = cfg.get("scale_fmt", "float")
+    if scale_fmt not in ("float", "ue8m0"):
+        raise ModelLoadError(f"FP8 checkpoint with scale_fmt {scale_fmt!r} (float or ue8m0 are supported)")
+    return SUPPORTED_BLOCK_SIZE
 
 
 def _check_compressed_tensors(cfg: dict) -> None:
@@ -75,11 +124,27 @@ def _check_compressed_tensors(cfg: dict) -> None:
                              f"LM head are not supported")
 
 
-def expect_fp8_checkpoint(net: torch.nn.Module) -> None:
-    """Make every linear layer take e4m3 weights and their scales from the checkpoint."""
+def expect_fp8_checkpoint(net: torch.nn.Module, block_size: Optional[tuple[int, int]] = None) -> None:
+    """Make every linear layer take e4m3 weights and their scales from the checkpoint (block_size:
+    one scale per block, `weight_scale_inv`; convert_block_fp8_checkpoint after loading)."""
     for m in net.modules():
         if isinstance(m, LinearBase):
-            m.expect_fp8_checkpoint()
+            m.expect_fp8_checkpoint(block_size)
+
+
+@torch.no_grad()
+def convert_block_fp8_checkpoint(net: torch.nn.Module) -> int:
+    """Once every tensor of a block-wise FP8 checkpoint is loaded: every linear layer's weight is
+    requantized from its block scales to per-row scales (module docstring); returns how many."""
+    converted = 0
+    for name, m in net.named_modules():
+        if isinstance(m, LinearBase):
+            try:
+                converted += m.convert_block_fp8()
+            except ValueError as e:
+                raise ModelLoadError(f"block-wise FP8 checkpoint, {name}: {e}") from None
+    logger.info("fp8: %d linear layers converted from block-wise to per-row scales", converted)
+    return converted
 
 
 def skip_checkpoint_tensor(name: str, plan: Optional[QuantizationPlan]) -> bool:

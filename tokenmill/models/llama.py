@@ -62,9 +62,10 @@ class LlamaAttention(nn.Module):
         output and the new residual stream."""
         if self.q_norm is None and self.qkv_proj.fuses_rope(hidden):
             # Batch 1 on CUDA: rotary and the KV-cache write ride in the q/k/v GEMV (one kernel fewer).
-            k_cache, v_cache, slots = self.attn.step_cache()
+            k_cache, v_cache, slots, kv_scale = self.attn.step_cache()
             q, residual = self.qkv_proj.forward_rope_into_cache(hidden, residual, norm, positions,
-                                                                self.rotary.cos_sin_cache, k_cache, v_cache, slots)
+                                                                self.rotary.cos_sin_cache, k_cache, v_cache, slots,
+                                                                kv_scale)
             return self.o_proj(self.attn.attend_prepared(q)), residual
         qkv, residual = _norm_then_project(self.qkv_proj, hidden, residual, norm)
         tokens = qkv.shape[0]
@@ -201,6 +202,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some tied checkpoints still store it; the embedding is the source
+            if self._load_kv_scale(name, tensor):
+                continue
             target, shard = name, None
             for piece, (fused, shard_id) in self.FUSED.items():
                 if f".{piece}." in name:
@@ -217,6 +220,25 @@ class LlamaForCausalLM(nn.Module):
                     loader(param, tensor, shard)
             loaded.add(target if shard is None else f"{target}:{shard}")
         return loaded
+
+    # An FP8 checkpoint's KV-cache scales, per layer: HF's self_attn.{k,v}_scale, or the
+    # {k,v}_proj.output_scale of older compressed-tensors checkpoints -> Attention.kv_scale[0 | 1].
+    _KV_SCALE_SUFFIXES = {"self_attn.k_scale": 0, "self_attn.v_scale": 1,
+                          "self_attn.k_proj.output_scale": 0, "self_attn.v_proj.output_scale": 1}
+
+    def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
+        for suffix, which in self._KV_SCALE_SUFFIXES.items():
+            if name.endswith("." + suffix):
+                if tensor.numel() != 1:
+                    raise ValueError(f"{name}: a KV-cache scale must be one number, got shape {tuple(tensor.shape)}")
+                value = float(tensor.reshape(()))  # at load, not on the step path
+                if not (value > 0 and value != float("inf")):
+                    raise ValueError(f"{name}: a KV-cache scale must be a positive finite number, got {value}")
+                attn = self.get_submodule(name[: -len(suffix)] + "self_attn.attn")
+                with torch.no_grad():
+                    attn.kv_scale[which] = tensor.reshape(()).float()
+                return True
+        return False
 
     def _on_this_stage(self, name: str) -> bool:
         """Whether a checkpoint tensor belongs to this pipeline stage (every stage keeps the

@@ -27,6 +27,12 @@ class KVCacheSpec:
         return self.bytes_per_block // self.block_size
 
 
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """EngineConfig.kv_cache_dtype as a torch dtype: "auto" is the model's, "fp8" e4m3 (scaled per
+    layer: kernels/attention.py)."""
+    return model_dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One [layers, 2, blocks, block_size, kv_heads, head_dim] tensor, as (k, v) views per layer."""
     cache = torch.zeros((spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),

@@ -20,7 +20,7 @@ from tokenmill.runner.cuda_graphs import no_garbage_collection
 from tokenmill.messages import GrammarBitmask, SchedulerOutput
 from tokenmill.runner.dummy_batch import fill_dummy_batch, split_tokens
 from tokenmill.runner.input_buffers import InputBuffers, StepDescriptor
-from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_cache, cuda_kv_budget_bytes
+from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_cache, cuda_kv_budget_bytes, kv_cache_torch_dtype
 from tokenmill.runner.lora_state import make_lora_state
 from tokenmill.runner.prompt_logprobs import PromptLogprobsComputer
 from tokenmill.runner.request_states import RequestStates
@@ -45,7 +45,8 @@ class ModelRunner:
         self.vocab_size = arch.vocab_size
         self.attn_spec = model.attention_spec()
         attn = self.attn_spec
-        self.kv_spec = KVCacheSpec(attn.num_layers, attn.num_kv_heads, attn.head_dim, config.block_size, dtype)
+        self.kv_spec = KVCacheSpec(attn.num_layers, attn.num_kv_heads, attn.head_dim, config.block_size,
+                                   kv_cache_torch_dtype(config.kv_cache_dtype, dtype))
         # A step holds at most max_num_seqs requests of at most max_model_len tokens each.
         self.max_num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len)
         self.sampler = Sampler(config.max_num_seqs, self.vocab_size, device)

@@ -10,7 +10,7 @@ the token-bitmask kernel of structured output (the first grammar request would c
 import numpy as np
 import torch
 
-from tokenmill.kernels.attention import attention_variants, paged_attention
+from tokenmill.kernels.attention import attention_variants, is_fp8_kv, paged_attention
 from tokenmill.logger import init_logger
 from tokenmill.runner.dummy_batch import fill_dummy_batch
 
@@ -40,6 +40,8 @@ def warm_up_attention(runner) -> int:
     metadata buffers, so strides and alignment match real steps); returns how many ran."""
     spec = runner.attn_spec
     k_cache, v_cache = runner.kv_caches[0]
+    # An FP8 cache's kernels take the scales' pointer (any value compiles the same variant).
+    kv_scale = torch.ones(2, dtype=torch.float32, device=runner.device) if is_fp8_kv(k_cache) else None
     variants = attention_variants(spec.num_heads, spec.num_kv_heads, spec.head_dim, runner.dtype,
                                   runner.max_num_tokens, runner.config.max_num_seqs)
     for plan, tokens, num_reqs in variants:
@@ -50,7 +52,7 @@ def warm_up_attention(runner) -> int:
         paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, spec.scale,
                         sliding_window=spec.sliding_window, max_query_len=meta.max_query_len,
                         num_splits=plan.num_splits, block_m=plan.block_m, block_n=plan.block_n,
-                        num_warps=plan.num_warps, num_stages=plan.num_stages)
+                        num_warps=plan.num_warps, num_stages=plan.num_stages, kv_scale=kv_scale)
     return len(variants)
 
 
