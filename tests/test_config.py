@@ -73,6 +73,7 @@ def test_llm_keywords_reach_the_configs(monkeypatch):
                    piecewise_cuda_graph_max_tokens=0, fused_small_batch_linear=False, seed=7,
                    tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=3,
                    enable_lora=True, max_loras=3, max_lora_rank=8, max_cpu_loras=5, quantization="fp8", kv_cache_dtype="fp8",
+                   batch_invariant=False,  # True refuses LoRA, FP8 and parallelism (checked below)
                    speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
                                        "prompt_lookup_min": 1, "model": "/models/draft", "load_format": "dummy",
                                        "num_draft_layers": None, "synthetic_acceptance": 0.5})
@@ -82,6 +83,7 @@ def test_llm_keywords_reach_the_configs(monkeypatch):
     assert (engine.model, engine.load_format, engine.dtype, engine.device) == ("tiny-llama", "dummy", "float32", "cpu")
     assert engine.tokenizer_ref == "/tok"
     assert LLM().engine.tokenizer_ref is None
+    assert LLM(batch_invariant=True).engine.config.batch_invariant is True
     assert LLM().engine.config == EngineConfig()
 
 
@@ -98,6 +100,11 @@ def test_unknown_llm_keyword_names_it(monkeypatch):
     (dict(max_model_len=1.5), "max_model_len must be an integer or None"),
     (dict(enable_prefix_caching="no"), "enable_prefix_caching must be True or False"),
     (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\]"),
+    (dict(batch_invariant=True, quantization="fp8", enable_lora=True),
+     "batch_invariant does not support quantization, enable_lora yet"),
+    (dict(batch_invariant=True, tensor_parallel_size=2), "batch_invariant does not support tensor_parallel_size > 1"),
+    (dict(batch_invariant=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     "batch_invariant does not support speculative_config"),
     (dict(block_size=7), "block_size must be one of 8, 16, 32, 64, 128; got 7"),
     (dict(max_model_len=1), "max_model_len must be >= 2, got 1"),
     (dict(num_kv_blocks=0), "num_kv_blocks must be >= 1, got 0"),

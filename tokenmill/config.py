@@ -193,6 +193,11 @@ class EngineConfig:
         "auto", "KV-cache element type: auto (the model dtype) or fp8 (e4m3 with one scale per layer for K and one "
                 "for V: the checkpoint's self_attn.k_scale / v_scale when it has them, else 1.0; the cache holds "
                 "twice the tokens of a 16-bit one)", choices=("auto", "fp8", "fp8_e4m3"))
+    # layers/batch_invariant.py, kernels/batch_invariant.py
+    batch_invariant: bool = option(
+        False, "batch-invariant numerics: each request's logits (so its greedy and seeded output) are the same "
+               "whatever else runs in its steps (batch size, prefill or decode, chunking, graph padding), "
+               "through kernels with one fixed reduction order; slower")
     seed: int = option(0, "seeds dummy weights and requests that bring no seed of their own",
                        aliases=("--engine-seed",))
     # executor/: worker processes, one per rank (torch.distributed: NCCL on CUDA, gloo on the CPU).
@@ -236,6 +241,19 @@ class EngineConfig:
             raise ConfigError(f"step_time_target_ms must be > 0, got {self.step_time_target_ms}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.batch_invariant:
+            self._check_batch_invariant()
+
+    def _check_batch_invariant(self) -> None:
+        """What batch-invariant mode does not cover yet is refused, not run with batch-dependent numerics."""
+        unsupported = {"quantization": self.quantization is not None, "enable_lora": self.enable_lora,
+                       "speculative_config": self.speculative_config is not None,
+                       "tensor_parallel_size > 1": self.tensor_parallel_size > 1,
+                       "pipeline_parallel_size > 1": self.pipeline_parallel_size > 1}
+        named = [name for name, on in unsupported.items() if on]
+        if named:
+            raise ConfigError(f"batch_invariant does not support {', '.join(named)} yet (their kernels or "
+                              f"reductions still depend on the batch)")
 
     def resolve_prefill_cap(self, device_type: str) -> Optional[int]:
         """max_prefill_tokens_with_decodes on this device: on the CPU, where a step of thousands of

@@ -124,6 +124,10 @@ def test_candidate_shorthands_and_specs():
                    "fp8": ({"quantization": "fp8"}, "batched"), "fp8-kv": ({"kv_cache_dtype": "fp8"}, "batched"),
                    "fp8+fp8-kv": ({"quantization": "fp8", "kv_cache_dtype": "fp8"}, "batched"),
                    "fp16+alone": ({"dtype": "float16"}, "alone")}
+    bi = fid.parse_candidates("bf16+bi,bf16+bi-alone")
+    assert [(c.options, c.mode) for c in bi] == [({"dtype": "bfloat16", "batch_invariant": True}, "batched"),
+                                                 ({"dtype": "bfloat16", "batch_invariant": True}, "alone")]
+    assert fid.unknown_options(bi[0]) == []
     spec = fid.parse_candidate_spec('name=x,dtype=bfloat16,mode=alone,max_num_seqs=8,enforce_eager=true,'
                                     'speculative_config={"method": "ngram", "num_speculative_tokens": 2}')
     assert (spec.name, spec.mode) == ("x", "alone")

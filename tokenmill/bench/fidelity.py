@@ -110,9 +110,11 @@ SHORTHANDS: dict[str, dict[str, Any]] = {
     "fp16": {"dtype": "float16"}, "float16": {"dtype": "float16"}, "half": {"dtype": "float16"},
     "fp8": {"quantization": "fp8"},
     "fp8-kv": {"kv_cache_dtype": "fp8"}, "kv-fp8": {"kv_cache_dtype": "fp8"},
+    "bi": {"batch_invariant": True}, "batch-invariant": {"batch_invariant": True},
 }
 # The reference's own settings, whatever the flags say (those of fields this tokenmill has).
-REFERENCE_OVERRIDES: dict[str, Any] = {"dtype": "float32", "quantization": None, "kv_cache_dtype": "auto"}
+REFERENCE_OVERRIDES: dict[str, Any] = {"dtype": "float32", "quantization": None, "kv_cache_dtype": "auto",
+                                       "batch_invariant": False}
 # Shared by the reference and every candidate: what the model is and where it runs.
 SHARED_OPTIONS = ("model", "load_format", "tokenizer", "device")
 _HF_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -241,8 +243,8 @@ def _value(text: str) -> Any:
 
 def parse_candidates(text: Optional[str]) -> list[Candidate]:
     """--candidates: comma-separated names made of shorthand tokens joined by "+" (fp32, bf16, fp16,
-    fp8 = FP8 weights, fp8-kv = FP8 KV cache, alone / batched), optionally ending in -alone or
-    -batched: "bf16,bf16-alone,fp8,fp8-kv,fp8+fp8-kv"."""
+    fp8 = FP8 weights, fp8-kv = FP8 KV cache, bi = batch-invariant mode, alone / batched),
+    optionally ending in -alone or -batched: "bf16,bf16-alone,fp8,fp8-kv,fp8+fp8-kv,bf16+bi"."""
     out = []
     for name in _split_top_level(text or ""):
         base, mode = name, "batched"
@@ -1079,7 +1081,8 @@ def add_args(p) -> None:
     g.add_argument("--candidates", default=DEFAULT_CANDIDATES,
                    help="engine configurations compared with the float32 reference, comma-separated; each name is "
                         "tokens joined by '+': fp32 / bf16 / fp16 (dtype), fp8 (FP8 weights: quantization=fp8), "
-                        "fp8-kv (FP8 KV cache: kv_cache_dtype=fp8), alone / batched; a name may end in -alone "
+                        "fp8-kv (FP8 KV cache: kv_cache_dtype=fp8), bi (batch_invariant=True), alone / batched; "
+                        "a name may end in -alone "
                         "(each prompt run by itself instead of all in one generate call). E.g. "
                         "bf16,bf16-alone,fp8,fp8-kv,fp8+fp8-kv. A candidate naming no dtype runs in --dtype; one "
                         "whose option this tokenmill lacks is skipped (reported). '' for none")

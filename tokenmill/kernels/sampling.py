@@ -107,11 +107,29 @@ def gumbel_sample_ref(logits, temperature, seeds, positions, greedy_only: bool =
     return (x + temperature.float()[:, None] * noise).argmax(dim=-1)
 
 
+_ROW_CHUNK = 256
+
+
+def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.logsumexp(x, -1) of [B, V] float32, each row summed the same way whatever B is: torch on
+    the CPU splits the reduction of a lone long row over threads (another order than for B rows),
+    so the exponentials are summed in chunks of _ROW_CHUNK columns (padded with zeros), then the
+    chunk sums."""
+    m = x.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows of -inf (or inf) keep torch's result
+    e = torch.exp(x - m)
+    pad = -e.shape[-1] % _ROW_CHUNK
+    if pad:
+        e = torch.nn.functional.pad(e, (0, pad))
+    total = e.view(e.shape[0], -1, _ROW_CHUNK).sum(dim=-1).sum(dim=-1)
+    return torch.log(total) + m[:, 0]
+
+
 def logprobs_ref(raw_logits, sampled, num_top: int):
     """From unprocessed logits: the sampled token's logprob and rank, and the top-`num_top` pairs;
     logprobs are float32 whatever the logits' dtype."""
     x = raw_logits.float()
-    lse = torch.logsumexp(x, dim=-1)
+    lse = logsumexp_rows(x)
     chosen = x.gather(1, sampled.long()[:, None])[:, 0]
     rank = (x > chosen[:, None]).sum(dim=-1) + 1
     # topk in the logits' own dtype, as the Triton path does (same values; same order among ties).

@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 from tokenmill.kernels.attention import paged_attention
+from tokenmill.kernels.batch_invariant import paged_attention_invariant
 from tokenmill.kernels.qkv_prep import qkv_prep
+from tokenmill.layers.batch_invariant import is_batch_invariant
 from tokenmill.layers.forward_context import AttentionMetadata, get_forward_context
 
 
@@ -63,6 +65,10 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, meta: AttentionMetadata, kv_caches, out: Optional[torch.Tensor] = None):
         """q [T, Hq, D] (rotated, this step's K/V already cached) attends over this layer's cache."""
         k_cache, v_cache = kv_caches[self.layer_idx]
+        if is_batch_invariant():  # one fixed reduction order for every step (kernels/batch_invariant.py)
+            return paged_attention_invariant(
+                q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale, out,
+                sliding_window=self.sliding_window, kv_scale=self.kv_scale, max_query_len=meta.max_query_len)
         return paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale, out,
             sliding_window=self.sliding_window, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,

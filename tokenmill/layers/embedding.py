@@ -5,6 +5,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import get_tp_state, tp_all_gather, tp_all_reduce
+from tokenmill.kernels.batch_invariant import linear_invariant
+from tokenmill.layers.batch_invariant import is_batch_invariant
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -45,6 +47,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits over the vocabulary; may share its weight with the input embedding."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear_invariant(hidden, self.weight) if is_batch_invariant() else F.linear(hidden, self.weight)
         logits = tp_all_gather(logits, dim=-1, state=self.tp)
         return logits[..., : self.vocab_size]

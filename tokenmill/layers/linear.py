@@ -14,7 +14,9 @@ from torch import nn
 from tokenmill.distributed import divide, get_tp_size, get_tp_state, tp_all_reduce, tp_all_reduce_max
 from tokenmill.kernels import qkv_rope_gemv, skinny_gemm
 from tokenmill.kernels.activation import silu_and_mul
+from tokenmill.kernels.batch_invariant import linear_invariant
 from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, PLAIN, SILU_MUL
+from tokenmill.layers.batch_invariant import is_batch_invariant
 from tokenmill.layers.forward_context import current_forward_context
 from tokenmill.quantization.fp8 import FP8_DTYPE, fp8_linear, quantize_weight_fp8, requantize_blockwise_fp8
 
@@ -211,9 +213,9 @@ class LinearBase(nn.Module):
     def _use_skinny(self, x: torch.Tensor) -> bool:
         """Steps of 1 to FUSED_MAX_ROWS tokens on CUDA (batch-1 decode) take the skinny GEMV with the
         op before the layer fused in, unless the step's engine turned that off (its forward context
-        says)."""
+        says) or runs batch-invariant (the GEMV reduces in another order than larger steps)."""
         if not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FUSED_MAX_ROWS and self.bias is None
-                and x.stride(-1) == 1):
+                and x.stride(-1) == 1) or is_batch_invariant():
             return False
         ctx = current_forward_context()
         return ctx is None or ctx.small_batch_fusion
@@ -221,6 +223,8 @@ class LinearBase(nn.Module):
     def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.weight_scale is not None:
             return fp8_linear(x, self.weight, self.weight_scale, bias)
+        if is_batch_invariant():
+            return linear_invariant(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
     def _finish(self, y: torch.Tensor) -> torch.Tensor:

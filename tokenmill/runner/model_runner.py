@@ -13,6 +13,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.kernels.input_prep import post_update
+from tokenmill.layers.batch_invariant import runner_numerics
 from tokenmill.layers.forward_context import AttentionMetadata, AttentionSplitter, forward_context
 from tokenmill.logger import init_logger
 from tokenmill.runner.async_output import AsyncOutput
@@ -26,7 +27,8 @@ from tokenmill.runner.prompt_logprobs import PromptLogprobsComputer
 from tokenmill.runner.request_states import RequestStates
 from tokenmill.runner.sample import Sampler
 from tokenmill.runner.spec_decode.decoder import ProposerContext, SpeculativeDecoder
-from tokenmill.runner.warmup import warm_up_attention, warm_up_forward, warm_up_lora, warm_up_token_bitmask
+from tokenmill.runner.warmup import (warm_up_attention, warm_up_cpu_batch_invariant, warm_up_forward, warm_up_lora,
+                                    warm_up_token_bitmask)
 
 logger = init_logger(__name__)
 
@@ -112,6 +114,7 @@ class ModelRunner:
         """KV-cache bytes one block takes: the target's, plus a draft model's own cache if any."""
         return self.kv_spec.bytes_per_block + (self.spec.kv_bytes_per_block() if self.spec is not None else 0)
 
+    @runner_numerics  # in the engine's batch_invariant mode (layers/batch_invariant.py), as the steps below
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs and piecewise graphs for prefill / mixed steps (CUDA only, after
         the KV cache exists; skipped with enforce_eager)."""
@@ -155,10 +158,13 @@ class ModelRunner:
         if self.spec is not None:  # the draft steps of a draft model or the layer-truncated draft
             self.spec.capture_cuda_graphs(min(self.config.max_num_seqs, self.config.cuda_graph_max_batch))
 
+    @runner_numerics
     def warm_up(self) -> None:
         """Compile the kernels of common step shapes and every attention variant before the first
         request (CUDA only): a compile under load stalls every running request."""
         if self.device.type != "cuda":
+            if self.config.batch_invariant:
+                warm_up_cpu_batch_invariant(self)
             return
         warm_up_forward(self)
         warm_up_token_bitmask(self)
@@ -194,6 +200,7 @@ class ModelRunner:
             self.states.remove(req_id)
 
     # ---- the step -------------------------------------------------------------------------
+    @runner_numerics
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> None:
         states = self.states
@@ -271,6 +278,7 @@ class ModelRunner:
                              self.pipeline):
             return self.model(input_ids, positions)
 
+    @runner_numerics
     @torch.inference_mode()
     def sample_tokens(self, grammar_bitmask: Optional[GrammarBitmask] = None) -> AsyncOutput:
         """Sample the step that execute_model() launched; grammar_bitmask: the structured-output masks
@@ -299,6 +307,7 @@ class ModelRunner:
                            prompt_logprobs=prompt_lp)
 
     # ---- dummy runs (profiling, warm-up): never touch request state ------------------------
+    @runner_numerics
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int, num_reqs: int = 1, sample: bool = False,
                   piecewise: bool = False, lora=None) -> torch.Tensor:
