@@ -18,6 +18,13 @@ attention each reduce in a different order. Here:
   online softmax visits key tiles from position 0 in BLOCK_N steps for every query, and tiles
   past a query's position leave its state unchanged.
 
+Not tuned: no GPU has run this path yet (2026-12-02). Expected costs, not measured: a one-token
+step's matmul has only N / BLOCK_N programs (64 for a 4096-row projection on 132 SMs), and a
+batch-1 decode attends with one program per KV head (no split-KV). A fixed split size of the keys,
+aligned to position 0 and used by prefill tiles too, would keep the order and restore the
+parallelism; a split-K with a fixed K chunk in every step would too, at the price of fp32
+partials [splits, M, N] for large steps.
+
 Elementwise ops, RMSNorm and the sampler are row-wise already (one reduction per row of a fixed
 length, independent of the row count; tests/kernels/test_batch_invariant.py checks the CPU ones).
 """
