@@ -117,3 +117,32 @@ def test_features_together_with_fp8_weights(kv_cache_dtype):
     jsonschema.validate(json.loads(together[1].outputs[0].text), SCHEMAS[0])
     assert banned not in together[3].outputs[0].token_ids
     assert_no_leaks(busy)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_features_together_batch_invariant(smollm, kv_cache_dtype):
+    """The busy run without speculation (which batch-invariant mode refuses): grammars, bad words,
+    allowed tokens, n = 2 with prompt logprobs, a seeded sampled request, chunked prefill,
+    preemption, the prefix cache and a step-time target, in batch-invariant mode (with the FP8 KV
+    cache too): each request's tokens and logprobs are bit for bit its run alone, where the default
+    mode allows FP8-cache runs to differ (test_features_together_with_fp8_weights)."""
+    plain = make_llm(smollm, batch_invariant=True, kv_cache_dtype=kv_cache_dtype)
+    busy = make_llm(smollm, batch_invariant=True, kv_cache_dtype=kv_cache_dtype, step_time_target_ms=20.0,
+                    **{k: v for k, v in BUSY.items() if k != "speculative_config"})
+    requests, _, banned = feature_requests(plain)
+    animals = requests[3][0]
+    requests.append((animals, SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=24, logprobs=3)))
+    alone = [plain.generate([p], q, use_tqdm=False)[0] for p, q in requests]
+    together = busy.generate([p for p, _ in requests], [q for _, q in requests], use_tqdm=False)
+    assert busy.engine.scheduler.num_preemptions > 0
+
+    def result(out):
+        return [(c.token_ids, c.logprobs and [{t: lp.logprob for t, lp in pos.items()} for pos in c.logprobs])
+                for c in out.outputs]
+
+    for want, got in zip(alone, together):
+        assert result(got) == result(want)
+    assert together[5].prompt_logprobs == alone[5].prompt_logprobs
+    jsonschema.validate(json.loads(together[1].outputs[0].text), SCHEMAS[0])
+    assert banned not in together[3].outputs[0].token_ids
+    assert_no_leaks(busy)
