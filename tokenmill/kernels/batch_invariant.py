@@ -29,6 +29,8 @@ Elementwise ops, RMSNorm and the sampler are row-wise already (one reduction per
 length, independent of the row count; tests/kernels/test_batch_invariant.py checks the CPU ones).
 """
 
+import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -44,8 +46,21 @@ KEY_BLOCK = 64  # keys per block in the CPU attention
 QUERY_ROWS = 16  # query rows per chunk in the CPU attention
 _SCORE_BYTES = 64 << 20  # the CPU attention's scores are built a few query chunks at a time
 
-# The CUDA matmul's one tile config.
-BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 64, 64, 4, 3
+
+
+@dataclass(frozen=True)
+class MatmulTiles:
+    """The CUDA matmul's launch config, one for every step: a block_m x block_n output tile per
+    program, K reduced in block_k steps within chunks of k_chunk (a multiple of block_k)."""
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    k_chunk: int = 512
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+MATMUL_TILES = MatmulTiles()
 
 
 def bi_attention_tiles(num_q_heads: int, num_kv_heads: int, head_dim: int) -> dict:
@@ -75,20 +90,15 @@ def linear_invariant_cpu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     return out[:m]
 
 
-@triton.jit(do_not_specialize=["M"])
-def _matmul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr):
-    """y[M, N] = x[M, K] @ w[N, K]^T (+ bias): one BLOCK_M x BLOCK_N tile per program, K reduced in
-    BLOCK_K steps from 0 in fp32 (the same steps for every row, whatever M is). WIDEN: the tiles
-    multiply in fp32 (Triton's interpreter multiplies bf16 tl.dot operands wrongly)."""
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+@triton.jit
+def _dot_chunk(x_ptr, w_ptr, rm, rn, m_ok, n_ok, k_start, K, stride_xm, stride_wn, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               WIDEN: tl.constexpr):
+    """x[rm, k] @ w[rn, k]^T over k in [k_start, k_start + K_CHUNK) and below K, in BLOCK_K steps
+    from zero, in fp32."""
     rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    n_ok = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, tl.minimum(k_start + K_CHUNK, K), BLOCK_K):
         kk = k0 + rk
         k_ok = kk < K
         a = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
@@ -99,14 +109,66 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   K_CHUNK: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+    """y[M, N] = x[M, K] @ w[N, K]^T (+ bias), one BLOCK_M x BLOCK_N tile per program. K is cut into
+    chunks of K_CHUNK from 0; each chunk is reduced from zero in BLOCK_K steps (fp32) and the chunks
+    are summed in order, total = ((0 + c0) + c1) + ... SPLIT: this program computes only chunk
+    program_id(2) and stores it (fp32) in y[chunk, M, N] for _sum_chunks_kernel, which sums them in
+    the same order, so both ways give the same bits. WIDEN: the tiles multiply in fp32 (Triton's
+    interpreter multiplies bf16 tl.dot operands wrongly)."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT:
+        chunk = tl.program_id(2)
+        acc = _dot_chunk(x_ptr, w_ptr, rm, rn, m_ok, n_ok, chunk * K_CHUNK, K, stride_xm, stride_wn, BLOCK_M, BLOCK_N,
+                         BLOCK_K, K_CHUNK, DOT_PRECISION, WIDEN)
+        tl.store(y_ptr + (chunk * M + rm.to(tl.int64))[:, None] * N + rn[None, :], acc, mask=mask)
+    else:
+        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k_start in range(0, K, K_CHUNK):
+            total += _dot_chunk(x_ptr, w_ptr, rm, rn, m_ok, n_ok, k_start, K, stride_xm, stride_wn, BLOCK_M,
+                                BLOCK_N, BLOCK_K, K_CHUNK, DOT_PRECISION, WIDEN)
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], total.to(y_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _sum_chunks_kernel(part_ptr, bias_ptr, y_ptr, M, N, CHUNKS, stride_ym, HAS_BIAS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """y[m, n] = ((0 + part[0, m, n]) + part[1, m, n]) + ... (+ bias[n]): one row block per program."""
+    m = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    n_ok = rn < N
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for c in range(0, CHUNKS):
+        total += tl.load(part_ptr + (c * M + m).to(tl.int64) * N + rn, mask=n_ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+        total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + rn, total.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-def linear_invariant_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The Triton matmul for x [M, K] and weight [N, K] of one dtype (fp32 products in IEEE fp32)."""
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def linear_invariant_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                            tiles: Optional[MatmulTiles] = None, split: Optional[bool] = None) -> torch.Tensor:
+    """The Triton matmul for x [M, K] and weight [N, K] of one dtype (fp32 products in IEEE fp32).
+    split: each K chunk in its own program, then the chunks summed by a second kernel (same bits);
+    None: when the tiles alone would leave SMs idle (small M) and K has more than one chunk."""
+    t = tiles or MATMUL_TILES
     if x.stride(-1) != 1:
         x = x.contiguous()
     assert weight.stride(-1) == 1 and x.dtype == weight.dtype, "x and weight: one dtype, rows contiguous"
@@ -115,13 +177,26 @@ def linear_invariant_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    chunks = triton.cdiv(k, t.k_chunk)
+    tile_grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
+    if split is None:
+        split = chunks > 1 and tile_grid[0] * tile_grid[1] < _sm_count(x.device)
     widen = x.dtype == torch.bfloat16 and not x.is_cuda
-    _matmul_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k,
-                         x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-                         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                         DOT_PRECISION="ieee" if x.dtype == torch.float32 or widen else "tf32", WIDEN=widen,
-                         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    meta = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, K_CHUNK=t.k_chunk,
+                DOT_PRECISION="ieee" if x.dtype == torch.float32 or widen else "tf32", WIDEN=widen,
+                num_warps=t.num_warps, num_stages=t.num_stages)
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else weight
+    if not split:
+        _matmul_kernel[tile_grid](x, weight, bias_arg, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+                                  HAS_BIAS=has_bias, SPLIT=False, **meta)
+        return y
+    part = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device)
+    _matmul_kernel[tile_grid + (chunks,)](x, weight, bias_arg, part, m, n, k, x.stride(0), weight.stride(0), n,
+                                          HAS_BIAS=False, SPLIT=True, **meta)
+    block = min(1024, triton.next_power_of_2(n))
+    _sum_chunks_kernel[(m, triton.cdiv(n, block))](part, bias_arg, y, m, n, chunks, y.stride(0), HAS_BIAS=has_bias,
+                                                   BLOCK=block, num_warps=4)
     return y
 
 
