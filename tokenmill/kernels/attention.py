@@ -359,12 +359,23 @@ def _attend_keys(
     q, q_pos, lo, edge, mid, hi, bt_row, k_base, v_base, qk_scale, window,
     stride_kb, stride_ks, stride_vb, stride_vs,
     SLIDING: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_ALL: tl.constexpr,
 ):
-    """Online softmax of a query tile over keys [lo, hi): (acc, l, m), unnormalised."""
+    """Online softmax of a query tile over keys [lo, hi): (acc, l, m), unnormalised. MASK_ALL: every
+    tile takes the masked code (batch-invariant mode): a key tile that one step visits unmasked and
+    another masked would otherwise round differently (the compiler fuses the unmasked tile's
+    scale-and-subtract into one FMA)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if MASK_ALL:
+        for start in range(lo, hi, BLOCK_N):
+            acc, l_i, m_i = _attn_kv_tile(
+                acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale, window,
+                stride_kb, stride_ks, stride_vb, stride_vs,
+                True, SLIDING, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION,
+            )
+        return acc, l_i, m_i
     for start in range(lo, edge, BLOCK_N):  # the window's lower edge (empty without a window)
         acc, l_i, m_i = _attn_kv_tile(
             acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale, window,
@@ -397,7 +408,7 @@ def _paged_attn_kernel(
     GROUP: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, DECODE_ONLY: tl.constexpr,
     SPLIT_KV: tl.constexpr, SLIDING: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, MASK_ALL: tl.constexpr,
 ):
     """Grid (query tiles, kv heads, num_splits); num_splits is a runtime int so that CUDA graphs of
     different batch sizes share one compiled kernel (SPLIT_KV only says whether it is > 1).
@@ -442,7 +453,7 @@ def _paged_attn_kernel(
         q, ctx + tok, lo, edge, mid, hi, block_tables_ptr + req.to(tl.int64) * stride_bt,
         k_cache_ptr + kv_head.to(tl.int64) * stride_kh, v_cache_ptr + kv_head.to(tl.int64) * stride_vh,
         qk_scale, window, stride_kb, stride_ks, stride_vb, stride_vs,
-        SLIDING, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION,
+        SLIDING, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION, MASK_ALL,
     )
     if KV_FP8:
         acc = acc * tl.load(kv_scale_ptr + 1)
@@ -606,13 +617,14 @@ def paged_attention_triton(
     max_query_len: Optional[int] = None, max_seq_len: Optional[int] = None,
     num_splits: Optional[int] = None, block_m: Optional[int] = None, block_n: Optional[int] = None,
     num_warps: Optional[int] = None, num_stages: Optional[int] = None, sliding_window: Optional[int] = None,
-    kv_scale: Optional[torch.Tensor] = None, **_unused_hints,
+    kv_scale: Optional[torch.Tensor] = None, mask_all: bool = False, **_unused_hints,
 ):
     """Triton paged attention, same semantics as paged_attention_ref; no host/device sync.
 
     Hints (Python ints): max_query_len (an upper bound of every q_len; defaults to T; 1 selects the
     decode grid), max_seq_len (only sizes the split count; None is fine), num_splits (forces the
-    split-KV count), block_m / block_n / num_warps / num_stages (override attention_config).
+    split-KV count), block_m / block_n / num_warps / num_stages (override attention_config),
+    mask_all (every key tile through the masked code: batch-invariant mode).
     sliding_window (None: off) and kv_scale (an FP8 cache's scales) are semantics, not hints. Only
     output rows of real requests are written.
     """
@@ -648,7 +660,7 @@ def paged_attention_triton(
         SPLIT_KV=plan.num_splits > 1, SLIDING=sliding_window is not None, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, PAGE_SIZE=page_size,
         BLOCK_B=1 if plan.decode_only else 128,  # fixed: one compile for every batch size
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=fp8,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=fp8, MASK_ALL=mask_all,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if plan.num_splits > 1:

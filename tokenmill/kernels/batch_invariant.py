@@ -8,22 +8,20 @@ attention each reduce in a different order. Here:
 
 - linear: on the CPU, the rows go through torch's matmul in fixed chunks of CPU_ROWS (the last
   one padded with zeros), so every product has the same shape; on CUDA, one Triton matmul with a
-  fixed tile (no split-K, no per-shape choice) reduces K in the same BLOCK_K steps for every row.
+  fixed tile (MATMUL_TILES, no per-shape choice). K is cut into fixed chunks from 0, each reduced
+  in BLOCK_K steps and the chunks summed in order. A step whose tiles would leave SMs idle (batch-1
+  decode: N / BLOCK_N programs) gives each chunk its own program and sums the fp32 partials in
+  the same order in a second kernel: the same bits with chunks x more programs.
 - attention: on the CPU, keys in fixed blocks of KEY_BLOCK aligned to position 0 and queries in
   fixed chunks of QUERY_ROWS; the row maximum over every visible key (exact in any order), then per
   block one fixed-shape product of the probabilities with [V | 1] (values and the softmax sum
   together), the blocks summed in position order. Blocks a query cannot see add exact zeros, so a
   decode token and the same token inside a prompt chunk compute the same numbers. On CUDA, the
-  paged attention kernel with one fixed tile config and no split-KV (BI_ATTENTION_TILES): its
-  online softmax visits key tiles from position 0 in BLOCK_N steps for every query, and tiles
-  past a query's position leave its state unchanged.
-
-Not tuned: no GPU has run this path yet (2026-12-02). Expected costs, not measured: a one-token
-step's matmul has only N / BLOCK_N programs (64 for a 4096-row projection on 132 SMs), and a
-batch-1 decode attends with one program per KV head (no split-KV). A fixed split size of the keys,
-aligned to position 0 and used by prefill tiles too, would keep the order and restore the
-parallelism; a split-K with a fixed K chunk in every step would too, at the price of fp32
-partials [splits, M, N] for large steps.
+  paged attention kernel with one fixed tile config and no split-KV (bi_attention_tiles): its
+  online softmax visits key tiles from position 0 in BLOCK_N steps for every query, every tile
+  through the masked code, and tiles past a query's position leave its state unchanged. A batch-1
+  decode attends with one program per KV head (no split-KV); a fixed split size of the keys,
+  aligned to position 0 and used by prefill tiles too, would keep the order with more programs.
 
 Elementwise ops, RMSNorm and the sampler are row-wise already (one reduction per row of a fixed
 length, independent of the row count; tests/kernels/test_batch_invariant.py checks the CPU ones).
@@ -60,17 +58,17 @@ class MatmulTiles:
     num_stages: int = 3
 
 
-MATMUL_TILES = MatmulTiles()
+MATMUL_TILES = MatmulTiles(k_chunk=1024)  # H200, 2026-12-02: the fastest of bi_matmul_bench.py's at 1 to 256 rows
 
 
 def bi_attention_tiles(num_q_heads: int, num_kv_heads: int, head_dim: int) -> dict:
     """The paged attention kernel's one launch config in batch-invariant mode (every step, decode or
     prefill, any batch): 64 (token, head) rows (at least a GQA group), 64 keys (32 past 128 dims),
-    4 warps, 2 stages, one split."""
+    4 warps, 2 stages, one split, every key tile through the masked code."""
     group = num_q_heads // num_kv_heads
     wide = triton.next_power_of_2(head_dim) > 128
     return dict(block_m=max(64, triton.next_power_of_2(group)), block_n=32 if wide else 64, num_warps=4,
-                num_stages=2, num_splits=1)
+                num_stages=2, num_splits=1, mask_all=True)
 
 
 # ----------------------------------------------------------------------------------------------
