@@ -205,3 +205,27 @@ def test_out_argument(device):
         got = fn(s.positions, s.q, s.k, s.v, s.cos_sin, *s.caches(1), s.slots, s.q_w, s.k_w, EPS, out=out)
         assert got.data_ptr() == out.data_ptr()
         assert rel_err(out, q_ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fixed_grid_rows_are_the_same_in_every_step(device, monkeypatch):
+    """fixed_grid (batch-invariant mode): a token's rotated q and cache row are bitwise the same
+    in a step of 1 token and in one past TOKEN_GRID_MIN_TOKENS (where the default grid changes)."""
+    torch.manual_seed(1)
+    if device == "cpu":  # the interpreter at small shapes: the default grid would switch at 4 tokens
+        monkeypatch.setattr(qkv_prep_module, "TOKEN_GRID_MIN_TOKENS", 4)
+    shape = QWEN3_0_6B if device == "cuda" else GROUP3_SMALL
+    tokens = qkv_prep_module.TOKEN_GRID_MIN_TOKENS + 4
+    pages = tokens // PAGE + 2
+    s = make_step(shape, tokens, pages, torch.bfloat16, device)
+    s.slots = torch.arange(tokens, device=device)  # every token stores its k/v
+    caches = s.caches(pages)
+    full = qkv_prep_triton(s.positions, s.q, s.k, s.v, s.cos_sin, *caches, s.slots, s.q_w, s.k_w, EPS,
+                           fixed_grid=True)
+    for t in (0, 3, tokens - 1):
+        one_caches = s.caches(pages)
+        sl = slice(t, t + 1)
+        one = qkv_prep_triton(s.positions[sl], s.q[sl], s.k[sl], s.v[sl], s.cos_sin, *one_caches, s.slots[sl],
+                              s.q_w, s.k_w, EPS, fixed_grid=True)
+        assert torch.equal(one[0], full[t]), t
+        assert torch.equal(one_caches[0][t // PAGE, t % PAGE], caches[0][t // PAGE, t % PAGE]), t

@@ -114,9 +114,13 @@ def _qkv_prep_kernel(
 def qkv_prep_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
                     q_norm_weight: Optional[torch.Tensor] = None, k_norm_weight: Optional[torch.Tensor] = None,
                     eps: float = 0.0, out: Optional[torch.Tensor] = None,
-                    kv_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    kv_scale: Optional[torch.Tensor] = None, fixed_grid: bool = False) -> torch.Tensor:
     """Triton version of qkv_prep_ref, one launch; the rotated q is a new contiguous [T, Hq, D]
     (not in place: see _norm_rotate), or goes into `out` (contiguous, that shape).
+
+    Steps of TOKEN_GRID_MIN_TOKENS or more give a program all kv heads of a token, which changes
+    the q/k norm's reduction layout; fixed_grid (batch-invariant mode) keeps one kv head per
+    program in every step.
 
     q/k/v may be strided views of one qkv buffer (unit last stride), which is left unchanged. No
     host/device sync, and the grid depends only on shapes (CUDA-graph safe).
@@ -139,7 +143,7 @@ def qkv_prep_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_ma
     if tokens == 0:
         return q_out
 
-    kv_per_prog = num_kv_heads if tokens >= TOKEN_GRID_MIN_TOKENS else 1
+    kv_per_prog = num_kv_heads if tokens >= TOKEN_GRID_MIN_TOKENS and not fixed_grid else 1
     block_q = triton.next_power_of_2(kv_per_prog * group)
     block_d = triton.next_power_of_2(head_dim)
     w_q, w_k = (q_norm_weight, k_norm_weight) if has_norm else (q, k)  # unused without the norm
@@ -159,12 +163,12 @@ def qkv_prep_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_ma
 
 
 def qkv_prep(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-             q_norm_weight=None, k_norm_weight=None, eps=0.0, out=None, kv_scale=None):
+             q_norm_weight=None, k_norm_weight=None, eps=0.0, out=None, kv_scale=None, fixed_grid=False):
     """Dispatch: the fused Triton kernel on CUDA, the torch composition elsewhere; returns rotated q
     (written into `out` when given)."""
     if use_triton(q):
         return qkv_prep_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                               q_norm_weight, k_norm_weight, eps, out, kv_scale)
+                               q_norm_weight, k_norm_weight, eps, out, kv_scale, fixed_grid)
     q_rot = qkv_prep_ref(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
                          q_norm_weight, k_norm_weight, eps, kv_scale)
     return q_rot if out is None else out.copy_(q_rot)

@@ -42,7 +42,8 @@ class Attention(nn.Module):
         splitter = ctx.splitter
         q = qkv_prep(positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
                      q_norm_weight, k_norm_weight, norm_eps,
-                     out=splitter.q_buffer(q.shape[0]) if splitter is not None else None, kv_scale=self.kv_scale)
+                     out=splitter.q_buffer(q.shape[0]) if splitter is not None else None, kv_scale=self.kv_scale,
+                     fixed_grid=is_batch_invariant())
         if splitter is not None:  # capturing piecewise graphs: attention runs between the pieces
             out = splitter.split(self)
         else:
