@@ -11,10 +11,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels.attention import FP8_KV_DTYPE, paged_attention_ref, paged_attention_sdpa, quantize_kv_ref
+from tokenmill.kernels.attention import (
+    FP8_KV_DTYPE,
+    paged_attention_ref,
+    paged_attention_sdpa,
+    paged_attention_triton,
+    quantize_kv_ref,
+)
 from tokenmill.kernels.batch_invariant import (
     CPU_ROWS,
     MatmulTiles,
+    bi_attention_tiles,
     linear_invariant,
     linear_invariant_cpu,
     linear_invariant_triton,
@@ -196,6 +203,22 @@ def test_default_cpu_attention_is_not_invariant():
 @pytest.mark.parametrize("device", DEVICES)
 def test_triton_attention_same_in_every_step_kind(device):
     _check_step_kinds(paged_attention_invariant, device, torch.float32, seq_len=150)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: on the interpreter tl.dot is numpy's BLAS "
+                    "(its rounding depends on a row's place in the tile; bf16 operands multiply wrongly)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("variant", ["fma_scores", "mask_all"])
+def test_triton_attention_ways_to_invariance(dtype, variant):
+    """The Triton kernel with the mode's fixed tiles and either of its two ways to the same bits in
+    every step kind (an explicit fma for the exponent, or every tile masked)."""
+    device = "cuda"
+    def fn(q, k_cache, v_cache, qsl, seq_lens, tables, scale, **kw):
+        tiles = bi_attention_tiles(q.shape[1], k_cache.shape[2], q.shape[2])
+        tiles.update(fma_scores=variant == "fma_scores", mask_all=variant == "mask_all")
+        return paged_attention_triton(q, k_cache, v_cache, qsl, seq_lens, tables, scale, **tiles, **kw)
+
+    _check_step_kinds(fn, device, dtype, seq_len=150)
 
 
 # ---- row-wise ops the mode keeps -----------------------------------------------------------

@@ -285,9 +285,12 @@ def _attn_kv_tile(
     acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale, window,
     stride_kb, stride_ks, stride_vb, stride_vs,
     MASKED: tl.constexpr, SLIDING: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, FMA_SCORES: tl.constexpr,
 ):
-    """One online-softmax step over keys [start, start + BLOCK_N) (exp2 domain)."""
+    """One online-softmax step over keys [start, start + BLOCK_N) (exp2 domain). FMA_SCORES: the
+    exponent is one explicit fma(q.k, scale, -max), masked tile or not (batch-invariant mode);
+    otherwise the compiler may fuse the unmasked tile's scale-and-subtract and not the masked one's,
+    so a key tile rounds differently in a step that visits it masked."""
     n = start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     if MASKED:
@@ -305,7 +308,8 @@ def _attn_kv_tile(
     else:
         kt = tl.load(kt_ptrs)
     # An FP8 cache's bytes widen to q's dtype (no-op otherwise); its scale is in qk_scale.
-    s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+    qk = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PRECISION)
+    s = qk * qk_scale
     if MASKED:
         visible = n_live[None, :] & (n[None, :] <= q_pos[:, None])
         if SLIDING:
@@ -316,7 +320,13 @@ def _attn_kv_tile(
     if MASKED:
         # A row may see no key yet (split ranges, padding rows): keep exp2 away from inf - inf.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_use[:, None])
+    if FMA_SCORES:
+        e = tl.fma(qk, tl.full(qk.shape, 1.0, tl.float32) * qk_scale, tl.zeros_like(qk) - m_use[:, None])
+        if MASKED:
+            e = tl.where(visible, e, float("-inf"))
+        p = tl.math.exp2(e)
+    else:
+        p = tl.math.exp2(s - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     v_ptrs = v_base + v_offs[:, None] + dims[None, :]  # [N, D]
@@ -360,11 +370,11 @@ def _attend_keys(
     stride_kb, stride_ks, stride_vb, stride_vs,
     SLIDING: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_ALL: tl.constexpr,
+    FMA_SCORES: tl.constexpr,
 ):
     """Online softmax of a query tile over keys [lo, hi): (acc, l, m), unnormalised. MASK_ALL: every
-    tile takes the masked code (batch-invariant mode): a key tile that one step visits unmasked and
-    another masked would otherwise round differently (the compiler fuses the unmasked tile's
-    scale-and-subtract into one FMA)."""
+    tile takes the masked code, so a key tile rounds the same in every step (FMA_SCORES in
+    _attn_kv_tile is the other way to that, and keeps the unmasked tiles)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -373,27 +383,27 @@ def _attend_keys(
             acc, l_i, m_i = _attn_kv_tile(
                 acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale, window,
                 stride_kb, stride_ks, stride_vb, stride_vs,
-                True, SLIDING, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION,
+                True, SLIDING, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION, FMA_SCORES,
             )
         return acc, l_i, m_i
     for start in range(lo, edge, BLOCK_N):  # the window's lower edge (empty without a window)
         acc, l_i, m_i = _attn_kv_tile(
             acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale, window,
             stride_kb, stride_ks, stride_vb, stride_vs,
-            True, SLIDING, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION,
+            True, SLIDING, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION, FMA_SCORES,
         )
     for start in range(edge, mid, BLOCK_N):
         acc, l_i, m_i = _attn_kv_tile(
             acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale, window,
             stride_kb, stride_ks, stride_vb, stride_vs,
-            False, SLIDING, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION,
+            False, SLIDING, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION, FMA_SCORES,
         )
     # The diagonal and the ragged end: masked. Fully-masked tiles past hi are never visited.
     for start in range(mid, hi, BLOCK_N):
         acc, l_i, m_i = _attn_kv_tile(
             acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale, window,
             stride_kb, stride_ks, stride_vb, stride_vs,
-            True, SLIDING, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION,
+            True, SLIDING, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION, FMA_SCORES,
         )
     return acc, l_i, m_i
 
@@ -408,7 +418,7 @@ def _paged_attn_kernel(
     GROUP: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, DECODE_ONLY: tl.constexpr,
     SPLIT_KV: tl.constexpr, SLIDING: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, MASK_ALL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, MASK_ALL: tl.constexpr, FMA_SCORES: tl.constexpr,
 ):
     """Grid (query tiles, kv heads, num_splits); num_splits is a runtime int so that CUDA graphs of
     different batch sizes share one compiled kernel (SPLIT_KV only says whether it is > 1).
@@ -453,7 +463,7 @@ def _paged_attn_kernel(
         q, ctx + tok, lo, edge, mid, hi, block_tables_ptr + req.to(tl.int64) * stride_bt,
         k_cache_ptr + kv_head.to(tl.int64) * stride_kh, v_cache_ptr + kv_head.to(tl.int64) * stride_vh,
         qk_scale, window, stride_kb, stride_ks, stride_vb, stride_vs,
-        SLIDING, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION, MASK_ALL,
+        SLIDING, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION, MASK_ALL, FMA_SCORES,
     )
     if KV_FP8:
         acc = acc * tl.load(kv_scale_ptr + 1)
@@ -617,14 +627,15 @@ def paged_attention_triton(
     max_query_len: Optional[int] = None, max_seq_len: Optional[int] = None,
     num_splits: Optional[int] = None, block_m: Optional[int] = None, block_n: Optional[int] = None,
     num_warps: Optional[int] = None, num_stages: Optional[int] = None, sliding_window: Optional[int] = None,
-    kv_scale: Optional[torch.Tensor] = None, mask_all: bool = False, **_unused_hints,
+    kv_scale: Optional[torch.Tensor] = None, mask_all: bool = False, fma_scores: bool = False, **_unused_hints,
 ):
     """Triton paged attention, same semantics as paged_attention_ref; no host/device sync.
 
     Hints (Python ints): max_query_len (an upper bound of every q_len; defaults to T; 1 selects the
     decode grid), max_seq_len (only sizes the split count; None is fine), num_splits (forces the
     split-KV count), block_m / block_n / num_warps / num_stages (override attention_config),
-    mask_all (every key tile through the masked code: batch-invariant mode).
+    mask_all (every key tile through the masked code) and fma_scores (one explicit fma for the
+    softmax exponent, masked or not): two ways to batch invariance (kernels/batch_invariant.py).
     sliding_window (None: off) and kv_scale (an FP8 cache's scales) are semantics, not hints. Only
     output rows of real requests are written.
     """
@@ -661,6 +672,7 @@ def paged_attention_triton(
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, PAGE_SIZE=page_size,
         BLOCK_B=1 if plan.decode_only else 128,  # fixed: one compile for every batch size
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=fp8, MASK_ALL=mask_all,
+        FMA_SCORES=fma_scores,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if plan.num_splits > 1:

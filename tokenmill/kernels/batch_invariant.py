@@ -18,8 +18,9 @@ attention each reduce in a different order. Here:
   together), the blocks summed in position order. Blocks a query cannot see add exact zeros, so a
   decode token and the same token inside a prompt chunk compute the same numbers. On CUDA, the
   paged attention kernel with one fixed tile config and no split-KV (bi_attention_tiles): its
-  online softmax visits key tiles from position 0 in BLOCK_N steps for every query, every tile
-  through the masked code, and tiles past a query's position leave its state unchanged. A batch-1
+  online softmax visits key tiles from position 0 in BLOCK_N steps for every query, its exponent
+  one explicit fma whether a tile is masked or not (a decode token visits unmasked a key tile that
+  a prompt tile visits masked), and tiles past a query's position leave its state unchanged. A batch-1
   decode attends with one program per KV head (no split-KV); a fixed split size of the keys,
   aligned to position 0 and used by prefill tiles too, would keep the order with more programs.
 
@@ -64,11 +65,11 @@ MATMUL_TILES = MatmulTiles(k_chunk=1024)  # H200, 2026-12-02: the fastest of bi_
 def bi_attention_tiles(num_q_heads: int, num_kv_heads: int, head_dim: int) -> dict:
     """The paged attention kernel's one launch config in batch-invariant mode (every step, decode or
     prefill, any batch): 64 (token, head) rows (at least a GQA group), 64 keys (32 past 128 dims),
-    4 warps, 2 stages, one split, every key tile through the masked code."""
+    4 warps, 2 stages, one split, the softmax exponent one explicit fma in every key tile."""
     group = num_q_heads // num_kv_heads
     wide = triton.next_power_of_2(head_dim) > 128
     return dict(block_m=max(64, triton.next_power_of_2(group)), block_n=32 if wide else 64, num_warps=4,
-                num_stages=2, num_splits=1, mask_all=True)
+                num_stages=2, num_splits=1, fma_scores=True)
 
 
 # ----------------------------------------------------------------------------------------------
