@@ -36,9 +36,11 @@ MODELS = {
     "qwen3-0.6b": (1024, 3072, 16, 8, 128, 151936),
     "llama3.1-8b": (4096, 14336, 32, 8, 128, 128256),
 }
-CONFIGS = [MATMUL_TILES, MatmulTiles(k_chunk=1024), MatmulTiles(block_n=128), MatmulTiles(block_n=128, num_warps=8),
-           MatmulTiles(block_n=128, num_stages=4), MatmulTiles(block_k=128, num_stages=2),
-           MatmulTiles(block_m=128, block_n=128, num_warps=8)]
+# The engine's (MATMUL_TILES: 64 x 64 x 64, chunks of 1,024) and the others d38edfe's sweep tried.
+CONFIGS = [MATMUL_TILES, MatmulTiles(k_chunk=512), MatmulTiles(block_n=128, k_chunk=512),
+           MatmulTiles(block_n=128, k_chunk=512, num_warps=8), MatmulTiles(block_n=128, k_chunk=512, num_stages=4),
+           MatmulTiles(block_k=128, k_chunk=512, num_stages=2),
+           MatmulTiles(block_m=128, block_n=128, k_chunk=512, num_warps=8)]
 
 
 def shapes(model: str) -> list[tuple[str, int, int]]:

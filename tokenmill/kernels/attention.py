@@ -378,14 +378,9 @@ def _attend_keys(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if MASK_ALL:
-        for start in range(lo, hi, BLOCK_N):
-            acc, l_i, m_i = _attn_kv_tile(
-                acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale, window,
-                stride_kb, stride_ks, stride_vb, stride_vs,
-                True, SLIDING, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION, FMA_SCORES,
-            )
-        return acc, l_i, m_i
+    if MASK_ALL:  # the first (masked) loop takes every tile
+        edge = hi
+        mid = hi
     for start in range(lo, edge, BLOCK_N):  # the window's lower edge (empty without a window)
         acc, l_i, m_i = _attn_kv_tile(
             acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale, window,

@@ -28,7 +28,6 @@ Elementwise ops, RMSNorm and the sampler are row-wise already (one reduction per
 length, independent of the row count; tests/kernels/test_batch_invariant.py checks the CPU ones).
 """
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,14 +36,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tokenmill.kernels._dispatch import use_triton
+from tokenmill.kernels._dispatch import sm_count, use_triton
 from tokenmill.kernels.attention import _check_kv_scale, _gather_kv, _live_requests, paged_attention_triton
 
 CPU_ROWS = 16  # rows per torch matmul on the CPU
 KEY_BLOCK = 64  # keys per block in the CPU attention
 QUERY_ROWS = 16  # query rows per chunk in the CPU attention
 _SCORE_BYTES = 64 << 20  # the CPU attention's scores are built a few query chunks at a time
-
 
 
 @dataclass(frozen=True)
@@ -54,12 +52,12 @@ class MatmulTiles:
     block_m: int = 64
     block_n: int = 64
     block_k: int = 64
-    k_chunk: int = 512
+    k_chunk: int = 1024
     num_warps: int = 4
     num_stages: int = 3
 
 
-MATMUL_TILES = MatmulTiles(k_chunk=1024)  # H200, 2026-12-02: the fastest of bi_matmul_bench.py's at 1 to 256 rows
+MATMUL_TILES = MatmulTiles()  # H200, 2026-12-02 (d38edfe): the fastest of bi_matmul_bench.py's at 1 to 256 rows
 
 
 def bi_attention_tiles(num_q_heads: int, num_kv_heads: int, head_dim: int) -> dict:
@@ -157,11 +155,6 @@ def _sum_chunks_kernel(part_ptr, bias_ptr, y_ptr, M, N, CHUNKS, stride_ym, HAS_B
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rn, total.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 def linear_invariant_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                             tiles: Optional[MatmulTiles] = None, split: Optional[bool] = None) -> torch.Tensor:
     """The Triton matmul for x [M, K] and weight [N, K] of one dtype (fp32 products in IEEE fp32).
@@ -179,7 +172,7 @@ def linear_invariant_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
     chunks = triton.cdiv(k, t.k_chunk)
     tile_grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
     if split is None:
-        split = chunks > 1 and tile_grid[0] * tile_grid[1] < _sm_count(x.device)
+        split = chunks > 1 and tile_grid[0] * tile_grid[1] < sm_count(x.device)
     widen = x.dtype == torch.bfloat16 and not x.is_cuda
     meta = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, K_CHUNK=t.k_chunk,
                 DOT_PRECISION="ieee" if x.dtype == torch.float32 or widen else "tf32", WIDEN=widen,
