@@ -1,11 +1,14 @@
 """SiLU-and-mul: the gated activation of Llama-family MLPs."""
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from tokenmill.kernels._dispatch import use_triton
+from tokenmill.kernels.fp8_quant import quantize_rows_fp8
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -15,16 +18,51 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _silu_mul(x_ptrs, d, mask):
+    """silu(gate) * up in fp32 at x_ptrs (gate) and x_ptrs + d (up), zero where masked off."""
+    gate = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptrs + d, mask=mask, other=0.0)
+    # Round silu(gate) to the input dtype before the product, as the two torch ops do.
+    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+    return act.to(tl.float32) * up.to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, BLOCK: tl.constexpr):
     """Grid (rows, cdiv(d, BLOCK)): one BLOCK-wide slice of one row."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
-    # Round silu(gate) to the input dtype before the product, as the two torch ops do.
-    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-    tl.store(out_ptr + row * d + cols, act.to(tl.float32) * up.to(tl.float32), mask=mask)
+    tl.store(out_ptr + row * d + cols, _silu_mul(x_ptr + row * stride_x + cols, d, mask), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, d, stride_x, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+    """Grid (rows,): one row's silu(gate) * up, rounded to the input dtype as _silu_and_mul_kernel
+    stores it, then quantized to e4m3 with one scale for the row (kernels/fp8_quant.py). A row of
+    up to BLOCK features stays in registers; a longer one (CHUNKS > 1) is computed twice, once
+    for its largest magnitude and once to quantize (the second time from the cache)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    cols = tl.arange(0, BLOCK)
+    if CHUNKS == 1:
+        mask = cols < d
+        v = _silu_mul(x_row + cols, d, mask).to(x_ptr.dtype.element_ty).to(tl.float32)
+        quantize_rows_fp8(v[None, :], (q_ptr + row * d + cols)[None, :], s_ptr + row + tl.zeros([1], tl.int64),
+                          mask[None, :], tl.full([1], True, tl.int1))
+    else:
+        amax = tl.zeros([BLOCK], tl.float32)
+        for c in range(CHUNKS):
+            cc = c * BLOCK + cols
+            v = _silu_mul(x_row + cc, d, cc < d).to(x_ptr.dtype.element_ty).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), 1e-12)  # as quantize_rows_fp8
+        for c in range(CHUNKS):
+            cc = c * BLOCK + cols
+            v = _silu_mul(x_row + cc, d, cc < d).to(x_ptr.dtype.element_ty).to(tl.float32)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
+            tl.store(q_ptr + row * d + cc, q.to(q_ptr.dtype.element_ty), mask=cc < d)
+        tl.store(s_ptr + row, scale)
 
 
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
@@ -41,6 +79,29 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     grid = (rows, triton.cdiv(d, block))
     _silu_and_mul_kernel[grid](x2, out, d, x2.stride(0), BLOCK=block, num_warps=4)
     return out
+
+
+# The longest row silu_and_mul_quant_fp8_triton keeps in registers, 4 warps a program; longer rows
+# take chunks of this size, twice (prefill's 14,336-wide rows in one block of 16 warps left one
+# program an SM, and the kernel at 45 % of the HBM rate: H200, 2026-12-02).
+QUANT_ROW_BLOCK = 2048
+
+
+def silu_and_mul_quant_fp8_triton(x: torch.Tensor, block: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu_and_mul_triton's rows quantized to e4m3 per row in the same launch: (x_q [M, d] e4m3,
+    scales [M, 1] fp32), bit for bit silu_and_mul_triton and then
+    kernels/fp8_quant.quantize_per_token_fp8_triton. x [M, 2d], unit last stride; block: the
+    features a program holds at once (default QUANT_ROW_BLOCK; benchmarks/fp8_gemm_bench.py
+    --prologues compares)."""
+    assert x.dim() == 2 and x.stride(-1) == 1
+    rows, d = x.shape[0], x.shape[1] // 2
+    q = torch.empty((rows, d), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows and d:
+        block = min(block or QUANT_ROW_BLOCK, triton.next_power_of_2(d))
+        _silu_and_mul_quant_kernel[(rows,)](x, q, s, d, x.stride(0), BLOCK=block, CHUNKS=triton.cdiv(d, block),
+                                            num_warps=max(4, min(16, block // 1024)))
+    return q, s
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,10 @@ torch version is about six passes over the activations in fp32 (a copy, abs, ama
 clamp, the cast); here one program per row reads its row twice (the second time from L2: the max,
 then the quantized row) and writes one byte per element and the scale.
 Reference: quantization/fp8.quantize_activation_fp8.
+
+quantize_rows_fp8 is the same quantization as an epilogue for kernels that already hold whole rows
+(the RMSNorm of kernels/norm.py, the SiLU-and-mul of kernels/activation.py): they write the W8A8
+matmul's input and scales directly, instead of a 16-bit row that this kernel then reads.
 """
 
 import torch
@@ -13,6 +17,17 @@ import triton.language as tl
 
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12
+
+
+@triton.jit
+def quantize_rows_fp8(v, q_ptrs, s_ptrs, mask, row_ok):
+    """Quantize the rows of v [R, B] fp32 (each whole row, zero where masked off), as
+    _quant_rows_kernel does: the e4m3 bytes to q_ptrs [R, B] (under mask), each row's scale to
+    s_ptrs [R] (under row_ok)."""
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=1), 448.0), 1e-12)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -448.0), 448.0)
+    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
+    tl.store(s_ptrs, scale, mask=row_ok)
 
 
 @triton.jit

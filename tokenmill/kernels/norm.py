@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels._dispatch import use_triton
+from tokenmill.kernels.fp8_quant import quantize_rows_fp8
 
 
 def rms_norm_ref(
@@ -24,14 +25,17 @@ def rms_norm_ref(
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
-    x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr,
+    x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, scale_ptr,
     num_rows, rows_inner, hidden, eps,
     stride_x0, stride_x1, stride_r0, stride_r1, stride_ro0, stride_ro1,
     HAS_RESIDUAL: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    QUANT_FP8: tl.constexpr,
 ):
-    """One program normalises ROWS rows; a row is (r // rows_inner, r % rows_inner) of a [R0, R1, H] view."""
+    """One program normalises ROWS rows; a row is (r // rows_inner, r % rows_inner) of a [R0, R1, H] view.
+    QUANT_FP8: out_ptr is e4m3 and takes the normalised rows (as rounded to x's dtype) quantized per
+    row, with their scales at scale_ptr (kernels/fp8_quant.py)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_H)
     row_ok = rows < num_rows
@@ -54,7 +58,11 @@ def _rms_norm_kernel(
     # Round the normalised value to the input dtype before the weight multiply (HF Llama order).
     h = (h * inv_rms[:, None]).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], h * w[None, :], mask=mask)
+    out_ptrs = out_ptr + rows[:, None] * hidden + cols[None, :]
+    if QUANT_FP8:
+        quantize_rows_fp8((h * w[None, :]).to(x.dtype).to(tl.float32), out_ptrs, scale_ptr + rows, mask, row_ok)
+    else:
+        tl.store(out_ptrs, h * w[None, :], mask=mask)
 
 
 def _row_view(t: torch.Tensor) -> Optional[tuple[int, int, int]]:
@@ -125,12 +133,36 @@ def rms_norm_triton(
     block_h, rows, num_warps = _norm_launch_config(hidden)
     grid = (triton.cdiv(num_rows, rows),)
     _rms_norm_kernel[grid](
-        x, r_arg, ro_arg, weight, out,
+        x, r_arg, ro_arg, weight, out, out,
         num_rows, inner, hidden, eps,
         sx0, sx1, sr0, sr1, so0, so1,
-        HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK_H=block_h, num_warps=num_warps,
+        HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK_H=block_h, QUANT_FP8=False, num_warps=num_warps,
     )
     return out if residual is None else (out, res_out)
+
+
+def rms_norm_quant_fp8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                              residual: Optional[torch.Tensor] = None):
+    """rms_norm_triton's rows quantized to e4m3 per row in the same launch: (x_q [M, H] e4m3,
+    scales [M, 1] fp32, the residual stream x + residual or x). Bit for bit rms_norm_triton and then
+    kernels/fp8_quant.quantize_per_token_fp8_triton, without the 16-bit rows between them. x (and
+    residual, whose buffer takes the sum as in rms_norm_triton) are contiguous [M, H] of weight's
+    dtype."""
+    assert x.dim() == 2 and x.is_contiguous() and x.dtype == weight.dtype
+    assert residual is None or (residual.shape == x.shape and residual.is_contiguous() and residual.dtype == x.dtype)
+    num_rows, hidden = x.shape
+    q = torch.empty((num_rows, hidden), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
+    if num_rows:
+        block_h, rows, num_warps = _norm_launch_config(hidden)
+        r_arg = x if residual is None else residual
+        _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
+            x, r_arg, r_arg, weight, q, scale,
+            num_rows, 1, hidden, eps,
+            hidden, 0, hidden, 0, hidden, 0,
+            HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK_H=block_h, QUANT_FP8=True, num_warps=num_warps,
+        )
+    return q, scale, (x if residual is None else residual)
 
 
 def rms_norm(x, weight, eps, residual=None):

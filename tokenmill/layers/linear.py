@@ -18,7 +18,8 @@ from tokenmill.kernels.batch_invariant import linear_invariant
 from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, PLAIN, SILU_MUL
 from tokenmill.layers.batch_invariant import is_batch_invariant
 from tokenmill.layers.forward_context import current_forward_context
-from tokenmill.quantization.fp8 import FP8_DTYPE, fp8_linear, quantize_weight_fp8, requantize_blockwise_fp8
+from tokenmill.quantization.fp8 import (FP8_DTYPE, fp8_linear, fp8_linear_after_norm, fp8_linear_after_silu_mul,
+                                        quantize_weight_fp8, requantize_blockwise_fp8)
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if dst.shape != src.shape:
@@ -40,6 +41,7 @@ FUSED_MAX_ROWS = 1
 
 
 class LinearBase(nn.Module):
+    BIAS_AFTER_REDUCTION = False  # row-parallel layers add the bias after the all-reduce
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype=None, device=None):
         super().__init__()
         self.in_features = in_features
@@ -198,15 +200,19 @@ class LinearBase(nn.Module):
             if lora is not None and not in_kernel:
                 lora.apply(self, x if summed is None else summed, prologue, norm, y)
         else:
-            if prologue == SILU_MUL:
-                x = silu_and_mul(x)
-            elif prologue == ADD_RMSNORM:
-                x = norm(x, residual)
-                if residual is not None:
-                    x, summed = x
-            y = self._matmul(x, self.bias)
-            if lora is not None:
-                lora.apply(self, x, PLAIN, None, y)
+            fused = self._fp8_after_prologue(x, prologue, residual, norm) if lora is None else None
+            if fused is not None:
+                y, summed = fused
+            else:
+                if prologue == SILU_MUL:
+                    x = silu_and_mul(x)
+                elif prologue == ADD_RMSNORM:
+                    x = norm(x, residual)
+                    if residual is not None:
+                        x, summed = x
+                y = self._matmul(x, self.bias)
+                if lora is not None:
+                    lora.apply(self, x, PLAIN, None, y)
         y = self._finish(y)
         return y if summed is None else (y, summed)
 
@@ -219,6 +225,22 @@ class LinearBase(nn.Module):
             return False
         ctx = current_forward_context()
         return ctx is None or ctx.small_batch_fusion
+
+    def _fp8_after_prologue(self, x: torch.Tensor, prologue: int, residual: Optional[torch.Tensor],
+                            norm: Optional[nn.Module]):
+        """FP8 weights after an RMSNorm or the SiLU-and-mul: (y, the residual stream or None) with
+        the op and the activation quantization in one launch (quantization/fp8.py), or None where
+        that does not apply."""
+        if self.weight_scale is None or prologue == PLAIN:
+            return None
+        bias = None if self.BIAS_AFTER_REDUCTION else self.bias
+        if prologue == SILU_MUL:
+            y = fp8_linear_after_silu_mul(x, self.weight, self.weight_scale, bias)
+            return None if y is None else (y, None)
+        fused = fp8_linear_after_norm(x, self.weight, self.weight_scale, norm.weight, norm.eps, residual, bias)
+        if fused is None:
+            return None
+        return fused if residual is not None else (fused[0], None)
 
     def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.weight_scale is not None:
@@ -328,6 +350,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(LinearBase):
     """y = x W^T with W split by input columns: each rank holds a partial sum, then all-reduce."""
+    BIAS_AFTER_REDUCTION = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None, device=None):
         self.tp = get_tp_state()

@@ -9,8 +9,12 @@ paths read them:
   s[n] at the end (a per-row scale factors out of the dot product), with the op before the layer
   fused in as for bf16. The activations stay in the model dtype (weight-only quantization).
 * larger steps on CUDA: the activations are quantized per token (dynamic: a[m] = max|x[m]| / 448,
-  one Triton launch, kernels/fp8_quant.py) and torch._scaled_mm multiplies e4m3 by e4m3 on the
-  tensor cores with both scales, out in the model dtype (W8A8).
+  one Triton launch, kernels/fp8_quant.py) and e4m3 multiplies e4m3 on the tensor cores with both
+  scales, out in the model dtype (W8A8): at decode batches (up to kernels/fp8_gemm.MAX_ROWS tokens,
+  the shapes fp8_gemm_config names) in the Triton kernel there, whose tiles fill the GPU at those
+  sizes, otherwise in torch._scaled_mm. Where an RMSNorm or the SiLU-and-mul
+  comes before the layer, that kernel writes the e4m3 rows and scales itself
+  (fp8_linear_after_norm, fp8_linear_after_silu_mul: one launch and no 16-bit rows instead of two).
 * the CPU (and the reference): W is dequantized (s[:, None] * W_q, in the model dtype) and
   multiplied as usual.
 
@@ -32,7 +36,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from tokenmill.kernels.activation import silu_and_mul_quant_fp8_triton
+from tokenmill.kernels.fp8_gemm import fp8_gemm_config, fp8_gemm_triton
 from tokenmill.kernels.fp8_quant import quantize_per_token_fp8_triton
+from tokenmill.kernels.norm import rms_norm_quant_fp8_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -126,6 +133,19 @@ def _scaled_mm_ok(x: torch.Tensor, w_q: torch.Tensor) -> bool:
             and x.shape[1] % 16 == 0 and w_q.shape[0] % 16 == 0)
 
 
+def _scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
+               bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """The e4m3 x e4m3 product with both scales: decode-sized steps through the Triton kernel
+    (kernels/fp8_gemm.py, tiles and a split of K that fill the GPU) where it is the faster,
+    the rest through cuBLAS."""
+    cfg = fp8_gemm_config(x_q.shape[0], w_q.shape[0], w_q.shape[1])
+    if cfg is not None:
+        y = fp8_gemm_triton(x_q, x_scale, w_q, scale, out_dtype, cfg)
+    else:
+        y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=scale[None, :], out_dtype=out_dtype)
+    return y if bias is None else y + bias
+
+
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] @ (scale * w_q)^T in x's dtype: _scaled_mm with per-token activation scales on
@@ -133,5 +153,29 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
     if not _scaled_mm_ok(x, w_q):
         return fp8_linear_ref(x, w_q, scale, bias)
     x_q, x_scale = quantize_per_token_fp8_triton(x if x.stride(-1) == 1 else x.contiguous())
-    y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=scale[None, :], out_dtype=x.dtype)
-    return y if bias is None else y + bias
+    return _scaled_mm(x_q, x_scale, w_q, scale, bias, x.dtype)
+
+
+def fp8_linear_after_norm(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor,
+                          eps: float, residual: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None
+                          ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(fp8_linear(rms_norm(x + residual)), x + residual) with the RMSNorm and the activation
+    quantization in one launch (kernels/norm.rms_norm_quant_fp8_triton; the same bits as the two
+    launches). None where that does not apply (off CUDA, other dtypes or layouts): the caller then
+    runs the norm and fp8_linear."""
+    if not (_scaled_mm_ok(x, w_q) and x.dim() == 2 and x.is_contiguous() and norm_weight.dtype == x.dtype
+            and (residual is None or (residual.dtype == x.dtype and residual.is_contiguous()))):
+        return None
+    x_q, x_scale, summed = rms_norm_quant_fp8_triton(x, norm_weight, eps, residual)
+    return _scaled_mm(x_q, x_scale, w_q, scale, bias, x.dtype), summed
+
+
+def fp8_linear_after_silu_mul(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
+                              bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """fp8_linear(silu_and_mul(x)) with the activation and its quantization in one launch
+    (kernels/activation.silu_and_mul_quant_fp8_triton; the same bits); None where that does not
+    apply."""
+    if not (x.dim() == 2 and x.stride(-1) == 1 and _scaled_mm_ok(x[:, : x.shape[1] // 2], w_q)):
+        return None
+    x_q, x_scale = silu_and_mul_quant_fp8_triton(x)
+    return _scaled_mm(x_q, x_scale, w_q, scale, bias, x.dtype)

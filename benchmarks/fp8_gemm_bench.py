@@ -1,0 +1,157 @@
+"""GPU micro-benchmark of the decode-sized W8A8 matmul (kernels/fp8_gemm.py) against
+torch._scaled_mm (cuBLAS, row-wise scales) and the bf16 F.linear of the same shapes, at
+Llama-3.1-8B's projections and decode batch sizes, over a sweep of tile configs.
+
+Each time is the median of the op replayed in a CUDA graph (as in the engine's decode graphs).
+Bandwidth counts the weight bytes (the activations are small beside them); "% of copy" divides by
+the copy bandwidth measured in the same run. Per row count, the four projections of one decoder
+layer are summed for the engine's config, the best config per shape, cuBLAS FP8 and bf16.
+
+    python benchmarks/fp8_gemm_bench.py [--out PATH] [--rows 16,64,112,128,256] [--no-sweep] [--prologues 112,8192]
+
+--prologues: also the kernels that quantize the matmul's input (the SiLU-and-mul and the RMSNorm
+writing e4m3 themselves, at several row blocks, against the 16-bit kernel followed by the per-token
+quantization) at those row counts, Llama-3.1-8B widths; bandwidth over the bytes read and written.
+
+--out defaults to $OUT/fp8_gemm_bench.json when $OUT is set, else ./fp8_gemm_bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
+
+from tokenmill.kernels.activation import silu_and_mul_quant_fp8_triton, silu_and_mul_triton  # noqa: E402
+from tokenmill.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm_config, fp8_gemm_triton  # noqa: E402
+from tokenmill.kernels.fp8_quant import quantize_per_token_fp8_triton  # noqa: E402
+from tokenmill.kernels.norm import rms_norm_quant_fp8_triton, rms_norm_triton  # noqa: E402
+from tokenmill.quantization.fp8 import quantize_activation_fp8, quantize_weight_fp8  # noqa: E402
+
+SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+SWEEP = [Fp8GemmConfig(bm, bn, bk, split, warps, stages)
+         for bm, bn, bk, split, warps, stages in [
+             (64, 64, 128, 1, 4, 4), (64, 64, 128, 2, 4, 4), (64, 64, 128, 4, 4, 4), (64, 128, 128, 1, 4, 4),
+             (64, 128, 128, 2, 4, 4), (64, 32, 128, 1, 4, 4), (64, 32, 128, 2, 4, 5), (64, 64, 256, 1, 4, 3),
+             (64, 64, 128, 2, 4, 6), (128, 64, 128, 1, 4, 4), (128, 64, 128, 2, 4, 4), (128, 128, 128, 1, 8, 4),
+             (128, 128, 128, 2, 8, 4), (128, 32, 128, 2, 4, 4), (128, 64, 128, 2, 8, 4), (128, 64, 256, 2, 8, 3)]]
+
+
+def label(c: Fp8GemmConfig) -> str:
+    return f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}w{c.num_warps}st{c.num_stages}"
+
+
+def graph_ms(fn) -> float:
+    return float(do_bench_cudagraph(fn, rep=20, return_mode="median"))
+
+
+def bench_prologues(rows_list: list[int], copy_gbps: float, hidden: int = 4096, inter: int = 14336) -> list[dict]:
+    """The SiLU-and-mul and the RMSNorm with the e4m3 quantization fused in, against the unfused pair."""
+    dev = torch.device("cuda")
+    out = []
+    for m in rows_list:
+        gate_up = torch.randn(m, 2 * inter, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(m, hidden, device=dev, dtype=torch.bfloat16)
+        res = torch.randn(m, hidden, device=dev, dtype=torch.bfloat16)
+        nw = torch.ones(hidden, device=dev, dtype=torch.bfloat16)
+        silu_bytes = m * inter * 5  # [gate | up] in bf16 read, e4m3 written
+        norm_bytes = m * hidden * 7  # x and the residual read, the residual and e4m3 written
+        cases = [("silu unfused", silu_bytes, lambda: quantize_per_token_fp8_triton(silu_and_mul_triton(gate_up)))]
+        for block in (2048, 4096, 16384):
+            cases.append((f"silu fused block {block}", silu_bytes,
+                          lambda block=block: silu_and_mul_quant_fp8_triton(gate_up, block=block)))
+        cases.append(("norm unfused", norm_bytes, lambda: quantize_per_token_fp8_triton(rms_norm_triton(x, nw, 1e-5, res)[0])))
+        cases.append(("norm fused", norm_bytes, lambda: rms_norm_quant_fp8_triton(x, nw, 1e-5, res)))
+        for name, nbytes, fn in cases:
+            ms = graph_ms(fn)
+            pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbps
+            out.append(dict(rows=m, kernel=name, us=round(ms * 1e3, 2), pct_of_copy=round(pct, 1)))
+            print(f"rows {m:5d} {name:24s} {ms * 1e3:8.1f} us  {pct:5.1f} % of copy", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fp8_gemm_bench.json"))
+    ap.add_argument("--rows", default="16,64,112,128,256")
+    ap.add_argument("--no-sweep", dest="sweep", action="store_false",
+                    help="only the engine's config (and cuBLAS, bf16) per shape")
+    ap.add_argument("--prologues", default="", help="row counts for the quantizing prologue kernels (none by default)")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    copy_gbps = 2 * src.numel() / (do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3) / 1e9
+    prologues = bench_prologues([int(r) for r in args.prologues.split(",")], copy_gbps) if args.prologues else []
+    rows_list = [int(r) for r in args.rows.split(",") if r]
+    results, summary = [], []
+    for m in rows_list:
+        layer = dict(engine=0.0, best=0.0, cublas_fp8=0.0, bf16=0.0)
+        nbytes_layer = 0
+        for name, n, k in SHAPES:
+            torch.manual_seed(n + k + m)
+            w = torch.randn(n, k, device=dev) / k ** 0.5
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            w_q, w_s = quantize_weight_fp8(w)
+            x_q, x_s = quantize_activation_fp8(x)
+            w16 = w.to(torch.bfloat16)
+            ref = (x_q.float() * x_s) @ (w_q.float() * w_s[:, None]).t()
+            times = {}
+            times["cublas_fp8"] = graph_ms(lambda: torch._scaled_mm(x_q, w_q.t(), scale_a=x_s, scale_b=w_s[None, :],
+                                                                    out_dtype=torch.bfloat16))
+            times["bf16"] = graph_ms(lambda: F.linear(x, w16))
+            engine_cfg = fp8_gemm_config(m, n, k)  # None: the engine takes cuBLAS at this shape
+            configs = ([engine_cfg] if engine_cfg else []) + [c for c in SWEEP if c != engine_cfg and args.sweep]
+            sweep = {}
+            for cfg in configs:
+                try:
+                    out = fp8_gemm_triton(x_q, x_s, w_q, w_s, torch.bfloat16, config=cfg)
+                    err = ((out.float() - ref).norm() / ref.norm()).item()
+                    ms = graph_ms(lambda cfg=cfg: fp8_gemm_triton(x_q, x_s, w_q, w_s, torch.bfloat16, config=cfg))
+                except Exception as e:  # e.g. out of shared memory
+                    print(f"{name} M={m} {label(cfg)}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+                    continue
+                sweep[label(cfg)] = dict(ms=ms, rel_err=float(f"{err:.2e}"))
+            if not sweep:  # the engine takes cuBLAS here and nothing was swept
+                sweep["cublas"] = dict(ms=times["cublas_fp8"], rel_err=None)
+            best_label = min(sweep, key=lambda lb: sweep[lb]["ms"])
+            pct = lambda ms: round(100 * n * k / (ms * 1e-3) / 1e9 / copy_gbps, 1)  # noqa: E731
+            engine_ms = sweep[label(engine_cfg)]["ms"] if engine_cfg else times["cublas_fp8"]
+            row = dict(rows=m, linear=name, n=n, k=k, engine_config=label(engine_cfg) if engine_cfg else "cublas",
+                       engine_ms=round(engine_ms, 5), best_config=best_label,
+                       best_ms=round(sweep[best_label]["ms"], 5), cublas_fp8_ms=round(times["cublas_fp8"], 5),
+                       bf16_ms=round(times["bf16"], 5), engine_pct_of_copy=pct(engine_ms),
+                       best_pct_of_copy=pct(sweep[best_label]["ms"]), cublas_fp8_pct_of_copy=pct(times["cublas_fp8"]),
+                       sweep=sweep)
+            results.append(row)
+            print(f"M={m:4d} {name:8s} engine {row['engine_ms'] * 1e3:7.1f} us ({row['engine_pct_of_copy']:5.1f} %) "
+                  f"{row['engine_config']:22s} best {row['best_ms'] * 1e3:7.1f} us {best_label:22s} "
+                  f"cublas-fp8 {row['cublas_fp8_ms'] * 1e3:7.1f} us bf16 {row['bf16_ms'] * 1e3:7.1f} us", flush=True)
+            layer["engine"] += row["engine_ms"]
+            layer["best"] += row["best_ms"]
+            layer["cublas_fp8"] += row["cublas_fp8_ms"]
+            layer["bf16"] += row["bf16_ms"]
+            nbytes_layer += n * k
+        summary.append(dict(rows=m, **{f"{key}_layer_ms": round(v, 5) for key, v in layer.items()},
+                            engine_layer_pct_of_copy=round(100 * nbytes_layer / (layer["engine"] * 1e-3) / 1e9
+                                                           / copy_gbps, 1),
+                            engine_vs_cublas_fp8=round(layer["cublas_fp8"] / layer["engine"], 3)))
+        print(f"M={m:4d} layer: engine {layer['engine'] * 1e3:.1f} us, best {layer['best'] * 1e3:.1f} us, "
+              f"cublas-fp8 {layer['cublas_fp8'] * 1e3:.1f} us, bf16 {layer['bf16'] * 1e3:.1f} us", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(dev), copy_gbps=round(copy_gbps, 1),                        summary=summary, results=results, prologues=prologues), f, indent=1)
+    print(f"copy {copy_gbps:.0f} GB/s; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
