@@ -292,20 +292,23 @@ def test_dispatch_cpu_uses_sdpa():
     assert torch.equal(c1[0, 3], k[0]) and torch.equal(c2[1, 4], k[1])
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype", [(32, 8, 128, torch.bfloat16), (16, 8, 128, torch.bfloat16),
-                                                           (4, 2, 64, torch.float32)])
-def test_attention_variants_cover_every_launch(heads, kv_heads, head_dim, dtype):
+@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype,kv_fp8", [(32, 8, 128, torch.bfloat16, False),
+                                                                  (32, 8, 128, torch.bfloat16, True),
+                                                                  (16, 8, 128, torch.bfloat16, False),
+                                                                  (4, 2, 64, torch.float32, False)])
+def test_attention_variants_cover_every_launch(heads, kv_heads, head_dim, dtype, kv_fp8):
     """Warm-up compiles attention_variants(); any step shape must select one of them (else it
-    compiles under load), and each variant's small shape must select exactly that variant."""
+    compiles under load), and each variant's small shape must select exactly that variant; with
+    an e4m3 cache too, whose decode tiles differ."""
     max_tokens, max_reqs = 8192, 256
-    variants = attention_variants(heads, kv_heads, head_dim, dtype, max_tokens, max_reqs)
+    variants = attention_variants(heads, kv_heads, head_dim, dtype, max_tokens, max_reqs, kv_fp8=kv_fp8)
     keys = {plan.compile_key for plan, _, _ in variants}
     assert len(keys) == len(variants)
     for plan, tokens, reqs in variants:
         mql = 1 if plan.decode_only else tokens - reqs + 1
         again = launch_plan(tokens, reqs, heads, kv_heads, head_dim, dtype, mql, None, plan.num_splits,
                             block_m=plan.block_m, block_n=plan.block_n, num_warps=plan.num_warps,
-                            num_stages=plan.num_stages)
+                            num_stages=plan.num_stages, kv_fp8=kv_fp8)
         assert again.compile_key == plan.compile_key
     rng = random.Random(0)
     for _ in range(3000):
@@ -313,5 +316,8 @@ def test_attention_variants_cover_every_launch(heads, kv_heads, head_dim, dtype)
         tokens = reqs if rng.random() < 0.5 else rng.randint(reqs, max_tokens)
         mql = 1 if tokens == reqs else rng.randint(2, tokens - reqs + 1)
         max_seq_len = rng.choice([None, rng.randint(mql, 1 << 17)])
-        plan = launch_plan(tokens, reqs, heads, kv_heads, head_dim, dtype, mql, max_seq_len)
+        plan = launch_plan(tokens, reqs, heads, kv_heads, head_dim, dtype, mql, max_seq_len, kv_fp8=kv_fp8)
         assert plan.compile_key in keys, (tokens, reqs, mql, max_seq_len)
+    if kv_fp8:  # decode over an e4m3 cache: 128 keys a tile, 3 stages
+        plan = launch_plan(110, 110, heads, kv_heads, head_dim, dtype, 1, 700, kv_fp8=True)
+        assert (plan.block_n, plan.num_stages) == (128, 3)

@@ -81,17 +81,18 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# The longest row silu_and_mul_quant_fp8_triton keeps in registers, 4 warps a program; longer rows
-# take chunks of this size, twice (prefill's 14,336-wide rows in one block of 16 warps left one
-# program an SM, and the kernel at 45 % of the HBM rate: H200, 2026-12-02).
-QUANT_ROW_BLOCK = 2048
+# The longest row silu_and_mul_quant_fp8_triton keeps in registers (16 warps, 32 features a thread);
+# longer rows take chunks of it, twice. Llama-3.1-8B's 14,336 on the H200 (fp8_kernel_bench.py
+# --prologues, 2026-12-02): one block 6.9 us at 112 rows and 268 us at 8,192, against 12.9 and 267
+# in chunks of 2,048, and 7.5 and 279 for the SiLU kernel then the quantization kernel.
+QUANT_ROW_BLOCK = 16384
 
 
 def silu_and_mul_quant_fp8_triton(x: torch.Tensor, block: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """silu_and_mul_triton's rows quantized to e4m3 per row in the same launch: (x_q [M, d] e4m3,
     scales [M, 1] fp32), bit for bit silu_and_mul_triton and then
     kernels/fp8_quant.quantize_per_token_fp8_triton. x [M, 2d], unit last stride; block: the
-    features a program holds at once (default QUANT_ROW_BLOCK; benchmarks/fp8_gemm_bench.py
+    features a program holds at once (default QUANT_ROW_BLOCK; benchmarks/fp8_kernel_bench.py
     --prologues compares)."""
     assert x.dim() == 2 and x.stride(-1) == 1
     rows, d = x.shape[0], x.shape[1] // 2

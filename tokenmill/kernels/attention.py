@@ -500,7 +500,7 @@ def _reduce_splits_kernel(
 
 
 def attention_config(max_query_len: int, group: int, head_dim: int, dtype: torch.dtype,
-                     mean_query_len: Optional[float] = None) -> dict:
+                     mean_query_len: Optional[float] = None, kv_fp8: bool = False) -> dict:
     """Tile config (BLOCK_M rows = tokens x GROUP heads, BLOCK_N keys, warps, stages). Tune here.
 
     Decode / short queries: the smallest tl.dot-sized M that holds the rows. Prefill: 128 x 64
@@ -508,6 +508,11 @@ def attention_config(max_query_len: int, group: int, head_dim: int, dtype: torch
     (a long prompt chunk among many decodes, mean_query_len small) takes 64-row tiles: on the H200
     that ran 28 % faster than 128 rows (kernel_bench, "chunked 512@4k + 64 dec"), since every
     decode request pads a whole tile.
+
+    kv_fp8 (an e4m3 cache), decode: 128 keys a tile and 3 stages, whatever the grid. On the H200
+    (benchmarks/fp8_kernel_bench.py --attention, 2026-12-02) that took 84.3 against 88.3 us at 110
+    requests of ~700 keys, 54.2 against 71.1 at 32 x 2k and 40.5 against 61.1 at 8 x 4k. (For a
+    16-bit cache 128 keys and 2 stages measured 6-17 % faster too; not switched yet.)
     """
     rows = max(1, max_query_len) * group
     fp32 = dtype == torch.float32
@@ -520,6 +525,8 @@ def attention_config(max_query_len: int, group: int, head_dim: int, dtype: torch
     block_n = 32 if wide else 64
     num_warps = 8 if block_m >= 128 else 4
     num_stages = 2 if fp32 or wide else 3
+    if kv_fp8 and max_query_len == 1 and not (fp32 or wide):
+        block_n = 128
     return dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
 
 
@@ -562,11 +569,12 @@ def launch_plan(tokens: int, num_reqs: int, num_q_heads: int, num_kv_heads: int,
                 max_query_len: Optional[int] = None, max_seq_len: Optional[int] = None,
                 num_splits: Optional[int] = None, sm_count: int = DEFAULT_SM_COUNT, *,
                 block_m: Optional[int] = None, block_n: Optional[int] = None,
-                num_warps: Optional[int] = None, num_stages: Optional[int] = None) -> AttnLaunch:
-    """The launch of a step shape (host-side ints only); explicit arguments override the choice."""
+                num_warps: Optional[int] = None, num_stages: Optional[int] = None, kv_fp8: bool = False) -> AttnLaunch:
+    """The launch of a step shape (host-side ints only); explicit arguments override the choice.
+    kv_fp8: the cache holds e4m3 (attention_config)."""
     group = num_q_heads // num_kv_heads
     mql = tokens if max_query_len is None else max(1, min(max_query_len, tokens))
-    cfg = attention_config(mql, group, head_dim, dtype, tokens / num_reqs)
+    cfg = attention_config(mql, group, head_dim, dtype, tokens / num_reqs, kv_fp8)
     block_m = block_m or cfg["block_m"]
     block_n = block_n or cfg["block_n"]
     num_warps = num_warps or cfg["num_warps"]
@@ -585,7 +593,7 @@ def launch_plan(tokens: int, num_reqs: int, num_q_heads: int, num_kv_heads: int,
         while num_splits > 1 and tokens * num_q_heads * num_splits * (block_d + 2) * 4 > MAX_WORKSPACE_BYTES:
             num_splits //= 2
     num_splits = max(1, int(num_splits))
-    if not stages_given and block_m <= 32 and dtype != torch.float32 \
+    if not stages_given and block_m <= 32 and dtype != torch.float32 and not kv_fp8 \
             and num_splits == 1 and grid0 * num_kv_heads >= DEFAULT_SM_COUNT:
         # Decode tiles over a full grid: two stages leave room for a third program per SM, which
         # streams the cache faster (H200: 12-27 % at 64-256 requests); few programs keep three.
@@ -594,7 +602,8 @@ def launch_plan(tokens: int, num_reqs: int, num_q_heads: int, num_kv_heads: int,
 
 
 def attention_variants(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_tokens: int,
-                       max_reqs: int, sm_count: int = DEFAULT_SM_COUNT) -> list[tuple[AttnLaunch, int, int]]:
+                       max_reqs: int, sm_count: int = DEFAULT_SM_COUNT,
+                       kv_fp8: bool = False) -> list[tuple[AttnLaunch, int, int]]:
     """Every distinct compiled kernel that steps of up to max_tokens tokens and max_reqs requests
     can select, each with a small (tokens, num_reqs) shape that selects it. The engine's warm-up
     runs them all: a variant first met under load would compile on the step path (about 1.3 s on
@@ -610,7 +619,7 @@ def attention_variants(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype
                     continue
                 for max_seq_len in seq_lens:
                     plan = launch_plan(tokens, reqs, num_q_heads, num_kv_heads, head_dim, dtype, mql, max_seq_len,
-                                       None, sm_count)
+                                       None, sm_count, kv_fp8=kv_fp8)
                     key = plan.compile_key
                     if key not in found or tokens < found[key][1]:
                         found[key] = (plan, tokens, reqs)
@@ -650,11 +659,12 @@ def paged_attention_triton(
         max_seq_len = min(max_seq_len, sliding_window + (max_query_len or tokens))
 
     sms = sm_count(q.device) if q.is_cuda else DEFAULT_SM_COUNT
+    scale_arg, fp8 = kv_scale_arg(k_cache, kv_scale)
     plan = launch_plan(tokens, num_reqs, num_q_heads, num_kv_heads, head_dim, q.dtype, max_query_len, max_seq_len,
-                       num_splits, sms, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+                       num_splits, sms, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                       kv_fp8=fp8)
     block_d = triton.next_power_of_2(head_dim)
     ws_acc, ws_m, ws_l = _split_workspace(out, num_q_heads, plan.num_splits, block_d)
-    scale_arg, fp8 = kv_scale_arg(k_cache, kv_scale)
     _paged_attn_kernel[(plan.grid0, num_kv_heads, plan.num_splits)](
         q, k_cache, v_cache, out, ws_acc, ws_m, ws_l,
         query_start_loc, seq_lens, block_tables, scale_arg,

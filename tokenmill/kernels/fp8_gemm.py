@@ -41,7 +41,7 @@ class Fp8GemmConfig:
 
 def fp8_gemm_config(m: int, n: int, k: int) -> Optional[Fp8GemmConfig]:
     """The launch config for an [m, k] x [n, k]^T product, or None where cuBLAS is faster. From the
-    H200 sweep at Llama-3.1-8B's projections (benchmarks/fp8_gemm_bench.py, 2026-12-02), against
+    H200 sweep at Llama-3.1-8B's projections (benchmarks/fp8_kernel_bench.py, 2026-12-02), against
     cuBLAS's row-scaled e4m3 matmul in CUDA graphs:
     - up to 64 rows: one 64-row tile; 128 output features a tile for wide layers (gate/up: 32.4
       against 44.7 us at 16 rows), else 64 with K split in four (q/k/v 8.3 against 18.4 us, o 6.7

@@ -56,7 +56,7 @@ def warm_up_attention(runner) -> int:
     # An FP8 cache's kernels take the scales' pointer (any value compiles the same variant).
     kv_scale = torch.ones(2, dtype=torch.float32, device=runner.device) if is_fp8_kv(k_cache) else None
     variants = attention_variants(spec.num_heads, spec.num_kv_heads, spec.head_dim, runner.dtype,
-                                  runner.max_num_tokens, runner.config.max_num_seqs)
+                                  runner.max_num_tokens, runner.config.max_num_seqs, kv_fp8=kv_scale is not None)
     for plan, tokens, num_reqs in variants:
         q_lens = np.full(num_reqs, 1, dtype=np.int64)
         q_lens[0] += tokens - num_reqs  # one request takes the longest query

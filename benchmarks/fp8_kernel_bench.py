@@ -1,19 +1,24 @@
-"""GPU micro-benchmark of the decode-sized W8A8 matmul (kernels/fp8_gemm.py) against
-torch._scaled_mm (cuBLAS, row-wise scales) and the bf16 F.linear of the same shapes, at
-Llama-3.1-8B's projections and decode batch sizes, over a sweep of tile configs.
+"""GPU micro-benchmarks of the FP8 kernels at Llama-3.1-8B's shapes: the decode-sized W8A8 matmul
+(kernels/fp8_gemm.py) against torch._scaled_mm (cuBLAS, row-wise scales) and the bf16 F.linear of
+the same shapes at decode batch sizes, over a sweep of tile configs; optionally the quantizing
+prologues and decode attention over an e4m3 KV cache.
 
 Each time is the median of the op replayed in a CUDA graph (as in the engine's decode graphs).
 Bandwidth counts the weight bytes (the activations are small beside them); "% of copy" divides by
 the copy bandwidth measured in the same run. Per row count, the four projections of one decoder
 layer are summed for the engine's config, the best config per shape, cuBLAS FP8 and bf16.
 
-    python benchmarks/fp8_gemm_bench.py [--out PATH] [--rows 16,64,112,128,256] [--no-sweep] [--prologues 112,8192]
+    python benchmarks/fp8_kernel_bench.py [--out PATH] [--rows 16,64,112,128,256] [--no-sweep] [--prologues 112,8192]
+        [--attention]
 
 --prologues: also the kernels that quantize the matmul's input (the SiLU-and-mul and the RMSNorm
 writing e4m3 themselves, at several row blocks, against the 16-bit kernel followed by the per-token
 quantization) at those row counts, Llama-3.1-8B widths; bandwidth over the bytes read and written.
 
---out defaults to $OUT/fp8_gemm_bench.json when $OUT is set, else ./fp8_gemm_bench.json.
+--attention: decode attention over a bf16 and an e4m3 cache (offline-8b's batch and context
+lengths and two others) at several tile configs; bandwidth over the cache bytes read.
+
+--out defaults to $OUT/fp8_kernel_bench.json when $OUT is set, else ./fp8_kernel_bench.json.
 """
 
 from __future__ import annotations
@@ -79,12 +84,72 @@ def bench_prologues(rows_list: list[int], copy_gbps: float, hidden: int = 4096, 
     return out
 
 
+# (block_m, block_n, num_warps, num_stages) of the decode attention sweep; None: attention_config's
+ATTN_CONFIGS = [None, (16, 32, 4, 3), (16, 64, 4, 2), (16, 64, 4, 4), (16, 64, 8, 3), (16, 128, 4, 2), (16, 128, 4, 3),
+                (16, 128, 8, 3), (16, 256, 8, 2), (16, 128, 8, 4)]
+ATTN_CASES = [("offline-8b decode B=110 ctx~700", [128 + (i * 37) % 1150 for i in range(110)]),
+              ("decode B=32 ctx=2k", [2048] * 32), ("decode B=8 ctx=4k", [4096] * 8)]
+
+
+def bench_attention(copy_gbps: float, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+                    page: int = 16) -> list[dict]:
+    """Decode attention (one query a request) over a bf16 and an e4m3 cache, per tile config."""
+    from tokenmill.kernels.attention import paged_attention_ref, paged_attention_triton
+
+    dev = torch.device("cuda")
+    out_rows = []
+    for label_, seq_lens in ATTN_CASES:
+        torch.manual_seed(0)
+        pages = [(s + page - 1) // page for s in seq_lens]
+        block_tables = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32, device=dev)
+        perm = torch.randperm(sum(pages), device=dev).to(torch.int32)
+        start = 0
+        for b, n in enumerate(pages):
+            block_tables[b, :n] = perm[start:start + n]
+            start += n
+        shape = (sum(pages), page, kv_heads, head_dim)
+        k16 = torch.randn(shape, device=dev, dtype=torch.bfloat16)
+        v16 = torch.randn(shape, device=dev, dtype=torch.bfloat16)
+        q = torch.randn(len(seq_lens), heads, head_dim, device=dev, dtype=torch.bfloat16)
+        qsl = torch.arange(len(seq_lens) + 1, device=dev, dtype=torch.int32)
+        sl = torch.tensor(seq_lens, device=dev, dtype=torch.int32)
+        kv_scale = torch.ones(2, device=dev)
+        for cache in ("bf16", "fp8"):
+            k, v = (k16, v16) if cache == "bf16" else (k16.to(torch.float8_e4m3fn), v16.to(torch.float8_e4m3fn))
+            scale_arg = None if cache == "bf16" else kv_scale
+            ref = paged_attention_ref(q, k, v, qsl, sl, block_tables, head_dim ** -0.5, kv_scale=scale_arg).float()
+            nbytes = 2 * sum(seq_lens) * kv_heads * head_dim * k.element_size()
+            out = torch.empty_like(q)
+            for cfg in ATTN_CONFIGS:
+                hints = {} if cfg is None else dict(zip(("block_m", "block_n", "num_warps", "num_stages"), cfg))
+                fn = lambda: paged_attention_triton(q, k, v, qsl, sl, block_tables, head_dim ** -0.5, out=out,  # noqa: E731
+                                                    kv_scale=scale_arg, max_query_len=1, max_seq_len=max(seq_lens),
+                                                    **hints)
+                name = "default" if cfg is None else "m{}n{}w{}s{}".format(*cfg)
+                try:
+                    fn()
+                    err = ((out.float() - ref).norm() / ref.norm()).item()
+                    ms = graph_ms(fn)
+                except Exception as e:
+                    print(f"attention {label_} {cache} {name}: {type(e).__name__}: {str(e)[:160]}", file=sys.stderr)
+                    continue
+                pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbps
+                out_rows.append(dict(case=label_, cache=cache, config=name, us=round(ms * 1e3, 2),
+                                     pct_of_copy=round(pct, 1), rel_err=float(f"{err:.2e}")))
+                print(f"attention {label_:34s} {cache:4s} {name:12s} {ms * 1e3:8.1f} us {pct:5.1f} % of copy "
+                      f"err {err:.1e}", flush=True)
+        del k16, v16
+        torch.cuda.empty_cache()
+    return out_rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fp8_gemm_bench.json"))
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fp8_kernel_bench.json"))
     ap.add_argument("--rows", default="16,64,112,128,256")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false",
                     help="only the engine's config (and cuBLAS, bf16) per shape")
+    ap.add_argument("--attention", action="store_true", help="also decode attention over bf16 and e4m3 caches")
     ap.add_argument("--prologues", default="", help="row counts for the quantizing prologue kernels (none by default)")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -92,6 +157,7 @@ def main() -> None:
     dst = torch.empty_like(src)
     copy_gbps = 2 * src.numel() / (do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3) / 1e9
     prologues = bench_prologues([int(r) for r in args.prologues.split(",")], copy_gbps) if args.prologues else []
+    attention_rows = bench_attention(copy_gbps) if args.attention else []
     rows_list = [int(r) for r in args.rows.split(",") if r]
     results, summary = [], []
     for m in rows_list:
@@ -149,7 +215,8 @@ def main() -> None:
               f"cublas-fp8 {layer['cublas_fp8'] * 1e3:.1f} us, bf16 {layer['bf16'] * 1e3:.1f} us", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(dev), copy_gbps=round(copy_gbps, 1),                        summary=summary, results=results, prologues=prologues), f, indent=1)
+        json.dump(dict(device=torch.cuda.get_device_name(dev), copy_gbps=round(copy_gbps, 1),                        summary=summary, results=results, prologues=prologues,
+                       attention=attention_rows), f, indent=1)
     print(f"copy {copy_gbps:.0f} GB/s; wrote {args.out}")
 
 
