@@ -13,6 +13,7 @@ PY=${PYTHON:-python3}
 PARTS=${PARTS:-tests sweep profile lat-bf16 lat-fp8 prefill-bf16 prefill-fp8 8b-bf16 8b-fp8 8b-fp8kv}
 source "$(dirname "$0")/_gpu_parts.sh"
 part tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/quantization/test_fp8.py tests/kernels/test_kv_fp8.py \
+    tests/kernels/test_fp8_gemm.py tests/kernels/test_fp8_prologue_quant.py \
     tests/kernels/test_attention.py tests/kernels/test_qkv_prep.py tests/kernels/test_qkv_rope_gemv.py \
     tests/gpu/test_fp8_cuda.py -k "not cpu"
 part profile "${B[@]}" profile --workload latency-8b --quantization fp8 --cuda-graph-max-batch 8 --skip-steps 40 \

@@ -11,7 +11,7 @@ where larger steps quantize the activations too, is measured on real weights by
 import pytest
 import torch
 
-from tests.gpu.test_runner_cuda import cpu_model, run, to_cuda
+from tests.gpu.test_runner_cuda import cpu_model, prompts, run, to_cuda
 from tokenmill.loader.quantize import quantize_model
 
 pytestmark = pytest.mark.gpu
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.gpu
 # reciprocal, so 88,514 row scales and through them 55 weight bytes differed from the CPU's. Made
 # on the CPU, that same quantization gives exactly that failure (prompts 2 and 7, 3.94e-3).
 # quantization/fp8.py now divides correctly rounded on every device
-# (test_fp8.py::test_quantization_is_the_same_on_every_device); the GPU has not run these since.
+# (test_fp8.py::test_quantization_is_the_same_on_every_device); at fc6364a the FP8-weight test
+# passed in all five regimes on the H200. The FP8-cache test is teacher-forced since (below).
 
 
 @pytest.fixture(scope="module")
@@ -67,16 +68,54 @@ def test_fp8_weights_greedy_matches_cpu_fp32(reference, overrides):
     assert not mismatched and worst < 1e-3, (mismatched, worst)
 
 
+def _teacher_forced(loaded, seqs, **overrides):
+    """Each sequence's logprob of its own next token at every position (prompt logprobs, so no
+    step depends on an earlier greedy choice)."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.entrypoints.llm import LLM
+    from tokenmill.sampling_params import SamplingParams
+
+    config = EngineConfig(**{"num_kv_blocks": 512, "max_num_seqs": 16, "max_num_batched_tokens": 2048,
+                             "max_model_len": 2048, **overrides})
+    llm = LLM.from_engine(LLMEngine(config=config, loaded=loaded))
+    outs = llm.generate(seqs, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    return llm, [[lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], seq[1:])] for o, seq in zip(outs, seqs)]
+
+
+@pytest.fixture(scope="module")
+def teacher_forced_reference(reference):
+    """The prompts with the CPU's greedy FP8-cache tokens, and the CPU's teacher-forced logprobs on
+    them with the FP8 cache and with a full-precision one."""
+    cpu, _, outs = reference
+    seqs = [p + o.token_ids for p, o in zip(prompts(cpu.arch.vocab_size), outs["fp8"])]
+    return seqs, _teacher_forced(cpu, seqs, kv_cache_dtype="fp8")[1], _teacher_forced(cpu, seqs)[1]
+
+
+def _abs_diffs(a, b) -> torch.Tensor:
+    return torch.tensor([abs(x - y) for g, w in zip(a, b) for x, y in zip(g, w)])
+
+
 @pytest.mark.parametrize("overrides", REGIMES, ids=REGIME_IDS)
-def test_fp8_kv_cache_greedy_matches_cpu_fp32(reference, overrides):
-    """And with an FP8 KV cache. A key a hair from an e4m3 rounding edge may round the other way
-    on the GPU (its fp32 sums differ from the CPU's in the last bits), and this random model
-    notices a few such bytes: on the CPU, moving every key and value by at most 2 ulp before the
-    rounding makes 2 of the 8 prompts diverge, with logprobs up to 0.021 apart before that
-    (2026-12-02). The bounds allow that much and a little more, not the 7-8 prompts and 0.12 of
-    the broken scales."""
-    _, gpu, outs = reference
-    llm, gpu_outs = run(gpu, kv_cache_dtype="fp8", **overrides)
+def test_fp8_kv_cache_matches_cpu_fp32_teacher_forced(reference, teacher_forced_reference, overrides):
+    """And with an FP8 KV cache, teacher-forced over the prompts and the CPU's greedy tokens. The
+    cache makes this computation discontinuous: a key a hair from an e4m3 rounding edge may round
+    the other way on the GPU (its fp32 sums differ from the CPU's in the last bits), and each such
+    byte moves the next layers enough to flip more. The CPU shows the cascade with Triton's
+    kernels (in the interpreter) against the torch paths (2026-12-02): the same bytes in layer 0,
+    1 differing byte in layer 1, 71 and 108 (k, v) in layer 2, and teacher-forced logprobs up to
+    0.038 apart (mean 7.7e-3), where a full-precision cache keeps them within 2e-5. Greedy runs of
+    this random model part ways from that (on the H200, fc6364a: 5 to 7 of 8 prompts), so the
+    test compares every position, against what the FP8 cache itself changes (the CPU with a
+    full-precision cache: mean 0.237, max 1.52): the H200 gave mean 8.7e-3 to 9.0e-3 and max
+    0.080-0.107 (3 regimes), a twenty-fifth and a fourteenth of that. A wrong scale or byte
+    layout would move them as much as the quantization does."""
+    _, gpu, _ = reference
+    seqs, want, full_precision = teacher_forced_reference
+    llm, got = _teacher_forced(gpu, seqs, kv_cache_dtype="fp8", **overrides)
     assert llm.engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
-    mismatched, worst = _compare(gpu_outs, outs["fp8"])
-    assert len(mismatched) <= 3 and worst < 5e-2, (mismatched, worst)
+    diffs, effect = _abs_diffs(got, want), _abs_diffs(want, full_precision)
+    print(f"teacher-forced |logprob difference|: max {diffs.max():.3e}, mean {diffs.mean():.3e}; the FP8 "
+          f"cache's own: max {effect.max():.3e}, mean {effect.mean():.3e} ({len(diffs)} positions)")
+    assert diffs.mean() < 0.1 * effect.mean() and diffs.max() < 0.25 * effect.max(), (diffs, effect)

@@ -194,7 +194,9 @@ def round_to_e4m3(x):
     frac = y - whole
     odd = (whole - 2.0 * tl.floor(whole * 0.5)) != 0.0
     r = tl.abs((whole + tl.where((frac > 0.5) | ((frac == 0.5) & odd), 1.0, 0.0)) * step)
-    return tl.where(bits < 0, -r, r)  # the sign of x, a zero's too
+    # x's sign bit set on r as bits, so that a negative x that rounds to zero stays -0 as in torch's
+    # cast (Triton's -r is 0 - r, +0 for r = +0: the H200 stored those as +0, 2026-12-02)
+    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
