@@ -12,7 +12,7 @@ layer are summed for the engine's config, the best config per shape, cuBLAS FP8 
         [--attention]
 
 --prologues: also the kernels that quantize the matmul's input (the SiLU-and-mul and the RMSNorm
-writing e4m3 themselves, at several row blocks, against the 16-bit kernel followed by the per-token
+writing e4m3 themselves, against the 16-bit kernel followed by the per-token
 quantization) at those row counts, Llama-3.1-8B widths; bandwidth over the bytes read and written.
 
 --attention: decode attention over a bf16 and an e4m3 cache (offline-8b's batch and context
@@ -71,9 +71,7 @@ def bench_prologues(rows_list: list[int], copy_gbps: float, hidden: int = 4096, 
         silu_bytes = m * inter * 5  # [gate | up] in bf16 read, e4m3 written
         norm_bytes = m * hidden * 7  # x and the residual read, the residual and e4m3 written
         cases = [("silu unfused", silu_bytes, lambda: quantize_per_token_fp8_triton(silu_and_mul_triton(gate_up)))]
-        for block in (2048, 4096, 16384):
-            cases.append((f"silu fused block {block}", silu_bytes,
-                          lambda block=block: silu_and_mul_quant_fp8_triton(gate_up, block=block)))
+        cases.append(("silu fused", silu_bytes, lambda: silu_and_mul_quant_fp8_triton(gate_up)))
         cases.append(("norm unfused", norm_bytes, lambda: quantize_per_token_fp8_triton(rms_norm_triton(x, nw, 1e-5, res)[0])))
         cases.append(("norm fused", norm_bytes, lambda: rms_norm_quant_fp8_triton(x, nw, 1e-5, res)))
         for name, nbytes, fn in cases:

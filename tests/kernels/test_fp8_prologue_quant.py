@@ -11,8 +11,7 @@ so the comparison still checks the fusion, and CUDA checks the bytes against tor
 import pytest
 import torch
 
-from tokenmill.kernels import activation
-from tokenmill.kernels.activation import silu_and_mul_quant_fp8_triton, silu_and_mul_triton
+from tokenmill.kernels.activation import QUANT_MAX_FEATURES, silu_and_mul_quant_fp8_triton, silu_and_mul_triton
 from tokenmill.kernels.fp8_quant import quantize_per_token_fp8_triton
 from tokenmill.kernels.norm import rms_norm_quant_fp8_triton, rms_norm_ref, rms_norm_triton
 from tokenmill.quantization.fp8 import quantize_activation_fp8
@@ -68,10 +67,7 @@ def test_norm_writes_the_quantized_rows(device, dtype, nan_empty):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("chunked", [False, True], ids=["row-in-registers", "row-in-chunks"])
-def test_silu_and_mul_writes_the_quantized_rows(device, dtype, chunked, monkeypatch, nan_empty):
-    if chunked:  # rows longer than the kernel keeps in registers take two passes
-        monkeypatch.setattr(activation, "QUANT_ROW_BLOCK", 256)
+def test_silu_and_mul_writes_the_quantized_rows(device, dtype, nan_empty):
     shapes = ((4, 1536), (2, 1000)) if device == "cpu" else ((4, 1536), (77, 14336), (512, 14336), (3, 1000))
     for m, d in shapes:
         x = _rows(m, 2 * d, dtype, device) / 4
@@ -80,9 +76,18 @@ def test_silu_and_mul_writes_the_quantized_rows(device, dtype, chunked, monkeypa
         for inp in (x, x_strided):
             got = silu_and_mul_quant_fp8_triton(inp)
             want = quantize_per_token_fp8_triton(silu_and_mul_triton(inp))
-            _assert_same_quantization(got, want, (m, d, chunked, inp.stride(0)))
+            _assert_same_quantization(got, want, (m, d, inp.stride(0)))
             if device != "cpu":
                 _assert_same_quantization(got, quantize_activation_fp8(silu_and_mul_triton(inp)), (m, d))
+
+
+def test_rows_too_long_for_the_fused_silu_take_the_unfused_pair():
+    from tokenmill.quantization.fp8 import fp8_linear_after_silu_mul, quantize_weight_fp8
+
+    w_q, w_s = quantize_weight_fp8(torch.randn(16, QUANT_MAX_FEATURES + 16))
+    assert fp8_linear_after_silu_mul(torch.randn(2, 2 * (QUANT_MAX_FEATURES + 16)), w_q, w_s) is None
+    with pytest.raises(AssertionError, match="at most"):
+        silu_and_mul_quant_fp8_triton(torch.randn(1, 2 * (QUANT_MAX_FEATURES + 16)))
 
 
 @pytest.mark.parametrize("device", [CUDA])

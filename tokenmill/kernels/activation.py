@@ -1,7 +1,5 @@
 """SiLU-and-mul: the gated activation of Llama-family MLPs."""
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -37,32 +35,16 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, d, stride_x, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
-    """Grid (rows,): one row's silu(gate) * up, rounded to the input dtype as _silu_and_mul_kernel
-    stores it, then quantized to e4m3 with one scale for the row (kernels/fp8_quant.py). A row of
-    up to BLOCK features stays in registers; a longer one (CHUNKS > 1) is computed twice, once
-    for its largest magnitude and once to quantize (the second time from the cache)."""
+def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, d, stride_x, BLOCK: tl.constexpr):
+    """Grid (rows,): one row's silu(gate) * up (d <= BLOCK features, held in registers), rounded to
+    the input dtype as _silu_and_mul_kernel stores it, then quantized to e4m3 with one scale for
+    the row (kernels/fp8_quant.py)."""
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
     cols = tl.arange(0, BLOCK)
-    if CHUNKS == 1:
-        mask = cols < d
-        v = _silu_mul(x_row + cols, d, mask).to(x_ptr.dtype.element_ty).to(tl.float32)
-        quantize_rows_fp8(v[None, :], (q_ptr + row * d + cols)[None, :], s_ptr + row + tl.zeros([1], tl.int64),
-                          mask[None, :], tl.full([1], True, tl.int1))
-    else:
-        amax = tl.zeros([BLOCK], tl.float32)
-        for c in range(CHUNKS):
-            cc = c * BLOCK + cols
-            v = _silu_mul(x_row + cc, d, cc < d).to(x_ptr.dtype.element_ty).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(v))
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), 1e-12)  # as quantize_rows_fp8
-        for c in range(CHUNKS):
-            cc = c * BLOCK + cols
-            v = _silu_mul(x_row + cc, d, cc < d).to(x_ptr.dtype.element_ty).to(tl.float32)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
-            tl.store(q_ptr + row * d + cc, q.to(q_ptr.dtype.element_ty), mask=cc < d)
-        tl.store(s_ptr + row, scale)
+    mask = cols < d
+    v = _silu_mul(x_ptr + row * stride_x + cols, d, mask).to(x_ptr.dtype.element_ty).to(tl.float32)
+    quantize_rows_fp8(v[None, :], (q_ptr + row * d + cols)[None, :], s_ptr + row + tl.zeros([1], tl.int64),
+                      mask[None, :], tl.full([1], True, tl.int1))
 
 
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
@@ -81,26 +63,27 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# The longest row silu_and_mul_quant_fp8_triton keeps in registers (16 warps, 32 features a thread);
-# longer rows take chunks of it, twice. Llama-3.1-8B's 14,336 on the H200 (fp8_kernel_bench.py
-# --prologues, 2026-12-02): one block 6.9 us at 112 rows and 268 us at 8,192, against 12.9 and 267
-# in chunks of 2,048, and 7.5 and 279 for the SiLU kernel then the quantization kernel.
-QUANT_ROW_BLOCK = 16384
+# The longest row silu_and_mul_quant_fp8_triton takes (one program a row, 16 warps, 32 features a
+# thread). Llama-3.1-8B's 14,336 on the H200 (fp8_kernel_bench.py --prologues, 8f3978c): 6.9 us at
+# 112 rows and 268 us at 8,192, against 7.5 and 279 for the SiLU kernel then the quantization
+# kernel; a row in chunks of 2,048 or 4,096, each computed twice, was slower (12.9 and 14.9 us at
+# 112 rows), so longer rows take that unfused pair instead (quantization/fp8.py).
+QUANT_MAX_FEATURES = 16384
 
 
-def silu_and_mul_quant_fp8_triton(x: torch.Tensor, block: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_quant_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """silu_and_mul_triton's rows quantized to e4m3 per row in the same launch: (x_q [M, d] e4m3,
     scales [M, 1] fp32), bit for bit silu_and_mul_triton and then
-    kernels/fp8_quant.quantize_per_token_fp8_triton. x [M, 2d], unit last stride; block: the
-    features a program holds at once (default QUANT_ROW_BLOCK; benchmarks/fp8_kernel_bench.py
-    --prologues compares)."""
+    kernels/fp8_quant.quantize_per_token_fp8_triton. x [M, 2d], unit last stride,
+    d <= QUANT_MAX_FEATURES."""
     assert x.dim() == 2 and x.stride(-1) == 1
     rows, d = x.shape[0], x.shape[1] // 2
+    assert d <= QUANT_MAX_FEATURES, f"rows of {d} features: at most {QUANT_MAX_FEATURES}"
     q = torch.empty((rows, d), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows and d:
-        block = min(block or QUANT_ROW_BLOCK, triton.next_power_of_2(d))
-        _silu_and_mul_quant_kernel[(rows,)](x, q, s, d, x.stride(0), BLOCK=block, CHUNKS=triton.cdiv(d, block),
+        block = triton.next_power_of_2(d)
+        _silu_and_mul_quant_kernel[(rows,)](x, q, s, d, x.stride(0), BLOCK=block,
                                             num_warps=max(4, min(16, block // 1024)))
     return q, s
 

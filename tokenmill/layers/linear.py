@@ -42,6 +42,7 @@ FUSED_MAX_ROWS = 1
 
 class LinearBase(nn.Module):
     BIAS_AFTER_REDUCTION = False  # row-parallel layers add the bias after the all-reduce
+
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype=None, device=None):
         super().__init__()
         self.in_features = in_features

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels.activation import silu_and_mul_quant_fp8_triton
+from tokenmill.kernels.activation import QUANT_MAX_FEATURES, silu_and_mul_quant_fp8_triton
 from tokenmill.kernels.fp8_gemm import fp8_gemm_config, fp8_gemm_triton
 from tokenmill.kernels.fp8_quant import quantize_per_token_fp8_triton
 from tokenmill.kernels.norm import rms_norm_quant_fp8_triton
@@ -174,8 +174,9 @@ def fp8_linear_after_silu_mul(x: torch.Tensor, w_q: torch.Tensor, scale: torch.T
                               bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """fp8_linear(silu_and_mul(x)) with the activation and its quantization in one launch
     (kernels/activation.silu_and_mul_quant_fp8_triton; the same bits); None where that does not
-    apply."""
-    if not (x.dim() == 2 and x.stride(-1) == 1 and _scaled_mm_ok(x[:, : x.shape[1] // 2], w_q)):
+    apply (off CUDA, other layouts, rows over QUANT_MAX_FEATURES features)."""
+    if not (x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] // 2 <= QUANT_MAX_FEATURES
+            and _scaled_mm_ok(x[:, : x.shape[1] // 2], w_q)):
         return None
     x_q, x_scale = silu_and_mul_quant_fp8_triton(x)
     return _scaled_mm(x_q, x_scale, w_q, scale, bias, x.dtype)
