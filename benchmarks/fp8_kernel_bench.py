@@ -9,7 +9,7 @@ the copy bandwidth measured in the same run. Per row count, the four projections
 layer are summed for the engine's config, the best config per shape, cuBLAS FP8 and bf16.
 
     python benchmarks/fp8_kernel_bench.py [--out PATH] [--rows 16,64,112,128,256] [--no-sweep] [--prologues 112,8192]
-        [--attention]
+        [--attention] [--prefill-attention]
 
 --prologues: also the kernels that quantize the matmul's input (the SiLU-and-mul and the RMSNorm
 writing e4m3 themselves, against the 16-bit kernel followed by the per-token
@@ -17,6 +17,8 @@ quantization) at those row counts, Llama-3.1-8B widths; bandwidth over the bytes
 
 --attention: decode attention over a bf16 and an e4m3 cache (offline-8b's batch and context
 lengths and two others) at several tile configs; bandwidth over the cache bytes read.
+
+--prefill-attention: causal prefill attention (prefill-8b's step) at several tile configs.
 
 --out defaults to $OUT/fp8_kernel_bench.json when $OUT is set, else ./fp8_kernel_bench.json.
 """
@@ -141,6 +143,53 @@ def bench_attention(copy_gbps: float, heads: int = 32, kv_heads: int = 8, head_d
     return out_rows
 
 
+# (block_m, block_n, num_warps, num_stages) of the prefill attention sweep; None: attention_config's
+PREFILL_CONFIGS = [None, (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 8, 3),
+                   (128, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (256, 64, 8, 3), (256, 32, 8, 3)]
+
+
+def bench_prefill_attention(heads: int = 32, kv_heads: int = 8, head_dim: int = 128, page: int = 16,
+                            prompts: int = 2, prompt_len: int = 4096) -> list[dict]:
+    """Causal prefill attention over a bf16 cache (prefill-8b's step: 2 prompts of 4,096 tokens),
+    per tile config; TFLOP/s over the visible (causal) scores, 4 flops a score a head dim."""
+    from tokenmill.kernels.attention import paged_attention_triton
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    pages = (prompt_len + page - 1) // page
+    block_tables = torch.randperm(prompts * pages, device=dev).to(torch.int32).view(prompts, pages)
+    shape = (prompts * pages, page, kv_heads, head_dim)
+    k = torch.randn(shape, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(shape, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(prompts * prompt_len, heads, head_dim, device=dev, dtype=torch.bfloat16)
+    qsl = torch.arange(0, prompts + 1, device=dev, dtype=torch.int32) * prompt_len
+    sl = torch.full((prompts,), prompt_len, device=dev, dtype=torch.int32)
+    flops = 4 * prompts * prompt_len * (prompt_len + 1) / 2 * heads * head_dim
+    out = torch.empty_like(q)
+    base = None
+    rows = []
+    for cfg in PREFILL_CONFIGS:
+        hints = {} if cfg is None else dict(zip(("block_m", "block_n", "num_warps", "num_stages"), cfg))
+        fn = lambda: paged_attention_triton(q, k, v, qsl, sl, block_tables, head_dim ** -0.5, out=out,  # noqa: E731
+                                            max_query_len=prompt_len, max_seq_len=prompt_len, **hints)
+        name = "default" if cfg is None else "m{}n{}w{}s{}".format(*cfg)
+        try:
+            fn()
+            got = out.float().clone()
+            ms = float(do_bench(fn, rep=50, return_mode="median"))
+        except Exception as e:
+            print(f"prefill attention {name}: {type(e).__name__}: {str(e)[:160]}", file=sys.stderr)
+            continue
+        if base is None:
+            base = got
+        diff = (got - base).abs().max().item()
+        tflops = flops / (ms * 1e-3) / 1e12
+        rows.append(dict(case=f"prefill {prompts} x {prompt_len}", config=name, us=round(ms * 1e3, 1),
+                         tflops=round(tflops, 1), max_abs_diff_vs_default=float(f"{diff:.2e}")))
+        print(f"prefill attention {name:12s} {ms * 1e3:9.1f} us {tflops:6.1f} TFLOP/s diff {diff:.1e}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fp8_kernel_bench.json"))
@@ -148,6 +197,7 @@ def main() -> None:
     ap.add_argument("--no-sweep", dest="sweep", action="store_false",
                     help="only the engine's config (and cuBLAS, bf16) per shape")
     ap.add_argument("--attention", action="store_true", help="also decode attention over bf16 and e4m3 caches")
+    ap.add_argument("--prefill-attention", action="store_true", help="also causal prefill attention's tile configs")
     ap.add_argument("--prologues", default="", help="row counts for the quantizing prologue kernels (none by default)")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -156,6 +206,7 @@ def main() -> None:
     copy_gbps = 2 * src.numel() / (do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3) / 1e9
     prologues = bench_prologues([int(r) for r in args.prologues.split(",")], copy_gbps) if args.prologues else []
     attention_rows = bench_attention(copy_gbps) if args.attention else []
+    prefill_rows = bench_prefill_attention() if args.prefill_attention else []
     rows_list = [int(r) for r in args.rows.split(",") if r]
     results, summary = [], []
     for m in rows_list:
@@ -213,8 +264,8 @@ def main() -> None:
               f"cublas-fp8 {layer['cublas_fp8'] * 1e3:.1f} us, bf16 {layer['bf16'] * 1e3:.1f} us", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(dev), copy_gbps=round(copy_gbps, 1),                        summary=summary, results=results, prologues=prologues,
-                       attention=attention_rows), f, indent=1)
+        json.dump(dict(device=torch.cuda.get_device_name(dev), copy_gbps=round(copy_gbps, 1), summary=summary, results=results, prologues=prologues,
+                       attention=attention_rows, prefill_attention=prefill_rows), f, indent=1)
     print(f"copy {copy_gbps:.0f} GB/s; wrote {args.out}")
 
 

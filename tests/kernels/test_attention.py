@@ -129,6 +129,21 @@ def test_default_config_and_hints_cpu():
     run_and_check(batch, 1e-5, max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len)
 
 
+def test_long_prompt_tiles_cpu():
+    """Long prompts with 128-dim heads take 256-row query tiles (64 tokens x a group of 4), in
+    16-bit; checked here in fp32 through the hints, with prompts that end inside a tile."""
+    from tokenmill.kernels.attention import attention_config
+
+    assert attention_config(4096, 4, 128, torch.bfloat16, 4096.0)["block_m"] == 256
+    assert attention_config(4096, 4, 128, torch.bfloat16, 8.0)["block_m"] == 64  # chunk among decodes
+    assert attention_config(4096, 4, 64, torch.bfloat16, 4096.0)["block_m"] == 128
+    if not INTERPRETER:
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    batch = make_batch([(70, 70), (1, 30), (130, 150)], num_q_heads=8, num_kv_heads=2, head_dim=128,
+                       page_size=16, dtype=torch.float32, device="cpu")
+    run_and_check(batch, 1e-5, max_query_len=batch.max_query_len, block_m=256, block_n=64)
+
+
 def test_fp16_cpu():
     if not INTERPRETER:
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")

@@ -64,3 +64,34 @@ def test_linear_layers_take_the_kernel_at_decode_batches(device):
     want = fp8_gemm_triton(x_q, x_s, w_q, w_s, torch.bfloat16)
     assert torch.equal(fp8_linear(x, w_q, w_s), want)
     assert rel_err(want, fp8_linear_ref(x, w_q, w_s, quantize_input=True)) < 1e-2
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_one_token_steps_take_w8a8_only_in_the_widest_layers(device):
+    """At one token, FP8 gate/up (bf16, Llama-3.1-8B widths) takes the norm's quantizing launch and
+    the W8A8 matmul, bit for bit fp8_linear_after_norm (residual stream included); down keeps the
+    weight-only GEMV with the SiLU-and-mul fused in."""
+    from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, SILU_MUL, skinny_linear_triton
+    from tokenmill.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+    from tokenmill.layers.norm import RMSNorm
+    from tokenmill.quantization.fp8 import fp8_linear_after_norm, fp8_one_row_takes_w8a8
+
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    gate_up = MergedColumnParallelLinear(4096, [14336, 14336], dtype=dt, device=device)
+    down = RowParallelLinear(14336, 4096, dtype=dt, device=device)
+    norm = RMSNorm(4096, 1e-5, dtype=dt, device=device)
+    for layer in (gate_up, down):
+        layer.weight.data.normal_(0, 0.02)
+        layer.quantize_fp8()
+    norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(1, 4096, device=device, dtype=dt)
+    residual = torch.randn(1, 4096, device=device, dtype=dt)
+    assert fp8_one_row_takes_w8a8(x, gate_up.weight) and not fp8_one_row_takes_w8a8(x, down.weight)
+    got, summed = gate_up.forward_fused(x, ADD_RMSNORM, residual.clone(), norm)
+    want, want_sum = fp8_linear_after_norm(x, gate_up.weight, gate_up.weight_scale, norm.weight, norm.eps,
+                                           residual.clone())
+    assert torch.equal(got, want) and torch.equal(summed, want_sum)
+    h = torch.randn(1, 2 * 14336, device=device, dtype=dt)
+    assert torch.equal(down.forward_fused(h, SILU_MUL),
+                       skinny_linear_triton(h, down.weight, SILU_MUL, weight_scale=down.weight_scale))

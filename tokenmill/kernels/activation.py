@@ -64,10 +64,12 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
 
 
 # The longest row silu_and_mul_quant_fp8_triton takes (one program a row, 16 warps, 32 features a
-# thread). Llama-3.1-8B's 14,336 on the H200 (fp8_kernel_bench.py --prologues, 8f3978c): 6.9 us at
-# 112 rows and 268 us at 8,192, against 7.5 and 279 for the SiLU kernel then the quantization
-# kernel; a row in chunks of 2,048 or 4,096, each computed twice, was slower (12.9 and 14.9 us at
-# 112 rows), so longer rows take that unfused pair instead (quantization/fp8.py).
+# thread). Llama-3.1-8B's 14,336 on the H200 (fp8_kernel_bench.py --prologues, 2026-12-02): with the
+# quantization's product by the row's reciprocal scale (kernels/fp8_quant.py), 4.4 us at 112 rows,
+# 27.6 at 1,024 and 171 at 8,192 (81 % of copy), against 6.0, 36.2 and 268 for the SiLU kernel then
+# the quantization kernel. Measured slower: 32 warps (274 us at 8,192 rows), and the row in chunks
+# of 1,024-4,096 features, each computed twice (232-248 us at 8,192 rows, 6.2-9.1 at 112). Longer
+# rows take the unfused pair (quantization/fp8.py).
 QUANT_MAX_FEATURES = 16384
 
 

@@ -19,7 +19,7 @@ from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, PLAIN, SILU_MUL
 from tokenmill.layers.batch_invariant import is_batch_invariant
 from tokenmill.layers.forward_context import current_forward_context
 from tokenmill.quantization.fp8 import (FP8_DTYPE, fp8_linear, fp8_linear_after_norm, fp8_linear_after_silu_mul,
-                                        quantize_weight_fp8, requantize_blockwise_fp8)
+                                        fp8_one_row_takes_w8a8, quantize_weight_fp8, requantize_blockwise_fp8)
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if dst.shape != src.shape:
@@ -225,6 +225,9 @@ class LinearBase(nn.Module):
                 and x.stride(-1) == 1) or is_batch_invariant():
             return False
         ctx = current_forward_context()
+        if self.weight_scale is not None and (ctx is None or ctx.lora is None) \
+                and fp8_one_row_takes_w8a8(x, self.weight):
+            return False  # FP8 gate/up: the W8A8 path (quantization/fp8.py)
         return ctx is None or ctx.small_batch_fusion
 
     def _fp8_after_prologue(self, x: torch.Tensor, prologue: int, residual: Optional[torch.Tensor],
