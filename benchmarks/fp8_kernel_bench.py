@@ -19,6 +19,7 @@ quantization) at those row counts, Llama-3.1-8B widths; bandwidth over the bytes
 lengths and two others) at several tile configs; bandwidth over the cache bytes read.
 
 --prefill-attention: causal prefill attention (prefill-8b's step) at several tile configs.
+--prefill-gemm ROWS: torch._scaled_mm at Llama-3.1-8B's projections, with and without fast accumulation.
 
 --out defaults to $OUT/fp8_kernel_bench.json when $OUT is set, else ./fp8_kernel_bench.json.
 """
@@ -144,8 +145,8 @@ def bench_attention(copy_gbps: float, heads: int = 32, kv_heads: int = 8, head_d
 
 
 # (block_m, block_n, num_warps, num_stages) of the prefill attention sweep; None: attention_config's
-PREFILL_CONFIGS = [None, (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 8, 3),
-                   (128, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (256, 64, 8, 3), (256, 32, 8, 3)]
+PREFILL_CONFIGS = [None, (128, 64, 8, 3), (128, 128, 8, 3), (256, 64, 8, 2), (256, 64, 8, 4), (256, 128, 8, 2),
+                   (256, 128, 8, 3), (256, 64, 16, 3), (256, 128, 16, 2), (512, 64, 16, 3)]
 
 
 def bench_prefill_attention(heads: int = 32, kv_heads: int = 8, head_dim: int = 128, page: int = 16,
@@ -190,6 +191,29 @@ def bench_prefill_attention(heads: int = 32, kv_heads: int = 8, head_dim: int = 
     return rows
 
 
+def bench_prefill_gemm(rows: int, copy_gbps: float) -> list[dict]:
+    """torch._scaled_mm (row-wise scales) at prefill sizes, with cuBLAS's default accumulation
+    (promoted to fp32 along K) and with use_fast_accum; error against a float64 product."""
+    dev = torch.device("cuda")
+    out = []
+    for name, n, k in SHAPES:
+        torch.manual_seed(n + k)
+        w_q, w_s = quantize_weight_fp8(torch.randn(n, k, device=dev) / k ** 0.5)
+        x_q, x_s = quantize_activation_fp8(torch.randn(rows, k, device=dev, dtype=torch.bfloat16))
+        ref = (x_q.double() * x_s.double()) @ (w_q.double() * w_s.double()[:, None]).t()
+        for fast in (False, True):
+            fn = lambda fast=fast: torch._scaled_mm(x_q, w_q.t(), scale_a=x_s, scale_b=w_s[None, :],  # noqa: E731
+                                                    out_dtype=torch.bfloat16, use_fast_accum=fast)
+            err = ((fn().double() - ref).norm() / ref.norm()).item()
+            ms = float(do_bench(fn, rep=100, return_mode="median"))
+            tflops = 2 * rows * n * k / (ms * 1e-3) / 1e12
+            out.append(dict(rows=rows, linear=name, fast_accum=fast, us=round(ms * 1e3, 1), tflops=round(tflops, 1),
+                            rel_err=float(f"{err:.2e}")))
+            print(f"scaled_mm M={rows} {name:8s} fast_accum={fast!s:5s} {ms * 1e3:8.1f} us {tflops:7.1f} TFLOP/s "
+                  f"err {err:.2e}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fp8_kernel_bench.json"))
@@ -198,6 +222,7 @@ def main() -> None:
                     help="only the engine's config (and cuBLAS, bf16) per shape")
     ap.add_argument("--attention", action="store_true", help="also decode attention over bf16 and e4m3 caches")
     ap.add_argument("--prefill-attention", action="store_true", help="also causal prefill attention's tile configs")
+    ap.add_argument("--prefill-gemm", type=int, default=0, help="rows for _scaled_mm with and without fast accumulation")
     ap.add_argument("--prologues", default="", help="row counts for the quantizing prologue kernels (none by default)")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -207,6 +232,7 @@ def main() -> None:
     prologues = bench_prologues([int(r) for r in args.prologues.split(",")], copy_gbps) if args.prologues else []
     attention_rows = bench_attention(copy_gbps) if args.attention else []
     prefill_rows = bench_prefill_attention() if args.prefill_attention else []
+    prefill_gemm = bench_prefill_gemm(args.prefill_gemm, copy_gbps) if args.prefill_gemm else []
     rows_list = [int(r) for r in args.rows.split(",") if r]
     results, summary = [], []
     for m in rows_list:
@@ -265,7 +291,8 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(dev), copy_gbps=round(copy_gbps, 1), summary=summary, results=results, prologues=prologues,
-                       attention=attention_rows, prefill_attention=prefill_rows), f, indent=1)
+                       attention=attention_rows, prefill_attention=prefill_rows,
+                       prefill_gemm=prefill_gemm), f, indent=1)
     print(f"copy {copy_gbps:.0f} GB/s; wrote {args.out}")
 
 

@@ -34,3 +34,20 @@ def nan_empty(monkeypatch):
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
     monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def fp8_llama_mlp(device, dtype=torch.bfloat16):
+    """Llama-3.1-8B's gate/up and down with seeded FP8 weights (quantized at load as the engine
+    does) and the RMSNorm before gate/up: (gate_up, down, norm)."""
+    from tokenmill.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+    from tokenmill.layers.norm import RMSNorm
+
+    torch.manual_seed(0)
+    gate_up = MergedColumnParallelLinear(4096, [14336, 14336], dtype=dtype, device=device)
+    down = RowParallelLinear(14336, 4096, dtype=dtype, device=device)
+    norm = RMSNorm(4096, 1e-5, dtype=dtype, device=device)
+    for layer in (gate_up, down):
+        layer.weight.data.normal_(0, 0.02)
+        layer.quantize_fp8()
+    norm.weight.data.uniform_(0.5, 1.5)
+    return gate_up, down, norm

@@ -8,7 +8,7 @@ import torch
 from tokenmill.kernels.fp8_gemm import MAX_ROWS, Fp8GemmConfig, fp8_gemm_config, fp8_gemm_triton
 from tokenmill.quantization.fp8 import quantize_activation_fp8, quantize_weight_fp8
 
-from tests.kernels.common import CUDA, DEVICES, nan_empty, rel_err  # noqa: F401
+from tests.kernels.common import CUDA, DEVICES, fp8_llama_mlp, nan_empty, rel_err  # noqa: F401
 
 
 def _operands(m, n, k, device, seed=0):
@@ -72,19 +72,10 @@ def test_one_token_steps_take_w8a8_only_in_the_widest_layers(device):
     the W8A8 matmul, bit for bit fp8_linear_after_norm (residual stream included); down keeps the
     weight-only GEMV with the SiLU-and-mul fused in."""
     from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, SILU_MUL, skinny_linear_triton
-    from tokenmill.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-    from tokenmill.layers.norm import RMSNorm
     from tokenmill.quantization.fp8 import fp8_linear_after_norm, fp8_one_row_takes_w8a8
 
-    torch.manual_seed(0)
     dt = torch.bfloat16
-    gate_up = MergedColumnParallelLinear(4096, [14336, 14336], dtype=dt, device=device)
-    down = RowParallelLinear(14336, 4096, dtype=dt, device=device)
-    norm = RMSNorm(4096, 1e-5, dtype=dt, device=device)
-    for layer in (gate_up, down):
-        layer.weight.data.normal_(0, 0.02)
-        layer.quantize_fp8()
-    norm.weight.data.uniform_(0.5, 1.5)
+    gate_up, down, norm = fp8_llama_mlp(device, dt)
     x = torch.randn(1, 4096, device=device, dtype=dt)
     residual = torch.randn(1, 4096, device=device, dtype=dt)
     assert fp8_one_row_takes_w8a8(x, gate_up.weight) and not fp8_one_row_takes_w8a8(x, down.weight)

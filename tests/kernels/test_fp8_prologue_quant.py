@@ -16,7 +16,7 @@ from tokenmill.kernels.fp8_quant import quantize_per_token_fp8_triton
 from tokenmill.kernels.norm import rms_norm_quant_fp8_triton, rms_norm_ref, rms_norm_triton
 from tokenmill.quantization.fp8 import quantize_activation_fp8
 
-from tests.kernels.common import CUDA, DEVICES, nan_empty  # noqa: F401
+from tests.kernels.common import CUDA, DEVICES, fp8_llama_mlp, nan_empty  # noqa: F401
 
 
 def _rows(m: int, k: int, dtype, device, seed: int = 0) -> torch.Tensor:
@@ -96,18 +96,9 @@ def test_fp8_linear_layers_take_the_fused_prologues(device):
     fused launches give the unfused path's outputs and residual stream bit for bit, with and
     without a residual, and the norm's fused launch replaces two (no 16-bit rows)."""
     from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, SILU_MUL
-    from tokenmill.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-    from tokenmill.layers.norm import RMSNorm
 
-    torch.manual_seed(0)
     dt = torch.bfloat16
-    gate_up = MergedColumnParallelLinear(4096, [14336, 14336], dtype=dt, device=device)
-    down = RowParallelLinear(14336, 4096, dtype=dt, device=device)
-    norm = RMSNorm(4096, 1e-5, dtype=dt, device=device)
-    for layer in (gate_up, down):
-        layer.weight.data.normal_(0, 0.02)
-        layer.quantize_fp8()
-    norm.weight.data.uniform_(0.5, 1.5)
+    gate_up, down, norm = fp8_llama_mlp(device, dt)
     for m in (9, 64, 1000):
         hidden = torch.randn(m, 4096, device=device, dtype=dt)
         residual = torch.randn(m, 4096, device=device, dtype=dt)
