@@ -511,7 +511,8 @@ def attention_config(max_query_len: int, group: int, head_dim: int, dtype: torch
     (fp8_kernel_bench.py --prefill-attention, 2026-12-02: 2 causal prompts of 4,096 tokens, 32 heads
     over 8 KV heads) 256 x 64 took 802 us (343 TFLOP/s) against 931 us for 128 x 64; 128 x 128
     took 856, 64 x 64 963, and 2 or 4 stages or 4 warps did not help 128 x 64. (64-dim heads keep
-    128 rows: not measured.) The row count does not change a row's arithmetic. A mixed batch
+    128 rows: not measured.) A row's products and sums are the same in either tile; only which of its
+    key tiles take the masked code moves (the sweep's outputs were the same bit for bit). A mixed batch
     (a long prompt chunk among many decodes, mean_query_len small) takes 64-row tiles: on the H200
     that ran 28 % faster than 128 rows (kernel_bench, "chunked 512@4k + 64 dec"), since every
     decode request pads a whole tile.
