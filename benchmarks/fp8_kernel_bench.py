@@ -191,7 +191,7 @@ def bench_prefill_attention(heads: int = 32, kv_heads: int = 8, head_dim: int = 
     return rows
 
 
-def bench_prefill_gemm(rows: int, copy_gbps: float) -> list[dict]:
+def bench_prefill_gemm(rows: int) -> list[dict]:
     """torch._scaled_mm (row-wise scales) at prefill sizes, with cuBLAS's default accumulation
     (promoted to fp32 along K) and with use_fast_accum; error against a float64 product."""
     dev = torch.device("cuda")
@@ -232,7 +232,7 @@ def main() -> None:
     prologues = bench_prologues([int(r) for r in args.prologues.split(",")], copy_gbps) if args.prologues else []
     attention_rows = bench_attention(copy_gbps) if args.attention else []
     prefill_rows = bench_prefill_attention() if args.prefill_attention else []
-    prefill_gemm = bench_prefill_gemm(args.prefill_gemm, copy_gbps) if args.prefill_gemm else []
+    prefill_gemm = bench_prefill_gemm(args.prefill_gemm) if args.prefill_gemm else []
     rows_list = [int(r) for r in args.rows.split(",") if r]
     results, summary = [], []
     for m in rows_list:
@@ -290,7 +290,8 @@ def main() -> None:
               f"cublas-fp8 {layer['cublas_fp8'] * 1e3:.1f} us, bf16 {layer['bf16'] * 1e3:.1f} us", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(dev), copy_gbps=round(copy_gbps, 1), summary=summary, results=results, prologues=prologues,
+        json.dump(dict(device=torch.cuda.get_device_name(dev), copy_gbps=round(copy_gbps, 1), summary=summary, results=results,
+                       prologues=prologues,
                        attention=attention_rows, prefill_attention=prefill_rows,
                        prefill_gemm=prefill_gemm), f, indent=1)
     print(f"copy {copy_gbps:.0f} GB/s; wrote {args.out}")
