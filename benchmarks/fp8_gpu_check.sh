@@ -15,7 +15,7 @@ source "$(dirname "$0")/_gpu_parts.sh"
 part tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/quantization/test_fp8.py tests/kernels/test_kv_fp8.py \
     tests/kernels/test_fp8_gemm.py tests/kernels/test_fp8_prologue_quant.py \
     tests/kernels/test_attention.py tests/kernels/test_qkv_prep.py tests/kernels/test_qkv_rope_gemv.py \
-    tests/gpu/test_fp8_cuda.py -k "not cpu"
+    tests/gpu/test_fp8_cuda.py
 part profile "${B[@]}" profile --workload latency-8b --quantization fp8 --cuda-graph-max-batch 8 --skip-steps 40 \
     --steps 20 --out "$OUT" --tag fp8
 part profile-8b "${B[@]}" profile --workload offline-8b --quantization fp8 --kv-cache-dtype fp8 \

@@ -108,7 +108,8 @@ def measure_ceilings(device, *, copy_bytes: Optional[int] = None, matmul_n: Opti
 
     CUDA: ``y.copy_(x)`` on 2 GiB and a bf16 8192^3 product, each the median of
     ``triton.testing.do_bench``; with `fp8` (and FP8 tensor cores) also an e4m3 8192^3 product
-    with row-wise scales through torch._scaled_mm, the FP8 linear layers' own call. CPU: a 512 MiB copy and an fp32 2048^3 product, each the median of
+    with row-wise scales through scaled_mm_e4m3 (torch._scaled_mm with fast accumulation), the FP8
+    linear layers' own call. CPU: a 512 MiB copy and an fp32 2048^3 product, each the median of
     `repeats` ``perf_counter`` timings. Memory is released before returning."""
     import torch
 
@@ -130,10 +131,12 @@ def measure_ceilings(device, *, copy_bytes: Optional[int] = None, matmul_n: Opti
         flops = 2 * mm ** 3 / (ms * 1e-3)
         fp8_flops = None
         if fp8 and torch.cuda.get_device_capability(dev) >= (8, 9):
+            from tokenmill.quantization.fp8 import scaled_mm_e4m3
+
             a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # b8: column-major, as _scaled_mm takes it
             sa = torch.ones(mm, 1, dtype=torch.float32, device=dev)
             sb = torch.ones(1, mm, dtype=torch.float32, device=dev)
-            ms = _do_bench_median_ms(lambda: torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
+            ms = _do_bench_median_ms(lambda: scaled_mm_e4m3(a8, sa, b8, sb, torch.bfloat16))
             fp8_flops = 2 * mm ** 3 / (ms * 1e-3)
             del a8, b8
         del a, b, c

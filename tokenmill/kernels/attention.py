@@ -506,12 +506,13 @@ def attention_config(max_query_len: int, group: int, head_dim: int, dtype: torch
     """Tile config (BLOCK_M rows = tokens x GROUP heads, BLOCK_N keys, warps, stages). Tune here.
 
     Decode / short queries: the smallest tl.dot-sized M that holds the rows. Prefill: 128 x 64
-    with 8 warps for 16-bit (64 x 64 for fp32, whose tiles are twice the bytes); 256 x 64 for
-    128-dim heads where every request brings 256 rows or more on average. On the H200
+    with 8 warps for 16-bit (64 x 64 for fp32, whose tiles are twice the bytes); 256 x 64 with 16
+    warps for 128-dim heads where every request brings 256 rows or more on average. On the H200
     (fp8_kernel_bench.py --prefill-attention, 2026-12-02: 2 causal prompts of 4,096 tokens, 32 heads
     over 8 KV heads) 256 x 64 took 802 us (343 TFLOP/s) against 931 us for 128 x 64; 128 x 128
-    took 856, 64 x 64 963, and 2 or 4 stages or 4 warps did not help 128 x 64. (64-dim heads keep
-    128 rows: not measured.) A row's products and sums are the same in either tile; only which of its
+    took 856, 64 x 64 963, and 2 or 4 stages or 4 warps did not help 128 x 64; on 2026-12-03 the
+    256-row tile took 779 us with 16 warps against 796 with 8 (256 x 128 keys 1,136-1,159, 512 rows
+    2,532). (64-dim heads keep 128 rows: not measured.) A row's products and sums are the same in either tile; only which of its
     key tiles take the masked code moves (the sweep's outputs were the same bit for bit). A mixed batch
     (a long prompt chunk among many decodes, mean_query_len small) takes 64-row tiles: on the H200
     that ran 28 % faster than 128 rows (kernel_bench, "chunked 512@4k + 64 dec"), since every
@@ -534,7 +535,7 @@ def attention_config(max_query_len: int, group: int, head_dim: int, dtype: torch
     block_m = min(max_m, max(16, triton.next_power_of_2(rows)))
     block_m = max(block_m, triton.next_power_of_2(group))
     block_n = 32 if wide else 64
-    num_warps = 8 if block_m >= 128 else 4
+    num_warps = 16 if block_m >= 256 else 8 if block_m >= 128 else 4
     num_stages = 2 if fp32 or wide else 3
     if kv_fp8 and max_query_len == 1 and not (fp32 or wide):
         block_n = 128
