@@ -69,6 +69,32 @@ def test_fp8_weights_greedy_matches_cpu_fp32(reference, overrides):
     assert not mismatched and worst < 1e-3, (mismatched, worst)
 
 
+def test_fp8_greedy_with_speculation_prefix_cache_and_chunks(reference):
+    """FP8 weights with speculation (drafts from the first 4 layers: every decode step verifies 3
+    drafts a request, so the verify steps' several-token queries run through the FP8 GEMVs and
+    matmuls), chunked prefill and the prefix cache (the prompts a second time hit it): every
+    request's greedy tokens are the CPU's over the same weights, in both runs. (With the FP8 cache
+    the e4m3 rounding of keys makes tokens depend on the batch's rounding: the teacher-forced test
+    above bounds that.)"""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.entrypoints.llm import LLM
+    from tokenmill.sampling_params import SamplingParams
+
+    _, gpu, outs = reference
+    spec = {"method": "layer_truncated", "num_draft_layers": 4, "num_speculative_tokens": 3}
+    config = EngineConfig(num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=2048,
+                          enable_prefix_caching=True, speculative_config=spec)
+    llm = LLM.from_engine(LLMEngine(config=config, loaded=gpu))
+    ps = prompts(gpu.arch.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=len(outs["auto"][0].token_ids), ignore_eos=True)
+    want = [o.token_ids for o in outs["auto"]]
+    for _ in range(2):
+        assert [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)] == want
+    assert llm.engine.spec_stats.drafts > 0 and llm.engine.kv.prefix_hits > 0
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
 def _teacher_forced(loaded, seqs, **overrides):
     """Each sequence's logprob of its own next token at every position (prompt logprobs, so no
     step depends on an earlier greedy choice)."""
