@@ -18,6 +18,11 @@ def test_preset_shapes():
         (4096, 14336, 32, 32, 8, 128256, False, "llama3", 500000.0)
     assert 7.9e9 < llama.num_parameters() < 8.1e9
     assert 0.59e9 < qwen.num_parameters() < 0.61e9
+    big = arch_config_from_hf(get_preset("llama-3.1-70b"))
+    assert (big.hidden_size, big.intermediate_size, big.num_layers, big.num_heads, big.num_kv_heads,
+            big.head_dim, big.vocab_size, big.tie_word_embeddings, big.rope.kind) == \
+        (8192, 28672, 80, 64, 8, 128, 128256, False, "llama3")
+    assert 70.4e9 < big.num_parameters() < 70.7e9
     assert 0.13e9 < arch_config_from_hf(get_preset("smollm2-135m")).num_parameters() < 0.14e9
 
 

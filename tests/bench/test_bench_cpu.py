@@ -22,6 +22,10 @@ def test_standard_workload_totals():
     assert small == {"num_requests": 256, "prompt_tokens": 142_827, "output_tokens": 133_966}
     big = summarize(generate_requests(get_workload("offline-8b")))
     assert big == {"num_requests": 128, "prompt_tokens": 71_296, "output_tokens": 37_032}
+    # The 70B-class workloads send the 8B ones' requests, so their figures compare directly.
+    assert summarize(generate_requests(get_workload("offline-70b"))) == big
+    assert [r.prompt_token_ids for r in generate_requests(get_workload("latency-70b"))] == \
+        [r.prompt_token_ids for r in generate_requests(get_workload("latency-8b"))]
 
 
 def test_generator_is_the_nano_vllm_one():

@@ -20,6 +20,13 @@ PRESETS: dict[str, dict] = {
         "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "eos_token_id": [128001, 128008, 128009],
         "bos_token_id": 128000, "torch_dtype": "bfloat16",
     },
+    "llama-3.1-70b": {
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
+        "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 128256, "tie_word_embeddings": False, "rope_theta": 500000.0, "rope_scaling": _LLAMA31_ROPE,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "eos_token_id": [128001, 128008, 128009],
+        "bos_token_id": 128000, "torch_dtype": "bfloat16",
+    },
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
         "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
