@@ -437,6 +437,12 @@ def bench_qkv_rope(rec: Recorder, m: Model, rows_list: Optional[list[int]] = Non
     n, k = (m.num_q_heads + 2 * m.num_kv_heads) * m.head_dim, m.hidden
     esz = torch.tensor([], dtype=DTYPE).element_size()
     w = torch.randn(n, k, device=DEVICE, dtype=DTYPE) / k ** 0.5
+    w_kernel, w_scale = w, None  # --skinny-fp8: e4m3 weights and their row scales, one row's configs swept
+    if SKINNY_FP8:
+        from tokenmill.quantization.fp8 import dequantize_weight_fp8, quantize_weight_fp8
+
+        w_kernel, w_scale = quantize_weight_fp8(w)
+        w, esz = dequantize_weight_fp8(w_kernel, w_scale, DTYPE), 1
     norm_w = torch.ones(k, device=DEVICE, dtype=DTYPE)
     page = 16
     cache = _cos_sin_cache(8192 if DEVICE == "cuda" else 64, m.head_dim)
@@ -451,12 +457,14 @@ def bench_qkv_rope(rec: Recorder, m: Model, rows_list: Optional[list[int]] = Non
         positions = torch.randint(0, cache.shape[0], (rows,), device=DEVICE)
         slots = torch.randperm(64 * page, device=DEVICE)[:rows]
 
-        def fused():
-            return qkv_rope_gemv.skinny_qkv_rope_triton(x, w, r, norm_w, 1e-5, positions, cache, slots, k_cache,
-                                                        v_cache, m.num_q_heads, m.num_kv_heads)
+        def fused(config=None):
+            return qkv_rope_gemv.skinny_qkv_rope_triton(x, w_kernel, r, norm_w, 1e-5, positions, cache, slots, k_cache,
+                                                        v_cache, m.num_q_heads, m.num_kv_heads, config=config,
+                                                        weight_scale=w_scale)
 
         def separate():
-            qkv, _ = skinny_gemm.skinny_linear_triton(x, w, skinny_gemm.ADD_RMSNORM, r, norm_w, 1e-5)
+            qkv, _ = skinny_gemm.skinny_linear_triton(x, w_kernel, skinny_gemm.ADD_RMSNORM, r, norm_w, 1e-5,
+                                                      weight_scale=w_scale)
             q, kk, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             return qkv_prep.qkv_prep(positions, q.view(rows, m.num_q_heads, m.head_dim),
                                      kk.view(rows, m.num_kv_heads, m.head_dim), v.view(rows, m.num_kv_heads, m.head_dim),
@@ -467,8 +475,19 @@ def bench_qkv_rope(rec: Recorder, m: Model, rows_list: Optional[list[int]] = Non
         shape = f"qkv+rope M={rows} N={n} K={k}"
         rec.add("qkv_rope_fused", m.name, shape, fused_ms, nbytes=n * k * esz, rows=rows, rel_err=float(f"{err:.2e}"))
         rec.add("skinny+qkv_prep", m.name, shape, separate_ms, nbytes=n * k * esz, rows=rows)
-        out.append(dict(model=m.name, rows=rows, fused_ms=round(fused_ms, 5), separate_ms=round(separate_ms, 5),
-                        rel_err=float(f"{err:.2e}")))
+        sweep = {}
+        if SKINNY_FP8 and rows == 1:  # the one-token kernel's tiles over e4m3 weights
+            for bn, bk, nw, ns in SKINNY_FP8_CONFIGS:
+                cfg = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+                if not qkv_rope_gemv.fusable(n, k, m.head_dim, DTYPE, cfg, rows):
+                    continue
+                cfg_err = rel_err_of(fused(cfg)[0], separate())
+                ms = graph_ms(lambda: fused(cfg))
+                sweep[f"{bn}x{bk}w{nw}s{ns}"] = dict(ms=round(ms, 5), pct_of_copy=round(100 * n * k / (ms * 1e-3)
+                                                                                        / (rec.copy_gbps * 1e9), 1),
+                                                     rel_err=float(f"{cfg_err:.2e}"))
+        out.append(dict(model=m.name, rows=rows, fp8=SKINNY_FP8, fused_ms=round(fused_ms, 5),
+                        separate_ms=round(separate_ms, 5), rel_err=float(f"{err:.2e}"), sweep=sweep))
     return out
 
 
@@ -587,7 +606,9 @@ def main() -> None:
                   f"  default {t['default_ms']} (x1 {t['default_vs_one_row']})")
     for t in qkv_rope_rows:
         print(f"  {t['model']:12s} qkv+rope M={t['rows']} one kernel {t['fused_ms']}  GEMV + qkv_prep {t['separate_ms']}"
-              f"  (err {t['rel_err']})")
+              f"  (err {t['rel_err']}{', e4m3 weights' if t['fp8'] else ''})")
+        for c, v in t["sweep"].items():
+            print(f"      {c:14s} {v['ms']:.4f} ms  {v['pct_of_copy']}% of copy  err {v['rel_err']}")
     print(f"\nwrote {args.out} ({result['seconds']} s)")
 
 
