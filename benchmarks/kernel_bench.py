@@ -319,7 +319,8 @@ SKINNY_ROWS = [1, 2, 4, 8]
 SKINNY_FP8 = False  # --skinny-fp8
 # one row with FP8 weights: the same bytes a tile as the 16-bit configs, and more
 SKINNY_FP8_CONFIGS = [(8, 1024, 4, 3), (16, 512, 4, 3), (16, 1024, 8, 3), (8, 2048, 8, 3), (4, 2048, 4, 3),
-                      (32, 512, 8, 3), (16, 2048, 8, 3), (8, 512, 4, 3)]
+                      (32, 512, 8, 3), (16, 2048, 8, 3), (8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3),
+                      (32, 256, 4, 3)]
 
 
 def _linear_shapes(m: Model) -> list[tuple[str, int, int]]:
@@ -335,6 +336,24 @@ def graph_ms(fn: Callable[[], object]) -> float:
     from triton.testing import do_bench_cudagraph
 
     return float(do_bench_cudagraph(fn, rep=50, return_mode="median"))
+
+
+COLD_L2 = False  # --cold-l2: the swept GEMVs read weights that are not in L2, as in a decode step
+
+
+def weight_copies(w: torch.Tensor, scale: Optional[torch.Tensor]) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """[(w, scale)], or with --cold-l2 enough copies of them to span 4x the L2 cache: a graph that
+    cycles through them reads each weight from memory, where one weight replayed alone stays (partly)
+    in L2 (the H200's 50 MB hold all of an FP8 q/k/v or o projection)."""
+    if not COLD_L2 or DEVICE != "cuda":
+        return [(w, scale)]
+    n = -(-4 * torch.cuda.get_device_properties(0).L2_cache_size // (w.numel() * w.element_size()))
+    return [(w, scale)] + [(w.clone(), None if scale is None else scale.clone()) for _ in range(n - 1)]
+
+
+def cycled_ms(fn: Callable, copies: list) -> float:
+    """graph_ms of fn(w, scale) over every copy, per call."""
+    return graph_ms(lambda: [fn(wc, sc) for wc, sc in copies]) / len(copies)
 
 
 def _config_label(cfg: dict) -> str:
@@ -387,16 +406,17 @@ def bench_skinny(rec: Recorder, m: Model, rows_list: Optional[list[int]] = None)
             if default_label not in {_config_label(c) for c in sweep}:
                 sweep.append(default)
             timings, errs = {}, {}
+            copies = weight_copies(w_kernel, w_scale)
             for conf in sweep:
                 label = _config_label(conf)
-                def fn(conf=conf):
-                    return skinny_gemm.skinny_linear_triton(x, w_kernel, prologue, r, norm_w, 1e-5, config=conf,
-                                                            weight_scale=w_scale)
+                def fn(wc=w_kernel, sc=w_scale, conf=conf):
+                    return skinny_gemm.skinny_linear_triton(x, wc, prologue, r, norm_w, 1e-5, config=conf,
+                                                            weight_scale=sc)
                 try:
                     out = fn()
                     out = (out[0] if isinstance(out, tuple) else out).float()
                     errs[label] = ((out - ref).norm() / ref.norm()).item()
-                    ms = graph_ms(fn)
+                    ms = cycled_ms(fn, copies)
                 except Exception as e:  # a config that does not compile (e.g. out of registers or shared memory)
                     print(f"skinny {m.name} {name} M={rows} {label}: {type(e).__name__}: {e}", file=sys.stderr)
                     continue
@@ -457,10 +477,10 @@ def bench_qkv_rope(rec: Recorder, m: Model, rows_list: Optional[list[int]] = Non
         positions = torch.randint(0, cache.shape[0], (rows,), device=DEVICE)
         slots = torch.randperm(64 * page, device=DEVICE)[:rows]
 
-        def fused(config=None):
-            return qkv_rope_gemv.skinny_qkv_rope_triton(x, w_kernel, r, norm_w, 1e-5, positions, cache, slots, k_cache,
+        def fused(config=None, wc=w_kernel, sc=w_scale):
+            return qkv_rope_gemv.skinny_qkv_rope_triton(x, wc, r, norm_w, 1e-5, positions, cache, slots, k_cache,
                                                         v_cache, m.num_q_heads, m.num_kv_heads, config=config,
-                                                        weight_scale=w_scale)
+                                                        weight_scale=sc)
 
         def separate():
             qkv, _ = skinny_gemm.skinny_linear_triton(x, w_kernel, skinny_gemm.ADD_RMSNORM, r, norm_w, 1e-5,
@@ -476,13 +496,14 @@ def bench_qkv_rope(rec: Recorder, m: Model, rows_list: Optional[list[int]] = Non
         rec.add("qkv_rope_fused", m.name, shape, fused_ms, nbytes=n * k * esz, rows=rows, rel_err=float(f"{err:.2e}"))
         rec.add("skinny+qkv_prep", m.name, shape, separate_ms, nbytes=n * k * esz, rows=rows)
         sweep = {}
+        copies = weight_copies(w_kernel, w_scale)
         if SKINNY_FP8 and rows == 1:  # the one-token kernel's tiles over e4m3 weights
             for bn, bk, nw, ns in SKINNY_FP8_CONFIGS:
                 cfg = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
                 if not qkv_rope_gemv.fusable(n, k, m.head_dim, DTYPE, cfg, rows):
                     continue
                 cfg_err = rel_err_of(fused(cfg)[0], separate())
-                ms = graph_ms(lambda: fused(cfg))
+                ms = cycled_ms(lambda wc, sc: fused(cfg, wc, sc), copies)
                 sweep[f"{bn}x{bk}w{nw}s{ns}"] = dict(ms=round(ms, 5), pct_of_copy=round(100 * n * k / (ms * 1e-3)
                                                                                         / (rec.copy_gbps * 1e9), 1),
                                                      rel_err=float(f"{cfg_err:.2e}"))
@@ -545,6 +566,8 @@ def main() -> None:
     parser.add_argument("--skip-small-ops", action="store_true")
     parser.add_argument("--skip-attention", action="store_true")
     parser.add_argument("--skip-skinny", action="store_true", help="no batch-1 GEMV (skinny_gemm) sweep")
+    parser.add_argument("--cold-l2", action="store_true",
+                        help="the GEMV sweeps cycle through weight copies 4x the L2 cache (weights read from memory)")
     parser.add_argument("--skinny-fp8", action="store_true",
                         help="the skinny sweep with FP8 (e4m3) weights and row scales (bandwidth over 1 byte a weight)")
     parser.add_argument("--skinny-rows", default=None,
@@ -565,6 +588,9 @@ def main() -> None:
     if args.smoke:
         token_counts = [1, 5]
     rows_list = [int(v) for v in args.skinny_rows.split(",")] if args.skinny_rows else SKINNY_ROWS
+    if args.cold_l2:
+        global COLD_L2
+        COLD_L2 = True
     if args.skinny_fp8:
         global SKINNY_FP8, SKINNY_CONFIGS
         SKINNY_FP8, SKINNY_CONFIGS = True, SKINNY_FP8_CONFIGS
@@ -586,7 +612,7 @@ def main() -> None:
         device=torch.cuda.get_device_name() if cuda else "cpu (smoke)",
         sm_count=torch.cuda.get_device_properties(0).multi_processor_count if cuda else None,
         torch=torch.__version__, triton=triton.__version__, dtype=str(DTYPE),
-        copy_bandwidth_gbps=round(rec.copy_gbps, 1), seconds=round(time.time() - t0, 1),
+        copy_bandwidth_gbps=round(rec.copy_gbps, 1), seconds=round(time.time() - t0, 1), cold_l2=COLD_L2,
         results=rec.rows, attention_best=best_rows, skinny_linear=skinny_rows,
         skinny_layer=skinny_layer_totals(skinny_rows), qkv_rope=qkv_rope_rows,
     )
