@@ -296,12 +296,15 @@ def skinny_gemm_config(n: int, k: int, dtype: torch.dtype, prologue: int = PLAIN
     One-byte (FP8) weights at one row, from the H200 sweep (2026-12-01, 89868d7, kernel_bench
     --skinny-fp8, Llama-3.1-8B shapes in CUDA graphs): 67-83 % of copy bandwidth at the best
     configs (q/k/v 16 x 512, 4 warps; o and down 8 x 1024; gate/up 8 x 512), below the 16-bit
-    kernels' 91-96 %: the widening of each byte costs issue slots the 16-bit loads do not."""
+    kernels' 91-96 %: the widening of each byte costs issue slots the 16-bit loads do not. That
+    sweep replayed one weight, and an FP8 q/k/v (25 MB) or o (17 MB) stays partly in the 50 MB L2
+    between replays; with --cold-l2 (2026-12-03, a821cff's sweep) q/k/v takes 11.8 us at 16 x 512
+    and 10.9 at 8 x 512, the rotary q/k/v kernel 12.4 and 11.3 (the engine's profile: 12.35), o
+    7.1 us at 8 x 1024 (55 % of copy), down 20.3 (68 %); q/k/v therefore takes 8 x 512 too."""
     rows = padded_rows(rows)
     if rows == 1 and weight_dtype is not None and weight_dtype.itemsize == 1:
         if prologue == ADD_RMSNORM:
-            return dict(block_n=8, block_k=512, num_warps=4, num_stages=3) if n >= 16384 else \
-                dict(block_n=16, block_k=512, num_warps=4, num_stages=3)
+            return dict(block_n=8, block_k=512, num_warps=4, num_stages=3)
         return dict(block_n=8, block_k=1024, num_warps=4, num_stages=3)
     if rows == 1:
         if prologue == ADD_RMSNORM:
