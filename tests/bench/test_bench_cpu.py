@@ -114,6 +114,27 @@ def test_run_roofline_sums_steps():
     assert r["by_kind"]["decode"]["measured_s"] == pytest.approx(2 * floor)
 
 
+def test_ceilings_of_a_parallel_run_sum_its_gpus():
+    """A run over N GPUs (tensor x pipeline x data parallel) is measured against N devices' rates:
+    the floor of a bandwidth-bound step is 1/N of one device's, and the JSON says how many."""
+    from argparse import Namespace
+
+    from tokenmill.bench.roofline import gpus_of
+
+    one = Ceilings("cuda", "x", 4.0e12, 700e12, "bfloat16", "copy", 1400e12)
+    four = one.over_gpus(4)
+    assert (four.copy_bytes_per_s, four.matmul_flops_per_s, four.fp8_matmul_flops_per_s, four.gpus) == \
+        (16.0e12, 2800e12, 5600e12, 4)
+    assert one.over_gpus(1) is one and one.gpus == 1
+    assert Ceilings.from_dict(four.to_dict()) == four and Ceilings.from_dict(one.to_dict()).gpus == 1
+    decode = StepShape(np.array([1]), np.array([100]))
+    assert step_floor(decode, ARCH, 2, four).seconds == pytest.approx(step_floor(decode, ARCH, 2, one).seconds / 4)
+    with pytest.raises(ValueError, match="one device"):
+        four.over_gpus(2)
+    assert gpus_of(Namespace(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2)) == 8
+    assert gpus_of(Namespace(tensor_parallel_size=4)) == 4 and gpus_of(Namespace()) == 1
+
+
 # ---- the commands, end to end on the CPU ----------------------------------------------------------
 
 def _load(path):

@@ -27,7 +27,7 @@ from tokenmill.bench import report
 from tokenmill.bench.common import (build_engine, format_spec, median_index, reset_prefix_cache, resolve_workload,
                                     spec_snapshot, spec_summary, synchronize)
 from tokenmill.bench.roofline import (dense_bytes_of, format_roofline, kv_bytes_per_token, kv_dtype_bytes_of,
-                                      measure_ceilings, run_roofline, step_floor)
+                                      run_ceilings, run_roofline, step_floor)
 from tokenmill.bench.step_timer import StepKinds
 from tokenmill.bench.lora import synthetic_adapters
 from tokenmill.bench.workloads import generate_requests, warmup_requests
@@ -64,8 +64,8 @@ def run(args, log=None) -> dict:
     device = resolve_device(args.device)
     if w.num_requests != 1:
         log(f"latency runs one request; using the first of the {w.num_requests} of {w.name}")
-    ceilings = measure_ceilings(device, fp8=getattr(args, "quantization", None) == "fp8")
-    log(f"ceilings: copy {ceilings.copy_bytes_per_s / 1e9:.1f} GB/s, matmul "
+    ceilings = run_ceilings(device, args)
+    log(f"ceilings{f' of {ceilings.gpus} GPUs' if ceilings.gpus > 1 else ''}: copy {ceilings.copy_bytes_per_s / 1e9:.1f} GB/s, matmul "
         f"{ceilings.matmul_flops_per_s / 1e12:.2f} TFLOP/s")
     engine = build_engine(args, w)
     arch, dtype_bytes = engine.loaded.arch, engine.loaded.dtype.itemsize

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -55,6 +55,22 @@ class Ceilings:
     matmul_dtype: str
     method: str
     fp8_matmul_flops_per_s: Optional[float] = None  # e4m3 x e4m3 -> bf16 (torch._scaled_mm), when measured
+    gpus: int = 1  # the rates are the sum over this many devices, each taken to match the measured one
+
+    def over_gpus(self, n: int) -> "Ceilings":
+        """These ceilings (one device's) summed over n devices of the same kind: a run with tensor,
+        pipeline or data parallelism over n GPUs is measured against all of them. The floor this
+        gives leaves the all-reduce out, and a pipeline at batch 1 (one stage busy at a time)
+        cannot reach it."""
+        if n < 1:
+            raise ValueError(f"over_gpus takes at least 1 device, got {n}")
+        if self.gpus != 1:
+            raise ValueError("over_gpus scales one device's ceilings")
+        if n == 1:
+            return self
+        fp8 = None if self.fp8_matmul_flops_per_s is None else self.fp8_matmul_flops_per_s * n
+        return replace(self, copy_bytes_per_s=self.copy_bytes_per_s * n, matmul_flops_per_s=self.matmul_flops_per_s * n,
+                       fp8_matmul_flops_per_s=fp8, gpus=n, method=f"{self.method}; one device's, times {n} devices")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -67,7 +83,24 @@ class Ceilings:
     @classmethod
     def from_dict(cls, d: dict) -> "Ceilings":
         return cls(d["device_type"], d["device_name"], float(d["copy_bytes_per_s"]), float(d["matmul_flops_per_s"]),
-                   d.get("matmul_dtype", "?"), d.get("method", "?"), d.get("fp8_matmul_flops_per_s"))
+                   d.get("matmul_dtype", "?"), d.get("method", "?"), d.get("fp8_matmul_flops_per_s"),
+                   int(d.get("gpus", 1)))
+
+
+def run_ceilings(device, args) -> Ceilings:
+    """The ceilings a bench run is measured against: one device's (FP8's matmul rate too where
+    args.quantization is fp8), summed over the GPUs of a parallel run (gpus_of). On the CPU the
+    ranks share one machine's cores and memory, so nothing is summed there."""
+    ceilings = measure_ceilings(device, fp8=getattr(args, "quantization", None) == "fp8")
+    return ceilings.over_gpus(gpus_of(args)) if ceilings.device_type == "cuda" else ceilings
+
+
+def gpus_of(args) -> int:
+    """How many devices a bench run's engine uses: tensor x pipeline x data parallel sizes."""
+    n = 1
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        n *= int(getattr(args, name, None) or 1)
+    return n
 
 
 def device_name(device) -> str:

@@ -17,7 +17,7 @@ import time
 from tokenmill.bench import report
 from tokenmill.bench.common import (build_engine, format_spec, free_device_memory, median_index, reset_prefix_cache,
                                     resolve_workload, spec_snapshot, spec_summary, synchronize)
-from tokenmill.bench.roofline import (dense_bytes_of, format_roofline, kv_dtype_bytes_of, measure_ceilings, run_roofline,
+from tokenmill.bench.roofline import (dense_bytes_of, format_roofline, kv_dtype_bytes_of, run_ceilings, run_roofline,
                                       step_kind)
 from tokenmill.bench.step_timer import StepKinds, StepTimer
 from tokenmill.bench.lora import spread, synthetic_adapters
@@ -119,9 +119,9 @@ def run(args, log=None) -> dict:
     device = resolve_device(args.device)
     log(f"workload {w.name}: {w.num_requests} requests, prompts {w.input_len}, outputs {w.output_len}, "
         f"model {w.model} ({w.load_format}, {w.dtype}) on {device}")
-    ceilings = measure_ceilings(device, fp8=getattr(args, "quantization", None) == "fp8")
+    ceilings = run_ceilings(device, args)
     args.ceilings = ceilings
-    log(f"ceilings: copy {ceilings.copy_bytes_per_s / 1e9:.1f} GB/s, matmul "
+    log(f"ceilings{f' of {ceilings.gpus} GPUs' if ceilings.gpus > 1 else ''}: copy {ceilings.copy_bytes_per_s / 1e9:.1f} GB/s, matmul "
         f"{ceilings.matmul_flops_per_s / 1e12:.2f} TFLOP/s ({ceilings.method})")
     tm = _run_tokenmill(args, w, log)
     runs = tm["runs"]
