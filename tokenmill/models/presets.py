@@ -1,9 +1,19 @@
 """Architecture presets for `--load-format dummy`: HF-style configs of well-known shapes."""
 
+import copy
+
 from tokenmill.errors import ModelLoadError
 
 _LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                  "original_max_position_embeddings": 8192}
+
+# What Llama 3.1's sizes share (8 KV heads of 128 dims, the 128k vocabulary and the llama3 rope).
+_LLAMA31 = {
+    "architectures": ["LlamaForCausalLM"], "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+    "tie_word_embeddings": False, "rope_theta": 500000.0, "rope_scaling": _LLAMA31_ROPE, "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072, "eos_token_id": [128001, 128008, 128009], "bos_token_id": 128000,
+    "torch_dtype": "bfloat16",
+}
 
 PRESETS: dict[str, dict] = {
     "qwen3-0.6b": {
@@ -13,20 +23,10 @@ PRESETS: dict[str, dict] = {
         "max_position_embeddings": 40960, "attention_bias": False, "eos_token_id": 151645, "bos_token_id": None,
         "torch_dtype": "bfloat16",
     },
-    "llama-3.1-8b": {
-        "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-        "vocab_size": 128256, "tie_word_embeddings": False, "rope_theta": 500000.0, "rope_scaling": _LLAMA31_ROPE,
-        "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "eos_token_id": [128001, 128008, 128009],
-        "bos_token_id": 128000, "torch_dtype": "bfloat16",
-    },
-    "llama-3.1-70b": {
-        "architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
-        "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
-        "vocab_size": 128256, "tie_word_embeddings": False, "rope_theta": 500000.0, "rope_scaling": _LLAMA31_ROPE,
-        "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "eos_token_id": [128001, 128008, 128009],
-        "bos_token_id": 128000, "torch_dtype": "bfloat16",
-    },
+    "llama-3.1-8b": {**_LLAMA31, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32},
+    "llama-3.1-70b": {**_LLAMA31, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                      "num_attention_heads": 64},
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
         "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
@@ -53,4 +53,4 @@ def get_preset(name: str) -> dict:
     key = name.lower()
     if key not in PRESETS:
         raise ModelLoadError(f"unknown architecture preset {name!r}; presets: {sorted(PRESETS)}")
-    return dict(PRESETS[key])
+    return copy.deepcopy(PRESETS[key])  # the presets share nested values (rope scaling, EOS ids)
