@@ -505,23 +505,12 @@ def attention_config(max_query_len: int, group: int, head_dim: int, dtype: torch
                      mean_query_len: Optional[float] = None, kv_fp8: bool = False) -> dict:
     """Tile config (BLOCK_M rows = tokens x GROUP heads, BLOCK_N keys, warps, stages). Tune here.
 
-    Decode / short queries: the smallest tl.dot-sized M that holds the rows. Prefill: 128 x 64
-    with 8 warps for 16-bit (64 x 64 for fp32, whose tiles are twice the bytes); 256 x 64 with 16
-    warps for 128-dim heads where every request brings 256 rows or more on average. On the H200
-    (fp8_kernel_bench.py --prefill-attention, 2026-12-02: 2 causal prompts of 4,096 tokens, 32 heads
-    over 8 KV heads) 256 x 64 took 802 us (343 TFLOP/s) against 931 us for 128 x 64; 128 x 128
-    took 856, 64 x 64 963, and 2 or 4 stages or 4 warps did not help 128 x 64; on 2026-12-03 the
-    256-row tile took 779 us with 16 warps against 796 with 8 (256 x 128 keys 1,136-1,159, 512 rows
-    2,532). (64-dim heads keep 128 rows: not measured.) A row's products and sums are the same in either tile; only which of its
-    key tiles take the masked code moves (the sweep's outputs were the same bit for bit). A mixed batch
-    (a long prompt chunk among many decodes, mean_query_len small) takes 64-row tiles: on the H200
-    that ran 28 % faster than 128 rows (kernel_bench, "chunked 512@4k + 64 dec"), since every
-    decode request pads a whole tile.
-
-    kv_fp8 (an e4m3 cache), decode: 128 keys a tile and 3 stages, whatever the grid. On the H200
-    (benchmarks/fp8_kernel_bench.py --attention, 2026-12-02) that took 84.3 against 88.3 us at 110
-    requests of ~700 keys, 54.2 against 71.1 at 32 x 2k and 40.5 against 61.1 at 8 x 4k. (For a
-    16-bit cache 128 keys and 2 stages measured 6-17 % faster too; not switched yet.)
+    Decode / short queries: the smallest tl.dot-sized M that holds the rows. Prefill: 128 x 64 with
+    8 warps for 16-bit (64 x 64 for fp32, whose tiles are twice the bytes); 256 x 64 with 16 warps
+    for 128-dim heads when requests average 256 rows or more; mixed batches (a long chunk among many
+    decodes) take 64-row tiles, since every decode request pads a whole tile. An e4m3 cache decodes
+    with 128-key tiles and 3 stages. A row's arithmetic is the same in every tile. The H200 sweeps
+    behind each choice: docs/PERFORMANCE.md, "Kernel tile choices".
     """
     rows = max(1, max_query_len) * group
     fp32 = dtype == torch.float32

@@ -275,32 +275,13 @@ def padded_rows(m: int) -> int:
 def skinny_gemm_config(n: int, k: int, dtype: torch.dtype, prologue: int = PLAIN, rows: int = 1,
                        weight_dtype: Optional[torch.dtype] = None) -> dict:
     """BLOCK_N output features per program, BLOCK_K per step, warps, stages, for `rows` rows (keyed
-    by padded_rows(rows)). Tune here.
+    by padded_rows(rows)). Tune here (benchmarks/kernel_bench.py --skinny-rows, --skinny-fp8).
 
-    One row, from the H200 sweep in CUDA graphs (kernel_bench, Llama-3.1-8B shapes): with
-    ADD_RMSNORM every program re-reads the row (and residual) from L2, so programs own 16 output
-    features, and the narrower q/k/v projection takes 8 warps; o and down take 8 features, 4 warps.
-    num_stages is only the launch option there (Triton pipelines this loop's loads only for dots).
-
-    Several rows (_gemv_multi_kernel), not yet measured on the GPU: chosen from the compiled sm_90
-    code (registers, spills, instructions per weight element in the loop) and a grid of at least
-    about one program per SM. num_stages is the depth of the loop's load pipeline (tl.range's
-    num_stages; 1 = none): a pipelined program keeps num_stages - 1 weight tiles in flight without
-    registers for them, so 1-2 programs per SM still have 32 KB or more in flight, about what
-    the one-row kernel needs for full bandwidth (5 programs of 8 KB tiles per SM). Every row costs
-    one FMA per weight element and the SM issues about 14 instructions per element at the copy
-    bandwidth, so at 8 rows the loop is close to issue-bound: those configs take the widest tiles
-    that fit without spills (32 features: the prologue and the row broadcast are shared by more
-    weights). Sweep: benchmarks/kernel_bench.py --skinny-rows 2,4,8.
-
-    One-byte (FP8) weights at one row, from the H200 sweep (2026-12-01, 89868d7, kernel_bench
-    --skinny-fp8, Llama-3.1-8B shapes in CUDA graphs): 67-83 % of copy bandwidth at the best
-    configs (q/k/v 16 x 512, 4 warps; o and down 8 x 1024; gate/up 8 x 512), below the 16-bit
-    kernels' 91-96 %: the widening of each byte costs issue slots the 16-bit loads do not. That
-    sweep replayed one weight, and an FP8 q/k/v (25 MB) or o (17 MB) stays partly in the 50 MB L2
-    between replays; with --cold-l2 (2026-12-03, a821cff's sweep) q/k/v takes 11.8 us at 16 x 512
-    and 10.9 at 8 x 512, the rotary q/k/v kernel 12.4 and 11.3 (the engine's profile: 12.35), o
-    7.1 us at 8 x 1024 (55 % of copy), down 20.3 (68 %); q/k/v therefore takes 8 x 512 too."""
+    One row: with ADD_RMSNORM every program re-reads the row from L2, so programs own 16 features.
+    Several rows: the widest tiles that compile without spills, since at 8 rows the loop is close
+    to issue-bound; num_stages is the loop's load-pipeline depth. FP8 weights: 8-feature tiles, as
+    the byte widening costs issue slots. The sweeps behind each: docs/PERFORMANCE.md, "Kernel tile
+    choices"."""
     rows = padded_rows(rows)
     if rows == 1 and weight_dtype is not None and weight_dtype.itemsize == 1:
         if prologue == ADD_RMSNORM:
