@@ -64,12 +64,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
 
 
 # The longest row silu_and_mul_quant_fp8_triton takes (one program a row, 16 warps, 32 features a
-# thread). Llama-3.1-8B's 14,336 on the H200 (fp8_kernel_bench.py --prologues, 2026-12-02): with the
-# quantization's product by the row's reciprocal scale (kernels/fp8_quant.py), 4.4 us at 112 rows,
-# 27.6 at 1,024 and 171 at 8,192 (81 % of copy), against 6.0, 36.2 and 268 for the SiLU kernel then
-# the quantization kernel. Measured slower: 32 warps (274 us at 8,192 rows), and the row in chunks
-# of 1,024-4,096 features, each computed twice (232-248 us at 8,192 rows, 6.2-9.1 at 112). Longer
-# rows take the unfused pair (quantization/fp8.py).
+# thread); longer rows take the unfused pair (quantization/fp8.py). Measured: PERFORMANCE.md.
 QUANT_MAX_FEATURES = 16384
 
 

@@ -1,17 +1,12 @@
 """The W8A8 matmul of decode-sized steps: y = (x_q * x_scale) (w_q * w_scale)^T for e4m3 x_q [M, K]
 (per-token scales [M, 1]) and e4m3 w_q [N, K] (per-row scales [N]), out in the model dtype.
 
-Larger steps take torch._scaled_mm (quantization/fp8.py). At decode batches cuBLAS's row-scaled
-e4m3 kernel tiles the output 128 x 128 with no split of K, which at M ~ 110 gives 32 programs for
-Llama-3.1-8B's o and down projections on 132 SMs: in the profile of offline-8b (H200, 2026-12-02)
-its 128 calls a step took 25.6 us each, about half the HBM rate over the weight bytes. Here a
-BLOCK_M x BLOCK_N tile per program with K split SPLIT_K ways where the tiles alone would leave SMs
-idle (fp8_gemm_config, from a sweep; shapes where cuBLAS is faster stay with it); each split's fp32 partial goes to a workspace and a second kernel sums the splits in order
-and applies both scales, so the result does not depend on timing. Without a split the program
-applies the scales itself. The e4m3 products accumulate on the tensor cores, whose accumulation of e4m3
-products keeps fewer bits than fp32; it is promoted to an fp32 sum every BLOCK_K (max_num_imprecise_acc),
-which left 1.3e-4 relative error against a float64 product on the H200 (below bf16's rounding of
-the output, 3.9e-3).
+Larger steps take torch._scaled_mm (quantization/fp8.py). At decode batches cuBLAS's 128 x 128
+tiles leave most SMs idle for narrow projections, so this kernel splits K where the tiles alone
+would (fp8_gemm_config); each split's fp32 partial goes to a workspace and a second kernel sums the
+splits in order and applies both scales, so the result does not depend on timing. The tensor cores'
+e4m3 accumulation is promoted to an fp32 sum every BLOCK_K (max_num_imprecise_acc). Measurements:
+docs/PERFORMANCE.md, "Kernel tile choices".
 
 Reference: quantization/fp8.fp8_linear_ref with quantize_input (the dequantized operands in fp32).
 """
@@ -40,15 +35,10 @@ class Fp8GemmConfig:
 
 
 def fp8_gemm_config(m: int, n: int, k: int) -> Optional[Fp8GemmConfig]:
-    """The launch config for an [m, k] x [n, k]^T product, or None where cuBLAS is faster. From the
-    H200 sweep at Llama-3.1-8B's projections (benchmarks/fp8_kernel_bench.py, 2026-12-02), against
-    cuBLAS's row-scaled e4m3 matmul in CUDA graphs:
-    - up to 64 rows: one 64-row tile; 128 output features a tile for wide layers (gate/up: 32.4
-      against 44.7 us at 16 rows), else 64 with K split in four (q/k/v 8.3 against 18.4 us, o 6.7
-      against 12.8, down 19.8 against 39.7);
-    - 65 to 128 rows: two 64-row tiles and K steps of 256 for q/k/v and o (9.4 against 12.8 us for
-      o at 112 rows), one 128-row tile with K split in two for long K (down: 28.0 against 37.2);
-      wide layers stay with cuBLAS (37.4 against 46.6 us)."""
+    """The launch config for an [m, k] x [n, k]^T product, or None where cuBLAS is faster (from the
+    H200 sweep at Llama-3.1-8B's projections: benchmarks/fp8_kernel_bench.py). Up to 64 rows: one
+    64-row tile, 128 features for wide layers, else 64 with K split in four; 65 to 128 rows: two
+    64-row tiles for short K, a 128-row tile with K split in two for long K; wide layers keep cuBLAS."""
     if m > MAX_ROWS:
         return None
     if m <= 64:

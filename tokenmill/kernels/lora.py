@@ -53,13 +53,7 @@ slots' values, and nothing syncs with the host):
   token * stride offsets are int64. In Triton's interpreter (CPU tests) bf16 tile products run in
   fp32, since the interpreter multiplies bf16 tl.dot operands wrongly; fp16 takes the 16-bit path.
 
-Measured (H200, bf16, rank 16, 8 adapters, in CUDA graphs, benchmarks/lora_kernel_bench.py; shrink
-+ expand over the base F.linear of the same layer): at T = 1 about 3.5-6 us per layer (qkv 4.4,
-o 3.6, gate_up 4.2, down 6.2 us against 15 / 14 / 56 / 31 us), i.e. +16% over the four linears
-alone, close to the floor of two graph-node launches each; at T = 128 0.26-0.72x of the linear
-with requests in runs, 0.63-1.5x with decode tokens interleaved over the adapters; at T = 2048
-0.16-0.30x (runs), 0.43-0.95x (interleaved). The interleaved cases pay per distinct slot per
-block: an engine that orders a batch's decode tokens by adapter gets the "runs" numbers.
+Measured costs against the base linear: docs/PERFORMANCE.md, "Kernel tile choices".
 
 * Slices: up to MAX_SLICES output slices, their starts compile into the expand (constexpr); a tile
   that straddles a boundary masks B's rows per slice, so slice sizes need not be multiples of the
