@@ -22,9 +22,8 @@ from typing import Optional
 import torch
 
 from tokenmill.kernels._dispatch import use_triton
+from tokenmill.kernels.token_mask_triton import NO_TOKEN, WILDCARD, apply_bad_words_triton
 
-WILDCARD = -1  # a prefix column left of a shorter word's tokens: matches anything
-NO_TOKEN = -2  # a history column before the sequence's first token: matches no token
 
 
 def ban_bad_words(logits: torch.Tensor, history: torch.Tensor, prefix: torch.Tensor, last: torch.Tensor) -> None:
@@ -76,8 +75,6 @@ def apply_bad_words(logits: torch.Tensor, idx: torch.Tensor, positions: torch.Te
                     last_sampled: torch.Tensor, ring: Optional[torch.Tensor], prefix: torch.Tensor,
                     last: torch.Tensor, count: int, length: int) -> None:
     if use_triton(logits):
-        from tokenmill.kernels.token_mask_triton import apply_bad_words_triton
-
         apply_bad_words_triton(logits, idx, positions, known, last_sampled, ring, prefix, last, count, length)
     else:
         apply_bad_words_ref(logits, idx, positions, known, last_sampled, ring, prefix, last, count, length)

@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.token_mask import NO_TOKEN, WILDCARD
+WILDCARD = -1  # a prefix column left of a shorter word's tokens: matches anything
+NO_TOKEN = -2  # a history column before the sequence's first token: matches no token
 
 
 # The word count and prefix length change from batch to batch: not specialised, so one compile.

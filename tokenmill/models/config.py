@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from tokenmill.errors import ModelLoadError
+from tokenmill.errors import ModelLoadError, UnsupportedArchitectureError
 
 
 @dataclass
@@ -61,6 +61,43 @@ class ModelArchConfig:
         return self.num_layers * per_layer + embed + h
 
 
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    name: str
+    # Qwen2 always has biases on q/k/v (its config has no `attention_bias` field).
+    force_qkv_bias: bool = False
+    # Qwen3 normalises each head of q and k with an RMSNorm before rotary.
+    qk_norm: bool = False
+    # How HF reads the config's `sliding_window` for this architecture: "none" (never used), "all"
+    # (every layer, Mistral), "layers" (only if `use_sliding_window`, on the layers that
+    # `layer_types` or `max_window_layers` name, Qwen2/Qwen3).
+    sliding_window: str = "none"
+
+
+_ARCHITECTURES = {
+    spec.name: spec
+    for spec in (
+        ArchitectureSpec("LlamaForCausalLM"),
+        ArchitectureSpec("MistralForCausalLM", sliding_window="all"),
+        ArchitectureSpec("Qwen2ForCausalLM", force_qkv_bias=True, sliding_window="layers"),
+        ArchitectureSpec("Qwen3ForCausalLM", qk_norm=True, sliding_window="layers"),
+    )
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_ARCHITECTURES)
+
+
+def resolve_architecture(architectures: list[str]) -> ArchitectureSpec:
+    for name in architectures:
+        if name in _ARCHITECTURES:
+            return _ARCHITECTURES[name]
+    raise UnsupportedArchitectureError(
+        f"unsupported architecture {architectures}; tokenmill supports {supported_architectures()}"
+    )
+
+
 def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     # transformers 5 writes "rope_parameters"; older configs have rope_theta + rope_scaling.
     params = dict(cfg.get("rope_parameters") or {})
@@ -108,8 +145,6 @@ def _sliding_window_from_hf(cfg: dict[str, Any], style: str, num_layers: int) ->
 
 def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
     """Parse an HF config.json dict; raises ModelLoadError naming what is missing."""
-    from tokenmill.models.registry import resolve_architecture
-
     archs = cfg.get("architectures") or []
     if not archs:
         raise ModelLoadError("config.json has no 'architectures' field")
