@@ -1,7 +1,7 @@
 """Tensor-parallel state and collectives.
 
-A model's layers learn their rank and the tensor-parallel size when they are built: `get_tp_rank()`
-/ `get_tp_size()` / `get_tp_group()` read the state that `tensor_parallel(...)` sets around the
+A model's layers learn their rank and the tensor-parallel size when they are built: `get_tp_state()` /
+`get_tp_size()` read the state that `tensor_parallel(...)` sets around the
 model's construction (the loader's, in each rank's process: executor/). Each layer keeps the
 ParallelState it was built with and runs its collectives in that group, so the state is only read
 at construction: two models of different parallel sizes in one process (a tensor-parallel engine
@@ -49,10 +49,6 @@ def tensor_parallel(state: ParallelState):
 
 def get_tp_state() -> ParallelState:
     return _BUILDING.get()
-
-
-def get_tp_rank() -> int:
-    return _BUILDING.get().tp_rank
 
 
 def get_tp_size() -> int:

@@ -390,9 +390,6 @@ class DPEngineClient:
     def snapshot(self) -> EngineSnapshot:
         return total_snapshot([r.snapshot() for r in self.replicas])
 
-    def replica_snapshots(self) -> list[EngineSnapshot]:
-        return [r.snapshot() for r in self.replicas]
-
     def replica_stats(self) -> list[ReplicaStats]:
         """Each replica's counters (read from any thread: every value is copied or immutable)."""
         routed, by_prefix = list(self._counts.routed), list(self._counts.by_prefix)

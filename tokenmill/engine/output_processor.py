@@ -157,8 +157,6 @@ class OutputProcessor:
             for sample in user.samples:
                 self.parent_of.pop(sample.request.request_id, None)
 
-    def user_request_of(self, sample_request_id: str) -> Optional[str]:
-        return self.parent_of.get(sample_request_id)
 
 
 

@@ -134,9 +134,6 @@ class StructuredOutputManager:
     def remove(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
 
-    def has(self, request_id: str) -> bool:
-        return request_id in self.matchers
-
     def accept(self, request_id: str, token: int) -> bool:
         """Advance the request's matcher by `token`; False if the grammar refuses it."""
         return bool(self.matchers[request_id].accept_token(int(token)))

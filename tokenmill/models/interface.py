@@ -1,7 +1,7 @@
 """What the runner may ask of a model: the shapes of its attention (to size the KV cache, compile
 attention variants and allocate graph buffers), a forward pass and the LM head. The runner reads
 nothing else of a model, so a new architecture only has to offer this (and, for the layer-truncated
-speculative draft, a forward pass through its first layers: TruncatableLM)."""
+speculative draft, `forward_first_layers(input_ids, positions, num_layers)`)."""
 
 from dataclasses import dataclass
 from typing import Optional, Protocol
@@ -29,10 +29,3 @@ class CausalLM(Protocol):
 
     def attention_spec(self) -> AttentionSpec: ...
 
-
-class TruncatableLM(CausalLM, Protocol):
-    """A model that can also run only its first decoder layers (then its final norm), for a
-    layer-truncated self-draft in speculative decoding; layer i keeps using KV cache i."""
-
-    def forward_first_layers(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                             num_layers: int) -> torch.Tensor: ...

@@ -49,9 +49,6 @@ class AsyncOutput:
                 self._event = torch.cuda.Event()
                 self._event.record(copy_stream)
 
-    def is_ready(self) -> bool:
-        return self._event is None or self._event.query()
-
     def get(self) -> ModelRunnerOutput:
         if self._event is not None:
             self._event.synchronize()
