@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 
-from tokenmill.engine.core_client import EngineCoreClient, _Live, _Sample
-from tokenmill.engine.core_messages import RequestProgress, output_delta, pack, state_delta, unpack
+from tokenmill.serve.core_client import EngineCoreClient, _Live, _Sample
+from tokenmill.serve.core_wire import RequestProgress, output_delta, pack, state_delta, unpack
 from tokenmill.engine.engine_snapshot import EngineSnapshot
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.outputs import Logprob

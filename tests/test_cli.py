@@ -167,7 +167,7 @@ def tokenmill_log():
 
 
 def test_serve_logs_a_start_up_summary_at_the_default_level(small_engine, tokenmill_log, monkeypatch):
-    api_server = pytest.importorskip("tokenmill.entrypoints.openai.api_server")
+    api_server = pytest.importorskip("tokenmill.serve.openai.api_server")
     served = []
     monkeypatch.setattr(api_server, "run_server", lambda engine, **kw: served.append(kw) or 0)
     monkeypatch.delenv("TOKENMILL_LOG_LEVEL", raising=False)

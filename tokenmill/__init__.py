@@ -1,6 +1,6 @@
 """tokenmill: a compact, fast LLM inference engine."""
 
-__version__ = "0.1.0"
+from tokenmill.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "LoRARequest",
            "__version__"]

@@ -2,7 +2,7 @@
 expression, one of a list of strings, or an EBNF grammar. Exactly one is set.
 
 It lives beside SamplingParams (below engine and runner) and holds only the description: the engine
-compiles it (engine/structured_output.py) and hands the runner packed token masks.
+compiles it (engine/grammar.py) and hands the runner packed token masks.
 """
 
 import json

@@ -8,9 +8,9 @@ import pytest
 
 from tests.engine.conftest import NEW_TOKENS, make_llm
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core_client import EngineCoreClient
-from tokenmill.engine.core_messages import pack, params_from_wire, params_to_wire, unpack
-from tokenmill.engine.core_process import EngineLaunch
+from tokenmill.serve.core_client import EngineCoreClient
+from tokenmill.serve.core_wire import pack, params_from_wire, params_to_wire, unpack
+from tokenmill.serve.core_process import EngineLaunch
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_outputs import StructuredOutputsParams
@@ -128,7 +128,7 @@ def test_sampling_params_round_trip():
 
 
 def test_a_model_that_cannot_load_is_a_clear_error():
-    from tokenmill.engine.core_client import EngineProcessError
+    from tokenmill.serve.core_client import EngineProcessError
 
     with pytest.raises(EngineProcessError, match="no-such-model"):
         EngineCoreClient.launch(EngineLaunch("/no-such-model", EngineConfig(**CONFIG), device="cpu"))

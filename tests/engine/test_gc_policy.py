@@ -2,7 +2,7 @@
 
 import gc
 
-from tokenmill.engine.gc_policy import OUT_OF_REACH, GCPolicy
+from tokenmill.serve.gc_policy import OUT_OF_REACH, GCPolicy
 
 
 class Node:

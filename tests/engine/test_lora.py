@@ -262,8 +262,8 @@ def test_through_the_engine_process(smollm, adapters, prompts, tmp_path):
     import time
 
     from tokenmill.config import EngineConfig
-    from tokenmill.engine.core_client import EngineCoreClient
-    from tokenmill.engine.core_process import EngineLaunch
+    from tokenmill.serve.core_client import EngineCoreClient
+    from tokenmill.serve.core_process import EngineLaunch
 
     config = dict(num_kv_blocks=256, max_num_seqs=16, max_num_batched_tokens=2048, enable_lora=True, max_loras=2,
                   max_lora_rank=16)

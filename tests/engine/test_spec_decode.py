@@ -105,7 +105,7 @@ def test_served_stream_with_speculation(smollm):
     speculation ends, stop string included."""
     import asyncio
 
-    from tokenmill.engine.async_engine import AsyncLLMEngine
+    from tokenmill.serve.async_engine import AsyncLLMEngine
 
     plain = make_llm(smollm)
     prompt = _copy_prompt(plain)

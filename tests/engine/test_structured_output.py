@@ -259,7 +259,7 @@ def test_grammar_masks_follow_each_draft_position(smollm):
     drafts, and rows after a refused draft are all ones; the walk leaves the matcher as it was."""
     import numpy as np
 
-    from tokenmill.messages import ScheduledRequest, SchedulerOutput
+    from tokenmill.step_io import ScheduledRequest, SchedulerOutput
 
     llm = make_llm(smollm)
     manager, tok = llm.engine.structured, smollm.tokenizer

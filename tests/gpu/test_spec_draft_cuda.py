@@ -21,7 +21,7 @@ from tokenmill.loader.load import load_model
 from tokenmill.runner.cuda_graphs import no_garbage_collection
 from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_cache
 from tokenmill.runner.request_states import RequestStates
-from tokenmill.messages import NewRequestData
+from tokenmill.step_io import NewRequestData
 from tokenmill.runner.spec_decode.draft_model import DraftModelProposer
 from tokenmill.runner.spec_decode.layer_truncated import LayerTruncatedProposer
 from tokenmill.sampling_params import SamplingParams

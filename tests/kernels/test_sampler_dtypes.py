@@ -8,7 +8,7 @@ import torch
 
 import tokenmill.kernels.sampling as sampling
 import tokenmill.runner.sample.gumbel as gumbel_module
-from tokenmill.messages import NewRequestData
+from tokenmill.step_io import NewRequestData
 from tokenmill.runner.request_states import RequestStates
 from tokenmill.runner.sample import Sampler
 from tokenmill.sampling_params import SamplingParams

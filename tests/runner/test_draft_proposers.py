@@ -9,7 +9,7 @@ import torch
 from tokenmill.config import ConfigError
 from tokenmill.layers.forward_context import AttentionMetadata
 from tokenmill.loader import load_model
-from tokenmill.messages import NewRequestData
+from tokenmill.step_io import NewRequestData
 from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_cache
 from tokenmill.runner.request_states import RequestStates
 from tokenmill.runner.spec_decode import ProposerInputs

@@ -5,7 +5,7 @@ without a grammar does not inherit its mask."""
 import numpy as np
 import torch
 
-from tokenmill.messages import NewRequestData
+from tokenmill.step_io import NewRequestData
 from tokenmill.runner.sample import Sampler
 from tokenmill.sampling_params import SamplingParams
 

@@ -4,7 +4,7 @@ across chunk boundaries, for rows that ask and rows that don't; and compute agai
 import numpy as np
 import torch
 
-from tokenmill.messages import NewRequestData
+from tokenmill.step_io import NewRequestData
 from tokenmill.runner.prompt_logprobs import PromptLogprobsComputer
 from tokenmill.sampling_params import SamplingParams
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tokenmill.runner.sample.gumbel as gumbel_module
-from tokenmill.messages import LogprobsArrays, NewRequestData
+from tokenmill.step_io import LogprobsArrays, NewRequestData
 from tokenmill.runner.async_output import AsyncOutput
 from tokenmill.runner.request_states import RequestStates, RowState
 from tokenmill.runner.sample import DeviceLogprobs, Sampler

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineObserver, EngineOverloadedError
+from tokenmill.serve.async_engine import AsyncLLMEngine, EngineDeadError, EngineObserver, EngineOverloadedError
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.errors import InvalidRequestError

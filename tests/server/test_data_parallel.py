@@ -1,4 +1,4 @@
-"""Data parallelism (`tokenmill serve --data-parallel-size 2`, engine/dp_client.py).
+"""Data parallelism (`tokenmill serve --data-parallel-size 2`, serve/dp_client.py).
 
 The balancing policy and the other pure parts are tested without processes; then one real server
 with two replicas of the embedded model (fp32 on the CPU) for the module, driven by the `openai`
@@ -21,7 +21,7 @@ import pytest
 
 from tests.server.conftest import SMALL_ENGINE, ServerProcess
 from tokenmill.config import ConfigError
-from tokenmill.engine.dp_client import (BalancerConfig, Placement, ReplicaBalancer, ReplicaLaunch, cpu_threads,
+from tokenmill.serve.dp_client import (BalancerConfig, Placement, ReplicaBalancer, ReplicaLaunch, cpu_threads,
                                         replica_devices, total_snapshot)
 from tokenmill.engine.engine_snapshot import EngineSnapshot
 from tokenmill.engine.spec_stats import SpecDecodeCounts
@@ -176,7 +176,7 @@ class FakeReplica:
     def __init__(self, ctx, index: int):
         import zmq
 
-        from tokenmill.engine.core_messages import EngineFacts
+        from tokenmill.serve.core_wire import EngineFacts
 
         self.facts = EngineFacts("m", 64, 100, [0], 16, 4, f"fake {index}", 1000 + index)
         self.pid, self.summary, self.tokenizer = self.facts.pid, self.facts.summary, None
@@ -210,7 +210,7 @@ class FakeReplica:
                 for r in self._out.recv_pyobj()]
 
     def check_health(self) -> None:
-        from tokenmill.engine.core_client import EngineProcessError
+        from tokenmill.serve.core_client import EngineProcessError
 
         if self.dead:
             raise EngineProcessError(f"the engine process {self.pid} exited with code -9 (killed by signal 9)")
@@ -269,8 +269,8 @@ def fakes():
 
 
 def test_the_client_routes_polls_all_replicas_at_once_and_fails_by_name(fakes):
-    from tokenmill.engine.core_client import EngineProcessError
-    from tokenmill.engine.dp_client import DPEngineClient
+    from tokenmill.serve.core_client import EngineProcessError
+    from tokenmill.serve.dp_client import DPEngineClient
     from tokenmill.errors import InvalidRequestError
     from tokenmill.sampling_params import SamplingParams
 
@@ -305,7 +305,7 @@ def test_the_client_routes_polls_all_replicas_at_once_and_fails_by_name(fakes):
 
 
 def test_lora_and_prefix_cache_resets_go_to_every_replica(fakes):
-    from tokenmill.engine.dp_client import DPEngineClient
+    from tokenmill.serve.dp_client import DPEngineClient
     from tokenmill.errors import LoRAError
     from tokenmill.lora.request import LoRARequest
     from tokenmill.sampling_params import SamplingParams

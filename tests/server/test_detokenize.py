@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.serve.async_engine import AsyncLLMEngine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import CompletionOutput
 from tokenmill.entrypoints.llm import LLM

@@ -268,9 +268,9 @@ def tiny_app(tiny, **settings):
     from starlette.testclient import TestClient
 
     from tokenmill.config import EngineConfig
-    from tokenmill.engine.async_engine import AsyncLLMEngine
+    from tokenmill.serve.async_engine import AsyncLLMEngine
     from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.entrypoints.openai.api_server import ServerSettings, build_app
+    from tokenmill.serve.openai.api_server import ServerSettings, build_app
 
     engine = LLMEngine(config=EngineConfig(num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=256), loaded=tiny)
     return TestClient(build_app(AsyncLLMEngine(engine), ServerSettings(**settings)))
@@ -293,7 +293,7 @@ def test_lora_not_enabled_and_several_api_servers_refuse_loading(tiny, adapters)
 def test_lora_flags_are_checked_before_the_model_loads(capsys, adapters, tmp_path):
     from tokenmill.config import ConfigError
     from tokenmill.entrypoints.cli import main
-    from tokenmill.entrypoints.openai.lora import LoRAModuleSpec, assign_ids, parse_lora_module
+    from tokenmill.serve.openai.lora import LoRAModuleSpec, assign_ids, parse_lora_module
 
     assert main(["serve", "--lora-modules", f"a={adapters['late']}"]) == 2
     assert "--lora-modules needs --enable-lora" in capsys.readouterr().err

@@ -125,10 +125,10 @@ def test_metrics_cross_from_the_engine_thread(speculate):
     """In process, on a tiny dummy model with synthetic acceptance 1: the engine thread publishes a
     frozen copy of its counts after every step, and /metrics renders it (nothing without speculation)."""
     from tokenmill.config import EngineConfig
-    from tokenmill.engine.async_engine import AsyncLLMEngine
+    from tokenmill.serve.async_engine import AsyncLLMEngine
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.engine.spec_stats import SpecDecodeCounts
-    from tokenmill.entrypoints.openai.metrics import ServerMetrics
+    from tokenmill.serve.openai.metrics import ServerMetrics
     from tokenmill.sampling_params import SamplingParams
 
     spec = {**NGRAM, "synthetic_acceptance": 1.0} if speculate else None

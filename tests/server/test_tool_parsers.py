@@ -1,4 +1,4 @@
-"""Tool-call parsers (entrypoints/openai/tool_parsers.py) and the tool helpers (tools.py), in pure
+"""Tool-call parsers (serve/openai/tool_parsers.py) and the tool helpers (tools.py), in pure
 Python: no engine, no server.
 
 The streaming parsers are checked against `extract`: fed a text in any split, a streamer gives the
@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from tokenmill.entrypoints.openai.tool_parsers import (TOOL_PARSERS, HermesToolParser, Llama3JsonToolParser,
+from tokenmill.serve.openai.tool_parsers import (TOOL_PARSERS, HermesToolParser, Llama3JsonToolParser,
                                                       NamedFunctionParser, RequiredCallsParser, StreamDelta,
                                                       get_tool_parser)
-from tokenmill.entrypoints.openai.tools import (FunctionTool, ToolChoice, ToolRequestError, forced_call_output,
+from tokenmill.serve.openai.tools import (FunctionTool, ToolChoice, ToolRequestError, forced_call_output,
                                                 parse_tools, resolve_tool_choice, template_conversation)
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
@@ -132,7 +132,7 @@ def test_llama3_json_extract():
 
 
 def test_first_call_only():
-    from tokenmill.entrypoints.openai.tools import output_parser
+    from tokenmill.serve.openai.tools import output_parser
 
     parser = output_parser(ToolChoice("auto"), HermesToolParser(), parallel_tool_calls=False)
     text = HERMES_TEXTS[4]

@@ -1,6 +1,6 @@
 """Data-parallel lockstep: DP ranks that must step together agree on each step's shape.
 
-Independent replicas (engine/dp_client.py) need no coordination: each steps when it has work. Models
+Independent replicas (serve/dp_client.py) need no coordination: each steps when it has work. Models
 whose layers need every rank in every step do: with mixture-of-experts under expert parallelism each
 layer's tokens are exchanged between all ranks (all-to-all), so every rank must run the same number
 of forward passes, of the same padded size, in the same CUDA-graph mode, or the collectives hang.

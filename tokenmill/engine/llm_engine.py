@@ -24,7 +24,7 @@ from tokenmill.engine.scheduler import Scheduler, SchedulerLimits
 from tokenmill.engine.spec_stats import SpecDecodeStats
 from tokenmill.engine.step_budget import StepBudget
 from tokenmill.engine.request_validator import RequestValidator
-from tokenmill.engine.structured_output import StructuredOutputManager
+from tokenmill.engine.grammar import StructuredOutputManager
 from tokenmill.engine.engine_snapshot import EngineSnapshot
 from tokenmill.errors import InvalidRequestError, LoRAError
 from tokenmill.loader import LoadedModel, load_model
@@ -34,7 +34,7 @@ from tokenmill.lora.registry import LoRARegistry
 from tokenmill.lora.request import LoRARequest
 from tokenmill.engine.compile_watch import CompileWatch, install_hooks
 from tokenmill.runner.async_output import AsyncOutput
-from tokenmill.messages import ModelRunnerOutput, SchedulerOutput
+from tokenmill.step_io import ModelRunnerOutput, SchedulerOutput
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 
@@ -470,3 +470,22 @@ class LLMEngine:
     def take_gc_pauses(self) -> list[tuple[int, float]]:
         """Collections timed by the engine itself: none in-process (the server's own hook sees them)."""
         return []
+
+
+def engine_summary(engine) -> str:
+    """One line on what is served and how: model, architecture, dtype, device, context length, KV
+    cache, CUDA graphs, speculative decoding (when on)."""
+    loaded, config = engine.loaded, engine.config
+    blocks = engine.kv.num_blocks
+    if loaded.device.type != "cuda":
+        graphs = "off (not on CUDA)"
+    else:
+        graphs = "off (enforce_eager)" if config.enforce_eager else "on"
+    dtype = str(loaded.dtype).replace("torch.", "")
+    spec = config.speculative_config
+    speculation = "" if spec is None else (
+        f", speculative decoding {spec.method} k={spec.num_speculative_tokens}"
+        + ("" if spec.synthetic_acceptance is None else f" (synthetic acceptance {spec.synthetic_acceptance:g})"))
+    return (f"serving {engine.model_name} ({loaded.arch.architecture}, {dtype} on {loaded.device}): "
+            f"context length {engine.max_model_len}, KV cache {blocks} blocks x {config.block_size} = "
+            f"{blocks * config.block_size} tokens, CUDA graphs {graphs}{speculation}")

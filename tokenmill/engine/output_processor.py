@@ -13,7 +13,7 @@ from typing import Optional
 from tokenmill.engine.detokenizer import SampleText, token_piece
 from tokenmill.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.messages import LogprobsArrays, PromptLogprobsArrays
+from tokenmill.step_io import LogprobsArrays, PromptLogprobsArrays
 from tokenmill.sampling_params import SamplingParams
 
 

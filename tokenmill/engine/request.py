@@ -45,7 +45,7 @@ class Request:
     # Whether the latest proposal seen on the CPU had drafts: a decode schedules 1 + k tokens only
     # then (a request whose lookups find nothing decodes one token, at no extra cost).
     expects_drafts: bool = True
-    # Structured output: a grammar constrains it (engine/structured_output.py fills its masks)
+    # Structured output: a grammar constrains it (engine/grammar.py fills its masks)
     structured: bool = False
     # With a grammar and speculation: the drafts its latest step proposed (as the device holds them),
     # which the matcher walks to fill a mask for each draft position of the next verify step

@@ -31,7 +31,7 @@ from tokenmill.engine.kv_cache_manager import KVCacheManager, fits_problem
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.step_budget import StepBudget
 from tokenmill.errors import InvalidRequestError
-from tokenmill.messages import NewRequestData, ScheduledRequest, SchedulerOutput
+from tokenmill.step_io import NewRequestData, ScheduledRequest, SchedulerOutput
 
 
 @dataclass

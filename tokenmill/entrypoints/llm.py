@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
+from tokenmill.chat_template import render_chat
 from tokenmill.config import EngineConfig, LoadConfig, field_default
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.engine.outputs import RequestOutput
@@ -18,11 +19,6 @@ from tokenmill.sampling_params import SamplingParams
 
 Message = dict  # {"role": ..., "content": ...}
 
-# apply_chat_template's own parameters, which chat_template_kwargs may not override.
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 def _option_fields() -> list[tuple[type, dataclasses.Field]]:
@@ -108,11 +104,11 @@ class LLM:
 
         `tools` (OpenAI's `[{"type": "function", "function": {...}}]`) reach the template; one that
         does not use them gets them described in the system message in the hermes format instead
-        (entrypoints/openai/tools.py), as do assistant `tool_calls` and `role: "tool"` messages. The
+        (serve/openai/tools.py), as do assistant `tool_calls` and `role: "tool"` messages. The
         output is text: reading calls out of it is the server's (or the caller's) business.
         lora_request: as for generate().
         """
-        from tokenmill.entrypoints.openai.tools import parse_tools, template_conversation
+        from tokenmill.serve.openai.tools import parse_tools, template_conversation
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         function_tools = parse_tools(tools)
@@ -128,26 +124,9 @@ class LLM:
     def render_chat(self, conversation: list[Message], add_generation_prompt: bool = True,
                     chat_template: Optional[str] = None, chat_template_kwargs: Optional[dict[str, Any]] = None,
                     tools: Optional[list[dict[str, Any]]] = None) -> str:
-        """The conversation as prompt text: the tokenizer's chat template, or `chat_template` (a Jinja
-        string), given `tools` and `chat_template_kwargs`; InvalidRequestError if it cannot render."""
-        tok = self.engine.tokenizer
-        if tok is None or not (chat_template or getattr(tok, "chat_template", None)):
-            raise InvalidRequestError("this model has no chat template")
-        kwargs = dict(chat_template_kwargs or {})
-        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
-        if reserved:
-            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)} (a parameter of "
-                                      "the rendering itself)")
-        if chat_template is not None and not isinstance(chat_template, str):
-            raise InvalidRequestError("chat_template must be a string (a Jinja template)")
-        try:
-            text = tok.apply_chat_template(conversation, tools=tools, chat_template=chat_template, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt, **kwargs)
-        except Exception as e:  # jinja raises many kinds
-            raise InvalidRequestError(f"cannot apply the chat template: {type(e).__name__}: {e}") from None
-        if not isinstance(text, str):
-            raise InvalidRequestError("the chat template did not render to text")
-        return text
+        """The conversation as prompt text (tokenmill/chat_template.py); InvalidRequestError if it cannot render."""
+        return render_chat(self.engine.tokenizer, conversation, add_generation_prompt, chat_template=chat_template,
+                           chat_template_kwargs=chat_template_kwargs, tools=tools)
 
     def _run(self, items: list[tuple[PromptType, list[int]]], sampling_params, use_tqdm: bool,
              lora_request=None) -> list[RequestOutput]:

@@ -19,7 +19,7 @@ API_KEY_ENV = "TOKENMILL_API_KEY"
 
 def register(subparsers) -> None:
     from tokenmill.entrypoints.cli import add_command, add_engine_args
-    from tokenmill.entrypoints.openai.tool_parsers import TOOL_PARSERS  # plain Python: no server dependency
+    from tokenmill.serve.openai.tool_parsers import TOOL_PARSERS  # plain Python: no server dependency
 
     p = add_command(
         subparsers, "serve", help="run an OpenAI-compatible HTTP server",
@@ -119,28 +119,14 @@ def load_chat_template(value: Optional[str]) -> Optional[str]:
     raise ConfigError(f"--chat-template {value!r} is neither a readable file nor a Jinja template")
 
 
-def engine_summary(engine) -> str:
-    """One line on what is served and how: model, architecture, dtype, device, context length, KV
-    cache, CUDA graphs, speculative decoding (when on)."""
-    loaded, config = engine.loaded, engine.config
-    blocks = engine.kv.num_blocks
-    if loaded.device.type != "cuda":
-        graphs = "off (not on CUDA)"
-    else:
-        graphs = "off (enforce_eager)" if config.enforce_eager else "on"
-    dtype = str(loaded.dtype).replace("torch.", "")
-    spec = config.speculative_config
-    speculation = "" if spec is None else (
-        f", speculative decoding {spec.method} k={spec.num_speculative_tokens}"
-        + ("" if spec.synthetic_acceptance is None else f" (synthetic acceptance {spec.synthetic_acceptance:g})"))
-    return (f"serving {engine.model_name} ({loaded.arch.architecture}, {dtype} on {loaded.device}): "
-            f"context length {engine.max_model_len}, KV cache {blocks} blocks x {config.block_size} = "
-            f"{blocks * config.block_size} tokens, CUDA graphs {graphs}{speculation}")
-
-
 def startup_summary(engine, host: str, port: int) -> str:
     """engine_summary (an in-process engine, or the summary the engine process sent) and the address."""
-    summary = engine if isinstance(engine, str) else engine_summary(engine)
+    if isinstance(engine, str):
+        summary = engine
+    else:
+        from tokenmill.engine.llm_engine import engine_summary
+
+        summary = engine_summary(engine)
     address = f"[{host}]" if ":" in host else host
     return f"{summary}; binding http://{address}:{port}"
 
@@ -174,7 +160,7 @@ def _check_server_args(args: argparse.Namespace) -> Optional[str]:
 
 def lora_specs(args: argparse.Namespace) -> list:
     """--lora-modules parsed and checked before anything slow starts (ConfigError)."""
-    from tokenmill.entrypoints.openai.lora import check_adapter_dir, parse_lora_module
+    from tokenmill.serve.openai.lora import check_adapter_dir, parse_lora_module
 
     specs = [parse_lora_module(v) for v in args.lora_modules or []]
     for spec in specs:
@@ -187,7 +173,7 @@ def lora_specs(args: argparse.Namespace) -> list:
 def add_lora_modules(engine, specs: list, names: list[str]) -> list:
     """Give the adapters ids 1, 2, ... and load each into the engine (LLMEngine or EngineCoreClient)
     before the server starts; ConfigError naming the adapter if one cannot be served."""
-    from tokenmill.entrypoints.openai.lora import assign_ids
+    from tokenmill.serve.openai.lora import assign_ids
     from tokenmill.errors import InvalidRequestError
 
     modules = assign_ids(specs, names)
@@ -209,11 +195,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     chat_template = load_chat_template(args.chat_template)
     specs = lora_specs(args)
     if args.served_model_name:
-        from tokenmill.entrypoints.openai.lora import assign_ids
+        from tokenmill.serve.openai.lora import assign_ids
 
         assign_ids(specs, args.served_model_name)  # names unique and not a served name: before the model loads
     try:
-        from tokenmill.entrypoints.openai.api_server import ServerSettings, run_server
+        from tokenmill.serve.openai.api_server import ServerSettings, run_server
     except ImportError as e:
         print(f"error: the server needs the 'serve' extra (pip install 'tokenmill[serve]'): {e}", file=sys.stderr)
         return 2
@@ -221,6 +207,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine = _start_engine_process(args)
         summary = engine.summary
     else:
+        from tokenmill.engine.llm_engine import engine_summary
         from tokenmill.entrypoints.cli import engine_from_args
 
         engine = engine_from_args(args)
@@ -240,7 +227,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                   api_server_count=args.api_server_count)
         logger.info("%s", startup_summary(summary, args.host, args.port))
         if args.api_server_count > 1:
-            from tokenmill.entrypoints.api_servers import serve_with_several
+            from tokenmill.serve.api_servers import serve_with_several
 
             return serve_with_several(engine, args, settings)
         return run_server(engine, host=args.host, port=args.port, settings=settings,
@@ -254,18 +241,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _start_engine_process(args: argparse.Namespace):
     """Validate the options here (a ConfigError before anything starts), then start the engine process
     and wait until its model is loaded and warmed up. With --data-parallel-size N > 1: N engine
-    processes (replicas) behind one DPEngineClient (engine/dp_client.py)."""
+    processes (replicas) behind one DPEngineClient (serve/dp_client.py)."""
     import logging
 
-    from tokenmill.engine.core_client import EngineCoreClient
-    from tokenmill.engine.core_process import EngineLaunch
+    from tokenmill.serve.core_client import EngineCoreClient
+    from tokenmill.serve.core_process import EngineLaunch
     from tokenmill.entrypoints.cli import engine_config_from_args, load_config_from_args
 
     load, config = load_config_from_args(args), engine_config_from_args(args)
     launch = EngineLaunch(load.model, config, dtype=load.dtype, device=load.device, load_format=load.load_format,
                           tokenizer=load.tokenizer, log_level=logging.getLogger("tokenmill").level)
     if config.data_parallel_size > 1:
-        from tokenmill.engine.dp_client import DPEngineClient
+        from tokenmill.serve.dp_client import DPEngineClient
 
         logger.info("starting %d data-parallel engine replicas", config.data_parallel_size)
         return DPEngineClient.launch(launch, config.data_parallel_size)

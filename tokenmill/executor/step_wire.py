@@ -17,8 +17,8 @@ from typing import Optional
 import msgpack
 import numpy as np
 
-from tokenmill.engine.core_messages import lora_from_wire, lora_to_wire, params_from_wire, params_to_wire
-from tokenmill.messages import GrammarBitmask, NewRequestData, ScheduledRequest, SchedulerOutput
+from tokenmill.wire import lora_from_wire, lora_to_wire, params_from_wire, params_to_wire
+from tokenmill.step_io import GrammarBitmask, NewRequestData, ScheduledRequest, SchedulerOutput
 from tokenmill.sampling_params import SamplingParams
 
 _ENTRY = [f.name for f in dataclasses.fields(ScheduledRequest)]

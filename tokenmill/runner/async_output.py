@@ -9,7 +9,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from tokenmill.messages import ModelRunnerOutput, PromptLogprobsArrays
+from tokenmill.step_io import ModelRunnerOutput, PromptLogprobsArrays
 from tokenmill.runner.prompt_logprobs import StepPromptLogprobs
 from tokenmill.runner.sample.logprobs import DeviceLogprobs
 

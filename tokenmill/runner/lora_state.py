@@ -15,7 +15,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.logger import init_logger
 from tokenmill.lora.registry import LoRARegistry
 from tokenmill.lora.slots import LoRASlots, LoRAStepContext, lora_projections
-from tokenmill.messages import NewRequestData
+from tokenmill.step_io import NewRequestData
 from tokenmill.runner.request_states import RowState
 from tokenmill.runner.staged_write import to_device
 

@@ -18,7 +18,7 @@ from tokenmill.layers.forward_context import AttentionMetadata, AttentionSplitte
 from tokenmill.logger import init_logger
 from tokenmill.runner.async_output import AsyncOutput
 from tokenmill.runner.cuda_graphs import no_garbage_collection
-from tokenmill.messages import GrammarBitmask, SchedulerOutput
+from tokenmill.step_io import GrammarBitmask, SchedulerOutput
 from tokenmill.runner.dummy_batch import fill_dummy_batch, split_tokens
 from tokenmill.runner.input_buffers import InputBuffers, StepDescriptor
 from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_cache, cuda_kv_budget_bytes, kv_cache_torch_dtype

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tokenmill.kernels.sampling import logprobs
-from tokenmill.messages import NewRequestData, PromptLogprobsSpan
+from tokenmill.step_io import NewRequestData, PromptLogprobsSpan
 from tokenmill.runner.request_states import RowState
 from tokenmill.runner.sample.logprobs import DeviceLogprobs
 

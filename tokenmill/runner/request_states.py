@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from tokenmill.messages import NewRequestData
+from tokenmill.step_io import NewRequestData
 from tokenmill.runner.staged_write import StagedWriteTensor, to_device
 
 

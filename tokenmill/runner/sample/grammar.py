@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tokenmill.kernels.token_bitmask import apply_token_bitmask
-from tokenmill.messages import NewRequestData
+from tokenmill.step_io import NewRequestData
 from tokenmill.runner.sample.stage import SampleBatch, SamplingStage
 from tokenmill.runner.staged_write import to_device
 

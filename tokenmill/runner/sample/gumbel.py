@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from tokenmill.kernels.sampling import gumbel_sample
-from tokenmill.messages import NewRequestData
+from tokenmill.step_io import NewRequestData
 from tokenmill.runner.request_states import RowParams, RowState
 from tokenmill.runner.sample.stage import SampleBatch
 

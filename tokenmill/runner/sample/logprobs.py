@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from tokenmill.kernels.sampling import logprobs
-from tokenmill.messages import LogprobsArrays, NewRequestData
+from tokenmill.step_io import LogprobsArrays, NewRequestData
 from tokenmill.runner.request_states import RowState
 
 

@@ -6,7 +6,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from tokenmill.messages import NewRequestData
+from tokenmill.step_io import NewRequestData
 from tokenmill.runner.request_states import RowParams
 from tokenmill.runner.sample.stage import SampleBatch, SamplingStage
 from tokenmill.runner.staged_write import StagedWriteTensor

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from tokenmill.kernels.sampling import apply_penalties
-from tokenmill.messages import NewRequestData
+from tokenmill.step_io import NewRequestData
 from tokenmill.runner.request_states import RowParams
 from tokenmill.runner.sample.stage import SampleBatch, SamplingStage
 from tokenmill.runner.staged_write import to_device

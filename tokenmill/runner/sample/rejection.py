@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from tokenmill.kernels.rejection_sampling import rejection_sample
-from tokenmill.messages import NewRequestData
+from tokenmill.step_io import NewRequestData
 from tokenmill.runner.request_states import RowState
 from tokenmill.runner.sample.gumbel import GumbelSampler
 from tokenmill.runner.sample.stage import SampleBatch

@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from tokenmill.messages import NewRequestData
+from tokenmill.step_io import NewRequestData
 from tokenmill.runner.request_states import RowState
 from tokenmill.runner.sample.grammar import GrammarStage
 from tokenmill.runner.sample.gumbel import GumbelSampler

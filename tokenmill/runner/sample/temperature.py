@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from tokenmill.kernels.sampling import apply_top_k_top_p_min_p
-from tokenmill.messages import NewRequestData
+from tokenmill.step_io import NewRequestData
 from tokenmill.runner.request_states import RowParams
 from tokenmill.runner.sample.stage import SampleBatch, SamplingStage
 

@@ -38,7 +38,7 @@ import torch
 from tokenmill.kernels.token_bitmask import apply_token_bitmask
 from tokenmill.kernels.token_mask import NO_TOKEN, WILDCARD, apply_bad_words
 from tokenmill.logger import init_logger
-from tokenmill.messages import NewRequestData
+from tokenmill.step_io import NewRequestData
 from tokenmill.runner.request_states import RowParams
 from tokenmill.runner.sample.stage import SampleBatch, SamplingStage
 from tokenmill.runner.staged_write import StagedWriteTensor

@@ -29,7 +29,7 @@ import torch
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.kernels.input_prep import post_update
-from tokenmill.messages import NewRequestData
+from tokenmill.step_io import NewRequestData
 from tokenmill.runner.request_states import RequestStates, RowState
 from tokenmill.runner.sample import RejectionSampler, Sampler
 from tokenmill.runner.sample.logprobs import DeviceLogprobs

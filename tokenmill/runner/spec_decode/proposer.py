@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from tokenmill.layers.forward_context import AttentionMetadata
-from tokenmill.messages import NewRequestData
+from tokenmill.step_io import NewRequestData
 from tokenmill.runner.request_states import RowState
 
 

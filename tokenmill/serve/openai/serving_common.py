@@ -10,16 +10,16 @@ from typing import AsyncIterator, Callable, Optional
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
-from tokenmill.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineOverloadedError, PrepareFn,
+from tokenmill.serve.async_engine import (AsyncLLMEngine, EngineDeadError, EngineOverloadedError, PrepareFn,
                                            PromptInfo, RequestStream, check_encodable)
 from tokenmill.engine.outputs import Logprob, RequestOutput
-from tokenmill.entrypoints.openai.errors import APIError
-from tokenmill.entrypoints.openai.lora import LoRARegistry
-from tokenmill.entrypoints.openai.metrics import ServerMetrics
-from tokenmill.entrypoints.openai.protocol import _SamplingFields
+from tokenmill.serve.openai.errors import APIError
+from tokenmill.serve.openai.lora import LoRARegistry
+from tokenmill.serve.openai.metrics import ServerMetrics
+from tokenmill.serve.openai.protocol import _SamplingFields
 from tokenmill.errors import InvalidRequestError
 from tokenmill.lora.request import LoRARequest
-from tokenmill.entrypoints.openai.structured import structured_outputs_of
+from tokenmill.serve.openai.response_format import structured_outputs_of
 from tokenmill.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 32

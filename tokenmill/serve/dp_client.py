@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from tokenmill.config import ConfigError
-from tokenmill.engine.core_client import (STARTUP_TIMEOUT_S, STEP_WAIT_S, STOP_TIMEOUT_S, EngineCoreClient,
+from tokenmill.serve.core_client import (STARTUP_TIMEOUT_S, STEP_WAIT_S, STOP_TIMEOUT_S, EngineCoreClient,
                                           EngineProcessError)
-from tokenmill.engine.core_process import EngineLaunch
+from tokenmill.serve.core_process import EngineLaunch
 from tokenmill.engine.engine_snapshot import EngineSnapshot
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.spec_stats import SpecDecodeCounts

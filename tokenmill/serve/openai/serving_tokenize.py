@@ -10,11 +10,11 @@ Both work on a worker thread, off the event loop, as the chat route's rendering 
 
 import asyncio
 
-from tokenmill.engine.async_engine import check_encodable
-from tokenmill.entrypoints.openai.errors import APIError
-from tokenmill.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
-from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
-from tokenmill.entrypoints.openai.tools import ToolRequestError, parse_tools
+from tokenmill.serve.async_engine import check_encodable
+from tokenmill.serve.openai.errors import APIError
+from tokenmill.serve.openai.protocol import DetokenizeRequest, TokenizeRequest
+from tokenmill.serve.openai.serving_chat import OpenAIServingChat
+from tokenmill.serve.openai.tools import ToolRequestError, parse_tools
 from tokenmill.errors import InvalidRequestError
 from tokenmill.logger import init_logger
 

@@ -53,8 +53,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
 def run_api_server(launch: ApiServerLaunch, sock: socket.socket) -> None:
     """The main of API server process 1..N-1."""
     os.setpgrp()  # the first server passes signals on (a terminal's would otherwise come twice)
-    from tokenmill.engine.core_client import EngineCoreClient
-    from tokenmill.entrypoints.openai.api_server import run_server
+    from tokenmill.serve.core_client import EngineCoreClient
+    from tokenmill.serve.openai.api_server import run_server
     from tokenmill.logger import set_log_level
 
     set_log_level(logging.getLevelName(launch.log_level))
@@ -70,7 +70,7 @@ def run_api_server(launch: ApiServerLaunch, sock: socket.socket) -> None:
 
 def serve_with_several(engine, args, settings) -> int:
     """Run API server 0 here and servers 1..N-1 in processes of their own, all on one socket."""
-    from tokenmill.entrypoints.openai.api_server import run_server
+    from tokenmill.serve.openai.api_server import run_server
 
     sock = listening_socket(args.host, args.port)
     ctx = multiprocessing.get_context("spawn")

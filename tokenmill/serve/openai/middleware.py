@@ -9,7 +9,7 @@ import hmac
 import json
 from typing import Optional
 
-from tokenmill.entrypoints.openai.errors import error_body
+from tokenmill.serve.openai.errors import error_body
 
 OPEN_PATHS = frozenset({"/health"})
 

@@ -19,11 +19,11 @@ from typing import Optional, Union
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from tokenmill.engine.async_engine import PromptInfo, PromptTools, RequestAborted, RequestStream
+from tokenmill.serve.async_engine import PromptInfo, PromptTools, RequestAborted, RequestStream
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
-from tokenmill.entrypoints.openai.errors import APIError, stream_error_event
-from tokenmill.entrypoints.openai.protocol import CompletionRequest
-from tokenmill.entrypoints.openai.serving_common import (SSE_DONE, ChoiceProgress, EventStreamResponse, OpenAIServing,
+from tokenmill.serve.openai.errors import APIError, stream_error_event
+from tokenmill.serve.openai.protocol import CompletionRequest
+from tokenmill.serve.openai.serving_common import (SSE_DONE, ChoiceProgress, EventStreamResponse, OpenAIServing,
                                                          clamp_logprob, now_s, sse, token_str, usage)
 
 

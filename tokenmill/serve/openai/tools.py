@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.entrypoints.openai.tool_parsers import (FirstCallOnly, HermesToolParser, NamedFunctionParser,
+from tokenmill.serve.openai.tool_parsers import (FirstCallOnly, HermesToolParser, NamedFunctionParser,
                                                       RequiredCallsParser, ToolParser)
 from tokenmill.structured_outputs import StructuredOutputsParams
 

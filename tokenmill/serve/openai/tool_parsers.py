@@ -7,7 +7,7 @@ A parser (`ToolParser`) knows one model family's call format. It has
   ends (`finish`); each call returns a `StreamDelta` (content to show, tool-call deltas). Fed any
   split of a text, a streamer gives the content and calls `extract` gives for the whole of it;
 - `render_tools` / `render_calls` / `render_result`: the same format as prompt text, for chat
-  templates that do not handle tools themselves (entrypoints/openai/tools.py decides).
+  templates that do not handle tools themselves (serve/openai/tools.py decides).
 
 Registered by name (`TOOL_PARSERS`, `get_tool_parser`; vLLM's `--tool-call-parser` names):
 

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core_messages import (CALLS, EngineFacts, RequestProgress, lora_from_wire, output_delta,
+from tokenmill.serve.core_wire import (CALLS, EngineFacts, RequestProgress, lora_from_wire, output_delta,
                                             pack, params_from_wire, state_delta, unpack)
-from tokenmill.engine.gc_policy import GCPolicy
+from tokenmill.serve.gc_policy import GCPolicy
 from tokenmill.errors import TokenmillError
 from tokenmill.logger import init_logger
 
@@ -180,7 +180,7 @@ class EngineCore:
     def facts(self) -> dict:
         from dataclasses import asdict
 
-        from tokenmill.entrypoints.serve_cli import engine_summary
+        from tokenmill.engine.llm_engine import engine_summary
 
         if self._facts is None:
             e = self.engine

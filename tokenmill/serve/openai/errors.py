@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.engine.async_engine import EngineDeadError, EngineOverloadedError
+from tokenmill.serve.async_engine import EngineDeadError, EngineOverloadedError
 from tokenmill.errors import InvalidRequestError
 from tokenmill.logger import init_logger
 

@@ -28,59 +28,17 @@ A delta: [request_id, finished, num_cached_prompt_tokens, prompt_logprobs or Non
 where new_logprobs holds one [[token_id, logprob, rank], ...] list per new token.
 """
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-import msgpack
-
 from tokenmill.engine.outputs import Logprob
 from tokenmill.engine.engine_snapshot import EngineSnapshot  # noqa: F401 (part of the wire format)
-from tokenmill.lora.request import LoRARequest
-from tokenmill.sampling_params import SamplingParams
-from tokenmill.structured_outputs import StructuredOutputsParams
+# The codecs shared with the tensor-parallel workers' wire (executor/step_wire.py) live below both.
+from tokenmill.wire import lora_from_wire, lora_to_wire, pack, params_from_wire, params_to_wire, unpack  # noqa: F401
 
 # Engine calls the API server may make by name (a callable cannot cross the process boundary); a
 # LoRARequest argument travels as lora_to_wire's list.
 CALLS = ("reset_prefix_cache", "add_lora", "remove_lora", "list_loras")
-
-
-def pack(message) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
-
-
-def unpack(data: bytes):
-    # Integer map keys: logit_bias is {token id: bias}.
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
-
-
-# ---- sampling parameters --------------------------------------------------------------------
-def lora_to_wire(lora: Optional[LoRARequest]) -> Optional[list]:
-    return None if lora is None else [lora.lora_name, lora.lora_int_id, lora.lora_path]
-
-
-def lora_from_wire(data: Optional[list]) -> Optional[LoRARequest]:
-    return None if data is None else LoRARequest(data[0], int(data[1]), data[2])
-
-
-def params_to_wire(params: SamplingParams) -> dict:
-    out = {}
-    for f in dataclasses.fields(params):
-        if not f.init:
-            continue  # derived on validation (bad words' token ids, stop strings), again in the engine
-        value = getattr(params, f.name)
-        if isinstance(value, StructuredOutputsParams):
-            value = {g.name: getattr(value, g.name) for g in dataclasses.fields(value)}
-        out[f.name] = value
-    return out
-
-
-def params_from_wire(d: dict) -> SamplingParams:
-    d = dict(d)
-    spec = d.get("structured_outputs")
-    if spec is not None:
-        d["structured_outputs"] = StructuredOutputsParams(**spec)
-    return SamplingParams(**d)
 
 
 # ---- what the API server needs to know of the engine -----------------------------------------

@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Optional, Protocol, Union
 
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.client import EngineClient
 from tokenmill.engine.output_processor import RequestDetokenizer
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.engine_snapshot import EngineSnapshot
@@ -82,7 +82,7 @@ class PromptTools:
     """What a PrepareFn may use, on a prepare worker: the engine's thread-safe, read-only parts
     (its tokenizer and vocabulary), never its scheduler or caches."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: EngineClient):
         self._engine = engine
 
     @property
@@ -219,7 +219,7 @@ class AbortCommand:
 class CallCommand:
     """Run fn(engine) between steps; its result (or error) goes to `future`."""
 
-    fn: Callable[[LLMEngine], Any]
+    fn: Callable[[EngineClient], Any]
     future: asyncio.Future
 
 
@@ -261,7 +261,7 @@ class AsyncLLMEngine:
     """Drive an LLMEngine from asyncio code; `observer` (optional) gets the engine thread's
     latency observations (see EngineObserver)."""
 
-    def __init__(self, engine: LLMEngine, *, max_waiting: Optional[int] = None,
+    def __init__(self, engine: EngineClient, *, max_waiting: Optional[int] = None,
                  observer: Optional[EngineObserver] = None, prepare_workers: int = DEFAULT_PREPARE_WORKERS):
         self.engine = engine
         self.max_waiting = max_waiting if max_waiting and max_waiting > 0 else None
@@ -379,7 +379,7 @@ class AsyncLLMEngine:
             self.engine.validate(prompt.token_ids, params)  # reads only the model's fixed limits
         return prompts
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+    async def call(self, fn: Callable[[EngineClient], Any]) -> Any:
         """Run fn(engine) on the engine thread, between steps; returns its result or raises its error."""
         if not self.is_running:
             raise self._dead_error()

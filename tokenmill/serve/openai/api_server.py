@@ -3,7 +3,7 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize,
 GET /v1/models(/{id}), GET /health, GET /metrics (Prometheus text), GET /version,
 POST /reset_prefix_cache (for benchmarks), POST /v1/load_lora_adapter and POST
-/v1/unload_lora_adapter (LoRA adapters served by name: entrypoints/openai/lora.py). The engine
+/v1/unload_lora_adapter (LoRA adapters served by name: serve/openai/lora.py). The engine
 runs on its own thread (AsyncLLMEngine), started and stopped with the app's lifespan. On SIGINT or
 SIGTERM uvicorn stops accepting and waits for in-flight requests; after the grace period the engine
 is stopped, which aborts what still runs (see Server below); then the process exits 0. A second
@@ -25,22 +25,23 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from tokenmill import __version__
+from tokenmill.version import __version__
 from tokenmill.config import ConfigError
-from tokenmill.engine.gc_policy import GCPolicy
-from tokenmill.engine.async_engine import AsyncLLMEngine
-from tokenmill.entrypoints.openai.errors import APIError, install_error_handlers
-from tokenmill.entrypoints.openai.lora import LoRAModule, LoRARegistry, LoRARegistryError
-from tokenmill.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
-from tokenmill.entrypoints.openai.middleware import GuardMiddleware
-from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from tokenmill.serve.gc_policy import GCPolicy
+from tokenmill.engine.client import EngineClient
+from tokenmill.serve.async_engine import AsyncLLMEngine
+from tokenmill.serve.openai.errors import APIError, install_error_handlers
+from tokenmill.serve.openai.lora import LoRAModule, LoRARegistry, LoRARegistryError
+from tokenmill.serve.openai.metrics import CONTENT_TYPE, ServerMetrics
+from tokenmill.serve.openai.middleware import GuardMiddleware
+from tokenmill.serve.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                    ErrorResponse, LoadLoRAAdapterRequest, TokenizeRequest,
                                                    UnloadLoRAAdapterRequest)
-from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
-from tokenmill.entrypoints.openai.serving_common import DEFAULT_MAX_SEQUENCES_PER_REQUEST
-from tokenmill.entrypoints.openai.serving_completions import OpenAIServingCompletion
-from tokenmill.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
-from tokenmill.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from tokenmill.serve.openai.serving_chat import OpenAIServingChat
+from tokenmill.serve.openai.serving_common import DEFAULT_MAX_SEQUENCES_PER_REQUEST
+from tokenmill.serve.openai.serving_completions import OpenAIServingCompletion
+from tokenmill.serve.openai.serving_tokenize import OpenAIServingTokenization
+from tokenmill.serve.openai.tool_parsers import TOOL_PARSERS
 from tokenmill.errors import InvalidRequestError, LoRAError
 from tokenmill.logger import init_logger
 
@@ -64,7 +65,7 @@ class ServerSettings:
     engine_stop_timeout: float = 30.0
     # A Jinja chat template used instead of the tokenizer's (a request's chat_template wins).
     chat_template: Optional[str] = None
-    # tool_choice "auto" reads the model's calls with this parser (entrypoints/openai/tool_parsers.py);
+    # tool_choice "auto" reads the model's calls with this parser (serve/openai/tool_parsers.py);
     # without enable_auto_tool_choice, "auto" is a 400 (vLLM's flags and behaviour).
     enable_auto_tool_choice: bool = False
     tool_call_parser: Optional[str] = None
@@ -371,10 +372,10 @@ class Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def run_server(engine, *, host: str = "127.0.0.1", port: int = 8000, settings: Optional[ServerSettings] = None,
+def run_server(engine: EngineClient, *, host: str = "127.0.0.1", port: int = 8000, settings: Optional[ServerSettings] = None,
                shutdown_grace: Optional[float] = 30.0, log_level: str = "info", access_log: bool = False,
                sock: Optional[socket.socket] = None, on_signal: Optional[Callable[[int], None]] = None) -> int:
-    """Serve an engine (an LLMEngine, or an EngineCoreClient of an engine process) until SIGINT/SIGTERM,
+    """Serve an engine (any EngineClient: in process, an engine process, or replicas) until SIGINT/SIGTERM,
     on `sock` if given (a listening socket shared by several API server processes), else on
     host:port; on_signal hears of each signal. Returns the exit status: 0 after a graceful shutdown,
     128 + the signal's number after a second signal forced it, 1 if the engine failed or the server

@@ -19,7 +19,7 @@ a frozen copy of the engine's `SpecDecodeStats` (tokenmill/engine/spec_stats.py)
   1 + accepted tokens / num_drafts). For a window, take the counters' increases instead, e.g.
   `rate(..._num_accepted_tokens_total[5m]) / rate(..._num_draft_tokens_total[5m])`.
 
-Data parallelism (`--data-parallel-size N`, engine/dp_client.py): the series above are the totals
+Data parallelism (`--data-parallel-size N`, serve/dp_client.py): the series above are the totals
 over the replicas; `tokenmill:data_parallel_size` and, with a `replica` label ("0".."N-1"), each
 replica's own `tokenmill:replica_num_requests_running`, `_num_requests_waiting`,
 `_kv_cache_usage_perc`, `_num_kv_blocks_free`, `_num_kv_blocks`, `_prefix_cache_hit_rate` (gauges)
@@ -33,7 +33,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from tokenmill.engine.async_engine import AsyncLLMEngine, EngineObserver
+from tokenmill.serve.async_engine import AsyncLLMEngine, EngineObserver
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.spec_stats import SpecDecodeCounts
 
@@ -121,7 +121,7 @@ class _EngineStateCollector:
             yield from self._replicas(replica_stats())
 
     def _replicas(self, replicas):
-        """Data parallelism (engine/dp_client.py): each replica's own counters, label `replica`; the
+        """Data parallelism (serve/dp_client.py): each replica's own counters, label `replica`; the
         unlabeled series above are their totals."""
         labels = ["model_name", "replica"]
 

@@ -55,7 +55,7 @@ class _SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     bad_words: Optional[list[str]] = Field(None, description="words never generated (each as its tokens)")
     allowed_token_ids: Optional[list[int]] = Field(None, description="sample only among these token ids")
-    # Structured output (vLLM's names; entrypoints/openai/structured.py reads them).
+    # Structured output (vLLM's names; serve/openai/response_format.py reads them).
     structured_outputs: Optional[dict[str, Any]] = None
     guided_json: Optional[Union[str, dict[str, Any]]] = None
     guided_regex: Optional[str] = None

@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Optional
 
-from tokenmill.engine.async_engine import EngineDeadError
-from tokenmill.engine.core_messages import (EngineFacts, EngineSnapshot, logprobs_from_wire, lora_to_wire, pack,
+from tokenmill.serve.async_engine import EngineDeadError
+from tokenmill.serve.core_wire import (EngineFacts, EngineSnapshot, logprobs_from_wire, lora_to_wire, pack,
                                             params_to_wire, prompt_logprobs_from_wire, unpack)
-from tokenmill.engine.core_process import EngineLaunch, addresses, run_engine_process
+from tokenmill.serve.core_process import EngineLaunch, addresses, run_engine_process
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.engine.request_validator import RequestValidator
-from tokenmill.engine.structured_output import StructuredOutputManager
+from tokenmill.engine.grammar import StructuredOutputManager
 from tokenmill.errors import InvalidRequestError, LoRAError
 from tokenmill.logger import init_logger
 from tokenmill.lora.request import LoRARequest

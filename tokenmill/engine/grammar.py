@@ -31,7 +31,7 @@ import numpy as np
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.logger import init_logger
-from tokenmill.messages import GrammarBitmask, SchedulerOutput
+from tokenmill.step_io import GrammarBitmask, SchedulerOutput
 from tokenmill.structured_outputs import StructuredOutputsParams
 
 logger = init_logger(__name__)

@@ -7,7 +7,7 @@ would otherwise stall). Streaming follows OpenAI: a first chunk per choice with 
 then one chunk per generated token (content may be empty while text is held back), the finish reason
 on the last one, an optional usage chunk (stream_options.include_usage), and `data: [DONE]`.
 
-Tools (entrypoints/openai/tools.py, tool_parsers.py): `tools` reach the template (or its system
+Tools (serve/openai/tools.py, tool_parsers.py): `tools` reach the template (or its system
 message, for templates that ignore them); tool_choice "required" and a named function constrain the
 output with structured output, "auto" reads it with the server's --tool-call-parser. Calls come back
 as OpenAI's `message.tool_calls` (streamed: `delta.tool_calls`, a call's start with id and name, then
@@ -21,15 +21,15 @@ from typing import Any, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from tokenmill.engine.async_engine import PromptInfo, PromptTools, RequestAborted, RequestStream, check_encodable
+from tokenmill.serve.async_engine import PromptInfo, PromptTools, RequestAborted, RequestStream, check_encodable
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
-from tokenmill.entrypoints.llm import LLM
-from tokenmill.entrypoints.openai.errors import APIError, stream_error_event
-from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from tokenmill.entrypoints.openai.serving_common import (SSE_DONE, ChoiceProgress, EventStreamResponse, OpenAIServing,
+from tokenmill.chat_template import render_chat
+from tokenmill.serve.openai.errors import APIError, stream_error_event
+from tokenmill.serve.openai.protocol import ChatCompletionRequest, ChatMessage
+from tokenmill.serve.openai.serving_common import (SSE_DONE, ChoiceProgress, EventStreamResponse, OpenAIServing,
                                                          clamp_logprob, now_s, sse, token_str, usage)
-from tokenmill.entrypoints.openai.tool_parsers import ToolCallStreamer, ToolParser, get_tool_parser, new_call_id
-from tokenmill.entrypoints.openai.tools import (FunctionTool, ToolChoice, ToolRequestError, compile_forced,
+from tokenmill.serve.openai.tool_parsers import ToolCallStreamer, ToolParser, get_tool_parser, new_call_id
+from tokenmill.serve.openai.tools import (FunctionTool, ToolChoice, ToolRequestError, compile_forced,
                                                 forced_call_output, output_parser, parse_tools, resolve_tool_choice,
                                                 template_conversation)
 from tokenmill.structured_outputs import StructuredOutputsParams
@@ -88,11 +88,11 @@ class ChatPrompt:
     chat_template_kwargs: Optional[dict]
     add_generation_prompt: bool
 
-    def render(self, templates: LLM, fallback: Optional[ToolParser]) -> str:
-        template = self.chat_template or getattr(templates.tokenizer, "chat_template", None)
+    def render(self, tokenizer, fallback: Optional[ToolParser]) -> str:
+        template = self.chat_template or getattr(tokenizer, "chat_template", None)
         conversation, tools = template_conversation(self.messages, self.tools, template, fallback)
-        return templates.render_chat(conversation, self.add_generation_prompt, chat_template=self.chat_template,
-                                     chat_template_kwargs=self.chat_template_kwargs, tools=tools)
+        return render_chat(tokenizer, conversation, self.add_generation_prompt, chat_template=self.chat_template,
+                           chat_template_kwargs=self.chat_template_kwargs, tools=tools)
 
 
 def chat_logprobs(c: CompletionOutput, start: int, end: int, top_k: int) -> dict:
@@ -128,7 +128,7 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(*args, **kwargs)
         # A request's own chat_template runs a client's Jinja on the server: only when trusted.
         self.trust_request_chat_template = trust_request_chat_template
-        self._templates = LLM.from_engine(self.engine.engine)  # its render_chat reads only the tokenizer
+        self._tokenizer = self.engine.engine.tokenizer
         self.chat_template = chat_template  # the server's --chat-template, else None (the model's)
         self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
         self.auto_tool_choice = enable_auto_tool_choice and self.tool_parser is not None
@@ -145,7 +145,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def render(self, prompt: ChatPrompt) -> str:
         """The prompt text (call it on a worker thread: templates can be slow)."""
-        return prompt.render(self._templates, self.tool_parser)
+        return prompt.render(self._tokenizer, self.tool_parser)
 
     def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan:
         try:

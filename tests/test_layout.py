@@ -1,0 +1,94 @@
+"""The package's layering (docs/ARCHITECTURE.md): every import points down a floor or stays inside its
+own package, and no modules import each other in a circle (lazy imports inside functions count)."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "tokenmill"
+
+# Floors, top down; a module may import its own unit or a unit on a lower floor.
+FLOORS = [
+    ["bench"],
+    ["entrypoints"],
+    ["serve"],
+    ["engine"],
+    ["executor"],
+    ["runner", "loader"],
+    ["step_io", "models", "wire"],
+    ["layers", "sampling_params"],
+    ["quantization", "lora", "config", "chat_template", "structured_outputs"],
+    ["kernels", "distributed", "logger", "errors", "version"],
+]
+FLOOR = {unit: len(FLOORS) - i for i, units in enumerate(FLOORS) for unit in units}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    found = set()
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for t in targets:
+            while t and t not in modules:
+                t = t.rpartition(".")[0]
+            if t and t != "tokenmill" and t != name:
+                found.add(t)
+    return found
+
+
+def _unit(module: str) -> str:
+    return module.split(".")[1]
+
+
+def test_imports_point_down_and_form_no_circle():
+    modules = _modules()
+    graph = {m: _imports(m, p, modules) for m, p in modules.items() if m != "tokenmill"}
+    units = {_unit(m) for m in graph}
+    assert units <= set(FLOOR), f"modules on no floor: {sorted(units - set(FLOOR))} (add them to FLOORS)"
+    upward = sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts
+                    if _unit(t) != _unit(m) and FLOOR[_unit(t)] >= FLOOR[_unit(m)])
+    assert not upward, "imports that do not point down:\n" + "\n".join(upward)
+    # Circles: a depth-first search for a back edge.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str):
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == 1:
+                raise AssertionError("import circle: " + " -> ".join(stack[stack.index(t):] + [t]))
+            if t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_engine_holds_no_process_or_http_code():
+    modules = _modules()
+    for m, p in modules.items():
+        if m.startswith("tokenmill.engine"):
+            text = p.read_text()
+            for word in ("fastapi", "uvicorn", "zmq", "multiprocessing", "subprocess"):
+                assert f"import {word}" not in text and f"from {word}" not in text, f"{m} imports {word}"
