@@ -37,7 +37,7 @@ from tokenmill.config import ConfigError
 from tokenmill.errors import InvalidRequestError
 from tokenmill.lora.request import LoRARequest
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: `$` would let a final newline in
 NAME_RULE = "1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit"
 # The files of a PEFT adapter directory the engine may read (lora/adapter.py).
 _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
@@ -114,7 +114,7 @@ def check_adapter_dir(path: str) -> Optional[str]:
 
 def check_adapter_name(name: str) -> Optional[str]:
     """What is wrong with an adapter name (None: nothing)."""
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         return f"the LoRA adapter name {name!r} is not allowed: {NAME_RULE}"
     return None
 
