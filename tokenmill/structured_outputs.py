@@ -7,11 +7,55 @@ compiles it (engine/grammar.py) and hands the runner packed token masks.
 
 import json
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 from tokenmill.errors import InvalidRequestError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# Keywords whose values are data, not schemas: a {"$ref": ...} inside them is no reference.
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
+def _refs(schema: Any) -> Iterator[str]:
+    """Every `$ref` of a JSON schema."""
+    if isinstance(schema, dict):
+        for k, v in schema.items():
+            if k == "$ref" and isinstance(v, str):
+                yield v
+            elif k not in _DATA_KEYWORDS:
+                yield from _refs(v)
+    elif isinstance(schema, list):
+        for v in schema:
+            yield from _refs(v)
+
+
+def non_local_ref(schema: Any) -> Optional[str]:
+    """The first `$ref` that points outside the schema (a URL, a file), if any: the compiler would
+    drop it silently and constrain nothing there, so such schemas are refused."""
+    return next((r for r in _refs(schema) if not r.startswith("#")), None)
+
+
+def non_local_ref_message(ref: str) -> str:
+    return (f"$ref {ref!r} is not supported: only references within the schema itself ('#', '#/$defs/...') "
+            "are resolved (nothing is fetched)")
+
+
+def relocate_refs(schema: Any, pointer: str) -> Any:
+    """A copy of `schema` for embedding at JSON pointer `pointer` ('#/a/b') of a larger schema: its
+    local `$ref`s ('#', '#/$defs/X') are rewritten to point under `pointer`, so they still resolve."""
+    if isinstance(schema, dict):
+        out = {}
+        for k, v in schema.items():
+            if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+                out[k] = pointer + v[1:]
+            elif k in _DATA_KEYWORDS:
+                out[k] = v
+            else:
+                out[k] = relocate_refs(v, pointer)
+        return out
+    if isinstance(schema, list):
+        return [relocate_refs(v, pointer) for v in schema]
+    return schema
 
 
 @dataclass(frozen=True)
@@ -40,6 +84,9 @@ class StructuredOutputsParams:
                 schema = self.json
             if not isinstance(schema, (dict, bool)):
                 raise InvalidRequestError("structured_outputs.json must be a JSON schema (an object)")
+            bad = non_local_ref(schema)
+            if bad is not None:
+                raise InvalidRequestError(f"structured_outputs.json: {non_local_ref_message(bad)}")
         if self.json_object is not False and self.json_object is not True:
             raise InvalidRequestError("structured_outputs.json_object must be a boolean")
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):

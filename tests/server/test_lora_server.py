@@ -2,14 +2,17 @@
 client, checked token for token against HF transformers + PEFT (greedy, fp32 on the CPU).
 
 One server for the module (the embedded model, its engine in a process of its own) with three
-adapters from --lora-modules and one loaded at run time; the checks without a model (flags, LoRA
-not enabled) run in this process. Generations are short: the model decodes only a few steps per
+adapters from --lora-modules and one loaded at run time (--allow-runtime-lora-updating, --lora-root
+the adapters' directory); the same server is probed as an attacker holding the key would (paths out
+of the root, symlinks, names). The checks without a model (flags, LoRA not enabled, run-time
+loading off by default) run in this process. Generations are short: the model decodes only a few steps per
 second on a CPU.
 """
 
 import asyncio
 import json
 import os
+import shutil
 
 import httpx
 import pytest
@@ -67,12 +70,13 @@ def bad_adapters(hf_smollm, adapter_dir) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def server(start_server, adapters):
+def server(start_server, adapters, adapter_dir):
     modules = [f"ad-all={adapters['ad-all']}",
                json.dumps({"name": "ad-attn", "path": adapters["ad-attn"], "base_model_name": MODEL}),
                f"ad-mlp={adapters['ad-mlp']}"]
     return start_server(SMALL_ENGINE + ["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "8",
-                                        "--max-lora-rank", str(MAX_LORA_RANK), "--lora-modules", *modules])
+                                        "--max-lora-rank", str(MAX_LORA_RANK), "--allow-runtime-lora-updating",
+                                        "--lora-root", str(adapter_dir), "--lora-modules", *modules])
 
 
 @pytest.fixture(scope="module")
@@ -145,14 +149,17 @@ def unload(server, **body) -> httpx.Response:
     return httpx.post(server.url + "/v1/unload_lora_adapter", json=body, timeout=60)
 
 
-def test_models_lists_the_adapters(client, adapters):
+def test_models_lists_the_adapters(server, client, adapters, adapter_dir):
     models = {m.id: m for m in client.models.list().data}
     assert list(models) == [MODEL] + STARTUP
     for name in STARTUP:
         card = models[name].model_dump()
         assert card["object"] == "model" and card["owned_by"]
-        assert card["root"] == adapters[name] and card["parent"] == MODEL
-    assert client.models.retrieve("ad-mlp").model_dump()["root"] == adapters["ad-mlp"]
+        assert card["root"] == name and card["parent"] == MODEL
+    assert client.models.retrieve("ad-mlp").model_dump()["root"] == "ad-mlp"
+    # No client learns where the server keeps its adapters.
+    for url in ("/v1/models", "/v1/models/ad-mlp"):
+        assert str(adapter_dir) not in httpx.get(server.url + url, timeout=30).text
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("late")  # not loaded yet
 
@@ -205,12 +212,13 @@ def test_load_use_and_unload_while_in_use(server, client, adapters, prompt_ids, 
     assert "late" in r.text
     assert [m.id for m in client.models.list().data] == [MODEL] + STARTUP + ["late"]
     card = client.models.retrieve("late").model_dump()
-    assert card["root"] == adapters["late"] and card["parent"] == MODEL
+    assert card["root"] == "late" and card["parent"] == MODEL
     out = client.completions.create(**greedy(model="late", prompt=prompt_ids, max_tokens=NEW_TOKENS))
     assert completion_ids(out.choices[0]) == expected[("late", "prompt")]
 
     again = load(server, "late", adapters["ad-all"])
     assert again.status_code == 400 and "already loaded" in error_of(again)["message"]
+    assert adapters["late"] not in error_of(again)["message"]
     clash = load(server, MODEL, adapters["ad-all"])
     assert clash.status_code == 400 and "base model" in error_of(clash)["message"]
 
@@ -239,7 +247,7 @@ def test_load_use_and_unload_while_in_use(server, client, adapters, prompt_ids, 
     ("missing-weights", ("adapter_model", "safetensors", "missing", "not found", "no such")),
     ("dora", ("dora",)),
     ("rank32", ("rank",)),
-    ("nonexistent", ("does not exist",)),
+    ("nonexistent", ("--lora-root",)),
 ])
 def test_bad_adapter_is_a_400_and_the_server_keeps_serving(server, client, bad_adapters, prompt_ids, expected,
                                                            kind, words):
@@ -253,6 +261,54 @@ def test_bad_adapter_is_a_400_and_the_server_keeps_serving(server, client, bad_a
     out = client.completions.create(**greedy(model="ad-all", prompt=prompt_ids, max_tokens=NEW_TOKENS))
     assert completion_ids(out.choices[0]) == expected[("ad-all", "prompt")]
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_an_attacker_cannot_probe_the_servers_files(server, client, adapters, adapter_dir, tmp_path_factory,
+                                                    prompt_ids):
+    """Every lora_path outside --lora-root, or not an adapter, gets the same answer; names are a safe
+    set; an adapter under the root loads by a relative path too."""
+    from tokenmill.serve.openai.lora import REFUSED_PATH
+
+    outside = tmp_path_factory.mktemp("outside")
+    shutil.copytree(adapters["late"], outside / "stolen")  # a valid adapter, but not under the root
+    (outside / "secret.json").write_text("{}")
+    os.symlink(outside / "stolen", adapter_dir / "link-out")  # a link in the root to a directory out of it
+    linked_files = adapter_dir / "linked-files"
+    linked_files.mkdir()
+    os.symlink(outside / "stolen" / "adapter_config.json", linked_files / "adapter_config.json")
+    os.symlink(outside / "stolen" / "adapter_model.safetensors", linked_files / "adapter_model.safetensors")
+    (adapter_dir / "no-config").mkdir()
+    (adapter_dir / "a-file").write_text("x")
+    up = os.path.relpath("/", adapter_dir)
+    probes = [
+        str(adapter_dir / ".." / outside.name / "stolen"), "../" + outside.name + "/stolen",  # .. out of the root
+        os.path.join(up, "etc"), os.path.join(up, "etc", "passwd"), "/etc", "/etc/passwd", "/",
+        str(outside / "stolen"), str(outside / "secret.json"),  # absolute paths out of the root
+        str(adapter_dir / "link-out"), "link-out", str(linked_files),  # symlinks out of the root
+        str(adapter_dir / "no-such-dir"), str(outside / "no-such-dir"),  # nonexistent ...
+        str(adapter_dir / "no-config"), str(adapter_dir / "a-file"), str(outside),  # ... and no adapter_config.json
+        str(adapter_dir), ".", "x\x00y",
+    ]
+    messages = set()
+    for i, path in enumerate(probes):
+        r = load(server, f"probe-{i}", path)
+        assert r.status_code == 400, (path, r.text)
+        error = error_of(r)
+        assert error["param"] == "lora_path", (path, error)
+        messages.add(error["message"])
+    assert messages == {REFUSED_PATH}  # one text: nothing tells what exists out there
+
+    for name in ["../../x", "a/b", "..", ".hidden", "-x", "x y", "x\n", "é", "", "a" * 129]:
+        r = load(server, name, adapters["late"])
+        assert r.status_code == 400 and error_of(r)["param"] == "lora_name", (name, r.text)
+    assert [m.id for m in client.models.list().data] == [MODEL] + STARTUP
+
+    r = load(server, "relative", "ad-all")  # relative to the root
+    assert r.status_code == 200, r.text
+    outs = [client.completions.create(**greedy(model=m, prompt=prompt_ids, max_tokens=NEW_TOKENS))
+            for m in ("relative", "ad-all")]
+    assert completion_ids(outs[0].choices[0]) == completion_ids(outs[1].choices[0])  # the same adapter
+    assert unload(server, lora_name="relative").status_code == 200
 
 
 # ---- without a served model -------------------------------------------------------------------
@@ -276,7 +332,9 @@ def tiny_app(tiny, **settings):
     return TestClient(build_app(AsyncLLMEngine(engine), ServerSettings(**settings)))
 
 
-def test_lora_not_enabled_and_several_api_servers_refuse_loading(tiny, adapters):
+def test_lora_not_enabled_and_several_api_servers_refuse_loading(tiny, adapters, adapter_dir):
+    from tokenmill.config import ConfigError
+
     app = tiny_app(tiny)
     r = app.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": adapters["late"]})
     assert r.status_code == 400 and "--enable-lora" in error_of(r)["message"]
@@ -285,7 +343,17 @@ def test_lora_not_enabled_and_several_api_servers_refuse_loading(tiny, adapters)
     r = app.post("/v1/load_lora_adapter", json={"lora_name": "x"})
     assert r.status_code == 400 and "lora_path" in error_of(r)["message"]
 
-    several = tiny_app(tiny, enable_lora=True, api_server_count=2)
+    # LoRA on, run-time updating not allowed (the default): both routes refuse, naming the flag.
+    default = tiny_app(tiny, enable_lora=True)
+    for route, body in [("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": adapters["late"]}),
+                        ("/v1/unload_lora_adapter", {"lora_name": "x"})]:
+        r = default.post(route, json=body)
+        assert r.status_code == 400 and "--allow-runtime-lora-updating" in error_of(r)["message"], r.text
+    with pytest.raises(ConfigError, match="--lora-root"):
+        tiny_app(tiny, enable_lora=True, allow_runtime_lora_updating=True)
+
+    several = tiny_app(tiny, enable_lora=True, api_server_count=2, allow_runtime_lora_updating=True,
+                       lora_roots=[str(adapter_dir)])
     r = several.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": adapters["late"]})
     assert r.status_code == 400 and "--api-server-count" in error_of(r)["message"]
 
@@ -301,6 +369,15 @@ def test_lora_flags_are_checked_before_the_model_loads(capsys, adapters, tmp_pat
     assert "does not exist" in capsys.readouterr().err
     assert main(["serve", "--enable-lora", "--served-model-name", "m", "--lora-modules", f"m={adapters['late']}"]) == 2
     assert "served model name" in capsys.readouterr().err
+    assert main(["serve", "--enable-lora", "--lora-modules", f"../x={adapters['late']}"]) == 2
+    assert "not allowed" in capsys.readouterr().err
+    for flags, words in [(["--allow-runtime-lora-updating"], "needs --enable-lora"),
+                         (["--enable-lora", "--allow-runtime-lora-updating"], "needs --lora-root"),
+                         (["--enable-lora", "--lora-root", str(tmp_path)], "needs --allow-runtime-lora-updating"),
+                         (["--enable-lora", "--allow-runtime-lora-updating", "--lora-root", str(tmp_path / "no")],
+                          "not a directory")]:
+        assert main(["serve", *flags]) == 2
+        assert words in capsys.readouterr().err
 
     assert parse_lora_module("a=/p") == LoRAModuleSpec("a", "/p")
     assert parse_lora_module('{"name": "a", "path": "/p", "base_model_name": "b"}') == LoRAModuleSpec("a", "/p", "b")

@@ -31,6 +31,9 @@ HERMES_TEXTS = [
     "<tool_call>[1, 2]</tool_call>",  # JSON, but not a call
     '<tool_call>{"name": "f", "parameters": {"x": [1, {"y": "}"}]}}</tool_call>',
     '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>',  # arguments as JSON text
+    '<tool_call>{"name": "f", "arguments": {"x": "a<b", "y": [1, 2]', # cut inside the arguments
+    '<tool_call>{"arguments": {"x": 1}, "name": "f"}</tool_call> then text',  # no head: parsed whole
+    '<tool_call>{"name": "", "arguments": {}}</tool_call>',  # no name: content
 ]
 
 LLAMA_TEXTS = [
@@ -84,7 +87,8 @@ def random_splits(text: str, rng: random.Random) -> list[list[int]]:
                          + [(RequiredCallsParser(), t) for t in (
                              '[{"name":"a","parameters":{"x":"]}"}},{"name":"b","parameters":{}}]',
                              '[{"name":"a","parameters":{}}]', '[]', '[{"name":"a"', 'nope',
-                             '[{"name":"a","parameters":{"x":1}},{"name":"b","param')]
+                             '[{"name":"a","parameters":{"x":1}},{"name":"b","param',
+                             '[{"name":"a","parameters":{"x":{"y":"}"}}},{"name":"b","parameters":{"z":[1')]
                          + [(NamedFunctionParser("f"), t) for t in ('{"x":1,"y":"z"}', '{"x":', '')])
 def test_streaming_equals_extract(parser, text):
     whole = parser.extract(text)
@@ -97,11 +101,33 @@ def test_streaming_equals_extract(parser, text):
 
 def test_forced_outputs_cut_short():
     required = RequiredCallsParser().extract('[{"name":"a","parameters":{"x":1}},{"name":"b","param')
-    assert [(c.name, c.arguments) for c in required.calls] == [("a", '{"x": 1}')] and required.content == ""
+    assert [(c.name, c.arguments) for c in required.calls] == [("a", '{"x":1}')] and required.content == ""
     assert RequiredCallsParser().extract('[{"name":"a"').calls == []
+    inside = RequiredCallsParser().extract('[{"name":"a","parameters":{"x":1}},{"name":"b","parameters":{"y":')
+    assert [(c.name, c.arguments) for c in inside.calls] == [("a", '{"x":1}'), ("b", '{"y":')]
     named = NamedFunctionParser("f").extract('{"x":')
     assert [(c.name, c.arguments) for c in named.calls] == [("f", '{"x":')]  # OpenAI's partial arguments
     assert NamedFunctionParser("f").extract("").calls == []
+
+
+@pytest.mark.parametrize("parser,text,args", [
+    (HermesToolParser(), f"Sure.<tool_call>\n{WEATHER}\n</tool_call>", '{"city": "Paris", "unit": "celsius"}'),
+    (RequiredCallsParser(), '[{"name":"get_weather","parameters":{"city":"Paris","unit":"celsius"}}]',
+     '{"city":"Paris","unit":"celsius"}'),
+])
+def test_arguments_stream_as_they_are_generated(parser, text, args):
+    """Fed a few characters at a time, the call starts before its arguments are complete and they
+    come in many pieces (the model's own text), which join to the arguments extract gives."""
+    streamer, deltas = parser.streamer(), []
+    for i in range(0, len(text), 4):
+        got = streamer.feed(text[i:i + 4]).tool_calls
+        deltas.append(got)
+        if any(d.id is not None for d in got):
+            assert not text[:i + 4].endswith(args), "the call started only once its arguments were complete"
+    deltas.append(streamer.finish().tool_calls)
+    pieces = [d.arguments for step in deltas for d in step if d.id is None]
+    assert len(pieces) >= len(args) // 4 - 1 and all(pieces)
+    assert "".join(pieces) == args == parser.extract(text).calls[0].arguments
 
 
 def test_hermes_extract():
@@ -116,7 +142,13 @@ def test_hermes_extract():
     bad = p.extract(HERMES_TEXTS[5])
     assert bad.calls == [] and bad.content == HERMES_TEXTS[5]  # malformed stays content
     assert p.extract("<tool_call>[1, 2]</tool_call>").calls == []
-    assert json.loads(p.extract(HERMES_TEXTS[-1]).calls[0].arguments) == {"x": 1}
+    assert json.loads(p.extract(HERMES_TEXTS[11]).calls[0].arguments) == {"x": 1}  # arguments as JSON text
+    cut = p.extract(HERMES_TEXTS[12])  # cut short inside the arguments: OpenAI's partial arguments
+    assert [(c.name, c.arguments) for c in cut.calls] == [("f", '{"x": "a<b", "y": [1, 2]')] and cut.content == ""
+    reordered = p.extract(HERMES_TEXTS[13])
+    assert [(c.name, json.loads(c.arguments)) for c in reordered.calls] == [("f", {"x": 1})]
+    assert reordered.content == " then text"
+    assert p.extract(HERMES_TEXTS[14]).calls == []
 
 
 def test_llama3_json_extract():
@@ -134,13 +166,17 @@ def test_llama3_json_extract():
 def test_first_call_only():
     from tokenmill.serve.openai.tools import output_parser
 
-    parser = output_parser(ToolChoice("auto"), HermesToolParser(), parallel_tool_calls=False)
+    parser = output_parser(ToolChoice("auto"), HermesToolParser(), max_calls=1)
     text = HERMES_TEXTS[4]
     assert [c.name for c in parser.extract(text).calls] == ["get_weather"]
     streamed = stream(parser, text, [5] * 40)
     assert calls_of(streamed) == [(c.name, c.arguments) for c in parser.extract(text).calls]
     assert streamed.content == parser.extract(text).content
     assert output_parser(ToolChoice("auto"), None) is None
+    two = output_parser(ToolChoice("auto"), HermesToolParser(), max_calls=2)  # max_tool_calls
+    three = HERMES_TEXTS[4] + HERMES_TEXTS[2]
+    assert [c.name for c in two.extract(three).calls] == ["get_weather", "time"]
+    assert calls_of(stream(two, three, [5] * 60)) == [(c.name, c.arguments) for c in two.extract(three).calls]
     assert output_parser(ToolChoice("none"), HermesToolParser()) is None
 
 
@@ -203,13 +239,14 @@ def test_tool_choice():
     with pytest.raises(ToolRequestError, match="needs tools"):
         resolve_tool_choice("required", [], None)
 
-    named = forced_call_output(ToolChoice("named", "b"), tools, True)
+    named = forced_call_output(ToolChoice("named", "b"), tools, None)
     assert named.json == tools[1].parameters
-    required = forced_call_output(ToolChoice("required"), tools, False).json
+    required = forced_call_output(ToolChoice("required"), tools, 1).json
     assert required["minItems"] == 1 and required["maxItems"] == 1
     assert [b["properties"]["name"]["enum"] for b in required["items"]["anyOf"]] == [["a"], ["b"]]
-    assert "maxItems" not in forced_call_output(ToolChoice("required"), tools, True).json
-    assert forced_call_output(ToolChoice("auto"), tools, True) is None
+    assert "maxItems" not in forced_call_output(ToolChoice("required"), tools, None).json
+    assert forced_call_output(ToolChoice("required"), tools, 3).json["maxItems"] == 3  # max_tool_calls
+    assert forced_call_output(ToolChoice("auto"), tools, None) is None
 
 
 def test_template_conversation_fallback_and_structured():
@@ -243,6 +280,25 @@ def test_template_conversation_fallback_and_structured():
     no_system, _ = template_conversation(messages[1:2], tools, plain, Llama3JsonToolParser())
     assert no_system[0]["role"] == "system" and '"parameters"' in no_system[0]["content"]
     assert template_conversation(messages[1:2], [], plain, None) == (messages[1:2], None)
+
+
+def test_required_keeps_references_resolvable():
+    """In "required"'s array each tool's schema moves under items/anyOf/k: its local $refs follow it."""
+    node = {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}, "self": {"$ref": "#"}},
+            "enum": [{"$ref": "#/not/a/reference"}]}
+    tools = parse_tools([fn("a"), fn("b", {"type": "object", "$defs": {"node": node},
+                                            "properties": {"n": {"$ref": "#/$defs/node"}}})])
+    b = forced_call_output(ToolChoice("required"), tools, None).json["items"]["anyOf"][1]["properties"]["parameters"]
+    where = "#/items/anyOf/1/properties/parameters"
+    assert b["properties"]["n"]["$ref"] == where + "/$defs/node"
+    assert b["$defs"]["node"]["properties"]["next"]["$ref"] == where + "/$defs/node"
+    assert b["$defs"]["node"]["properties"]["self"]["$ref"] == where
+    assert b["$defs"]["node"]["enum"] == [{"$ref": "#/not/a/reference"}]  # data, not a schema
+    assert tools[1].parameters["properties"]["n"]["$ref"] == "#/$defs/node"  # the request's own is untouched
+    for ref in ("https://example.com/s.json", "file:///etc/passwd", "other.json#/x"):
+        with pytest.raises(ToolRequestError, match="not supported") as e:
+            parse_tools([fn("c", {"type": "object", "properties": {"x": {"anyOf": [{"$ref": ref}]}}})])
+        assert e.value.param == "tools.0.function.parameters"
 
 
 def test_function_tool_defaults():

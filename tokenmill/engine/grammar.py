@@ -23,6 +23,7 @@ request, and the packed token masks the runner applies.
 
 import json
 import os
+import re
 import threading
 from collections import OrderedDict
 from typing import Optional
@@ -37,6 +38,8 @@ from tokenmill.structured_outputs import StructuredOutputsParams
 logger = init_logger(__name__)
 
 DEFAULT_CACHE_SIZE = 128  # compiled grammars kept
+# xgrammar's native errors start with "[hh:mm:ss] /its/source.cc:123: ": clients get the message only.
+_NATIVE_LOG_PREFIX = re.compile(r"\[\d{1,2}:\d{2}:\d{2}\]\s*\S+?:\d+:\s*")
 # Threads to fill a step's masks on: half the cores this process may use, at most 8.
 DEFAULT_FILL_THREADS = max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
@@ -100,7 +103,7 @@ class StructuredOutputManager:
         except InvalidRequestError:
             raise
         except Exception as e:  # xgrammar reports bad input as RuntimeError / ValueError / its own types
-            message = " ".join(str(e).split())[:400] or type(e).__name__
+            message = " ".join(_NATIVE_LOG_PREFIX.sub("", str(e)).split())[:400] or type(e).__name__
             raise InvalidRequestError(f"structured_outputs.{spec.kind} could not be compiled: {message}") from None
         with self._lock:
             self.num_compiled += 1

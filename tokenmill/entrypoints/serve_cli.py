@@ -74,8 +74,14 @@ def register(subparsers) -> None:
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters to serve (needs --enable-lora), each as name=path or as JSON "
                         '\'{"name": "a", "path": "/p", "base_model_name": "m"}\'; requests name one as `model`. '
-                        "Loaded at start-up (a bad one stops it); POST /v1/load_lora_adapter and "
-                        "/v1/unload_lora_adapter change the set while serving (one API server process only)")
+                        "Loaded at start-up (a bad one stops it)")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="let POST /v1/load_lora_adapter and /v1/unload_lora_adapter change the adapters while "
+                        "serving (one API server process only; needs --lora-root). Any API key holder can then "
+                        "load adapters: default off, both routes a 400")
+    g.add_argument("--lora-root", action="append", default=None, metavar="DIR",
+                   help="a directory run-time loads may read adapters from (repeat for several): a lora_path, "
+                        "absolute or relative to it, must resolve (symlinks followed) inside one")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve, log_level_default="INFO")
 
@@ -149,6 +155,15 @@ def _check_server_args(args: argparse.Namespace) -> Optional[str]:
         return "--api-server-count above 1 needs the engine in its own process (leave out --no-engine-process)"
     if args.lora_modules and not args.enable_lora:
         return "--lora-modules needs --enable-lora"
+    if args.allow_runtime_lora_updating and not args.enable_lora:
+        return "--allow-runtime-lora-updating needs --enable-lora"
+    if args.allow_runtime_lora_updating and not args.lora_root:
+        return "--allow-runtime-lora-updating needs --lora-root DIR (the directories adapters may be loaded from)"
+    if args.lora_root and not args.allow_runtime_lora_updating:
+        return "--lora-root is where run-time loads read from: it needs --allow-runtime-lora-updating"
+    for root in args.lora_root or []:
+        if not os.path.isdir(root):
+            return f"--lora-root {root}: not a directory"
     dp = getattr(args, "data_parallel_size", 1)
     if dp > 1 and not args.engine_process:
         return (f"--data-parallel-size {dp} needs the engines in processes of their own (leave out "
@@ -160,11 +175,11 @@ def _check_server_args(args: argparse.Namespace) -> Optional[str]:
 
 def lora_specs(args: argparse.Namespace) -> list:
     """--lora-modules parsed and checked before anything slow starts (ConfigError)."""
-    from tokenmill.serve.openai.lora import check_adapter_dir, parse_lora_module
+    from tokenmill.serve.openai.lora import check_adapter_dir, check_adapter_name, parse_lora_module
 
     specs = [parse_lora_module(v) for v in args.lora_modules or []]
     for spec in specs:
-        problem = check_adapter_dir(spec.path)
+        problem = check_adapter_name(spec.name) or check_adapter_dir(spec.path)
         if problem:
             raise ConfigError(f"--lora-modules {spec.name}: {problem}")
     return specs
@@ -224,7 +239,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                   tool_call_parser=args.tool_call_parser,
                                   trust_request_chat_template=args.trust_request_chat_template,
                                   enable_lora=args.enable_lora, lora_modules=modules,
-                                  api_server_count=args.api_server_count)
+                                  api_server_count=args.api_server_count,
+                                  allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                                  lora_roots=list(args.lora_root or []))
         logger.info("%s", startup_summary(summary, args.host, args.port))
         if args.api_server_count > 1:
             from tokenmill.serve.api_servers import serve_with_several

@@ -77,6 +77,10 @@ class ServerSettings:
     enable_lora: Optional[bool] = None
     lora_modules: list[LoRAModule] = field(default_factory=list)
     api_server_count: int = 1
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter work only when allowed, and load only
+    # directories under lora_roots (serve/openai/lora.py).
+    allow_runtime_lora_updating: bool = False
+    lora_roots: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         if self.max_sequences_per_request < 1:
@@ -87,6 +91,8 @@ class ServerSettings:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (one of "
                               f"{', '.join(sorted(TOOL_PARSERS))})")
+        if self.allow_runtime_lora_updating and not self.lora_roots:
+            raise ConfigError("--allow-runtime-lora-updating needs --lora-root DIR (where adapters may be loaded from)")
 
 
 _ERROR_DESCRIPTIONS = {
@@ -187,7 +193,8 @@ def lora_registry(engine: AsyncLLMEngine, names: list[str], settings: ServerSett
                f"{settings.api_server_count} (each API server process has its own list of adapters); serve "
                "them with --lora-modules, or run one API server process")
     return LoRARegistry(names, settings.lora_modules, enabled=enabled, dynamic=settings.api_server_count <= 1,
-                        dynamic_refusal=refusal)
+                        dynamic_refusal=refusal, runtime_updating=settings.allow_runtime_lora_updating,
+                        roots=settings.lora_roots)
 
 
 def _add_info_routes(app: FastAPI, engine: AsyncLLMEngine, names: list[str], loras: LoRARegistry,
@@ -197,9 +204,9 @@ def _add_info_routes(app: FastAPI, engine: AsyncLLMEngine, names: list[str], lor
 
     def model_card(name: str) -> dict:
         module = loras.get(name) if name not in names else None
-        if module is not None:  # a LoRA adapter (vLLM's card: root its path, parent its base model)
+        if module is not None:  # a LoRA adapter: parent its base model; root its name (no server path)
             return {"id": name, "object": "model", "created": created, "owned_by": "tokenmill",
-                    "root": module.path, "parent": loras.parent_of(module), "max_model_len": engine.max_model_len}
+                    "root": name, "parent": loras.parent_of(module), "max_model_len": engine.max_model_len}
         return {"id": name, "object": "model", "created": created, "owned_by": "tokenmill",
                 "root": engine.model_name, "parent": None, "max_model_len": engine.max_model_len}
 

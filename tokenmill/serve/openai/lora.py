@@ -15,17 +15,35 @@ Unloading takes the name out of the registry first (new requests by that name ge
 then removes the adapter from the engine, which keeps serving the requests that use it still.
 Engine ids are never reused within a server's life, so an id always means one adapter.
 
+Run-time loading is a way into the server's files for anyone holding the API key, so it is off
+unless the operator turns it on (--allow-runtime-lora-updating; both routes are a 400 otherwise),
+and then reads only directories under the operator's --lora-root DIRs: a lora_path (absolute, or
+relative to a root) is resolved with its symlinks, and so are the adapter's files; anything outside
+a root, missing, not a directory or without adapter_config.json gets one and the same error text,
+so answers tell nothing about the files outside. Adapter names are letters, digits, `.`, `_` and `-`
+(a letter or digit first), and /v1/models shows no server paths.
+
 This module imports no server dependency: `tokenmill serve` parses --lora-modules with it.
 """
 
 import asyncio
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from tokenmill.config import ConfigError
+from tokenmill.errors import InvalidRequestError
 from tokenmill.lora.request import LoRARequest
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: `$` would let a final newline in
+NAME_RULE = "1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+# The files of a PEFT adapter directory the engine may read (lora/adapter.py).
+_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+# The one answer to every lora_path refused: whether a path exists, and what is there, is never told.
+REFUSED_PATH = ("lora_path is not a LoRA adapter directory (with adapter_config.json) under a directory this "
+                "server loads adapters from (--lora-root)")
 
 
 @dataclass(frozen=True)
@@ -94,11 +112,42 @@ def check_adapter_dir(path: str) -> Optional[str]:
     return None
 
 
+def check_adapter_name(name: str) -> Optional[str]:
+    """What is wrong with an adapter name (None: nothing)."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        return f"the LoRA adapter name {name!r} is not allowed: {NAME_RULE}"
+    return None
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def resolve_adapter_path(path: str, roots: Sequence[str]) -> Optional[str]:
+    """The real path of adapter directory `path` (absolute, or relative to a root) if it and its
+    adapter files, symlinks resolved, are inside one of `roots` (real paths) and it holds
+    adapter_config.json; None otherwise."""
+    if not path or "\x00" in path:
+        return None
+    for candidate in ([path] if os.path.isabs(path) else [os.path.join(r, path) for r in roots]):
+        real = os.path.realpath(candidate)
+        root = next((r for r in roots if _inside(real, r)), None)
+        if root is None or not os.path.isdir(real) or not os.path.isfile(os.path.join(real, _ADAPTER_FILES[0])):
+            continue
+        files = [os.path.join(real, f) for f in _ADAPTER_FILES]
+        if all(_inside(os.path.realpath(f), root) for f in files if os.path.lexists(f)):
+            return real
+    return None
+
+
 def assign_ids(specs: list[LoRAModuleSpec], served_model_names: list[str]) -> list[LoRAModule]:
     """Ids 1, 2, ... in order; names unique and distinct from the served model names (ConfigError)."""
     modules: list[LoRAModule] = []
     seen: set[str] = set()
     for spec in specs:
+        problem = check_adapter_name(spec.name)
+        if problem:
+            raise ConfigError(f"--lora-modules: {problem}")
         if spec.name in served_model_names:
             raise ConfigError(f"--lora-modules: the adapter name {spec.name!r} is also a served model name; "
                               "give the adapter another name")
@@ -122,11 +171,14 @@ class LoRARegistry:
     event loop; loads and unloads are serialized by a lock (each awaits the engine)."""
 
     def __init__(self, served_model_names: Sequence[str], modules: Sequence[LoRAModule] = (), *, enabled: bool = False,
-                 dynamic: bool = True, dynamic_refusal: str = ""):
+                 dynamic: bool = True, dynamic_refusal: str = "", runtime_updating: bool = False,
+                 roots: Sequence[str] = ()):
         self.served_model_names = list(served_model_names)
         self.enabled = enabled
-        self.dynamic = dynamic  # run-time loading and unloading allowed (one API server process)
+        self.dynamic = dynamic  # run-time loading and unloading possible (one API server process)
         self.dynamic_refusal = dynamic_refusal
+        self.runtime_updating = runtime_updating  # the operator allows it (--allow-runtime-lora-updating)
+        self.roots = [os.path.realpath(r) for r in roots]  # run-time loads read only under these
         self._modules: dict[str, LoRAModule] = {}
         for m in modules:
             if m.name in self._modules or m.name in self.served_model_names:
@@ -153,6 +205,10 @@ class LoRARegistry:
         if not self.enabled:
             raise LoRARegistryError(400, "LoRA is not enabled on this server: start it with --enable-lora to load "
                                          "adapters", code="lora_not_enabled")
+        if not self.runtime_updating:
+            raise LoRARegistryError(400, "loading and unloading LoRA adapters at run time is off on this server (the "
+                                         "operator can allow it with --allow-runtime-lora-updating and --lora-root)",
+                                    code="lora_update_disabled")
         if not self.dynamic:
             raise LoRARegistryError(400, self.dynamic_refusal, code="lora_update_unsupported")
 
@@ -165,9 +221,9 @@ class LoRARegistry:
         """Register adapter `name` from `path` once `await add(request)` (the engine's add_lora) has
         loaded it; LoRARegistryError if refused, the engine's error (LoRAError) if it fails."""
         self._check_dynamic()
-        if not name or not name.strip():
-            raise LoRARegistryError(400, "lora_name must be a non-empty string", code="invalid_lora_name",
-                                    param="lora_name")
+        problem = check_adapter_name(name)
+        if problem:
+            raise LoRARegistryError(400, problem, code="invalid_lora_name", param="lora_name")
         if not path or not path.strip():
             raise LoRARegistryError(400, "lora_path must be a non-empty string", code="invalid_lora_path",
                                     param="lora_path")
@@ -176,15 +232,17 @@ class LoRARegistry:
                 raise LoRARegistryError(400, f"`{name}` is the name of a served base model; give the adapter another "
                                              "name", code="lora_name_in_use", param="lora_name")
             if name in self._modules:
-                raise LoRARegistryError(400, f"the LoRA adapter `{name}` is already loaded (from "
-                                             f"{self._modules[name].path}); unload it first to replace it",
-                                        code="lora_already_loaded", param="lora_name")
-            problem = check_adapter_dir(path)
-            if problem:
-                raise LoRARegistryError(400, problem, code="invalid_lora_adapter", param="lora_path")
-            request = LoRARequest(name, self._next_id, path)
+                raise LoRARegistryError(400, f"the LoRA adapter `{name}` is already loaded; unload it first to "
+                                             "replace it", code="lora_already_loaded", param="lora_name")
+            real = resolve_adapter_path(path, self.roots)
+            if real is None:
+                raise LoRARegistryError(400, REFUSED_PATH, code="invalid_lora_adapter", param="lora_path")
+            request = LoRARequest(name, self._next_id, real)  # the checked path, not one a link could move
             self._next_id += 1  # never reused, even if the load fails
-            await add(request)
+            try:
+                await add(request)
+            except InvalidRequestError as e:  # the engine's LoRAError: said with the client's path
+                raise type(e)(str(e).replace(real, path)) from None
             module = LoRAModule(request)
             self._modules[name] = module
             return module

@@ -118,6 +118,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         None, description="none, auto (the default with tools), required, or "
                           "{'type': 'function', 'function': {'name'}}")
     parallel_tool_calls: Optional[bool] = Field(True, description="false: at most one call")
+    max_tool_calls: Optional[int] = Field(None, ge=1, le=128, description="at most this many calls in the answer")
 
 
 class TokenizeRequest(_ChatTemplateFields):

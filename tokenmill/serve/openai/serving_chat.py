@@ -11,7 +11,9 @@ Tools (serve/openai/tools.py, tool_parsers.py): `tools` reach the template (or i
 message, for templates that ignore them); tool_choice "required" and a named function constrain the
 output with structured output, "auto" reads it with the server's --tool-call-parser. Calls come back
 as OpenAI's `message.tool_calls` (streamed: `delta.tool_calls`, a call's start with id and name, then
-its arguments) with finish_reason "tool_calls" (unless the output was cut at max_tokens: "length").
+its arguments in fragments as they are generated) with finish_reason "tool_calls" (unless the output
+was cut at max_tokens: "length"). With tools, a token that shows nothing yet (a tag or call being
+read) sends no chunk: the next chunk carries its token ids and logprobs.
 """
 
 import json
@@ -154,9 +156,9 @@ class OpenAIServingChat(OpenAIServing):
                                          self.tool_parser.name if self.auto_tool_choice else None)
         except ToolRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
-        parallel = req.parallel_tool_calls is not False
-        return ToolPlan(tools, choice, forced_call_output(choice, tools, parallel),
-                        output_parser(choice, self.tool_parser, parallel))
+        max_calls = 1 if req.parallel_tool_calls is False else req.max_tool_calls
+        return ToolPlan(tools, choice, forced_call_output(choice, tools, max_calls),
+                        output_parser(choice, self.tool_parser, max_calls))
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
         model, lora_request = self.resolve_model(req.model)
@@ -225,6 +227,7 @@ class OpenAIServingChat(OpenAIServing):
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "system_fingerprint": None}
         extra = {"usage": None} if include_usage else {}
+        held: list[Optional[int]] = [None] * n  # first token of a choice's chunks held back (tool streams)
         try:
             for i in range(n):
                 yield sse(dict(base, choices=[{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -243,6 +246,11 @@ class OpenAIServingChat(OpenAIServing):
                         delta, made_calls = _tool_delta(streamers[i], text, progress.done[i])
                         if made_calls:
                             finish_reason = _with_calls(finish_reason)
+                        if not delta and finish_reason is None:  # nothing to show yet: no empty chunk
+                            held[i] = start if held[i] is None else held[i]
+                            continue
+                        if held[i] is not None:  # the chunk carries the held tokens' ids and logprobs too
+                            start, held[i] = held[i], None
                     choice = {"index": i, "delta": delta,
                               "logprobs": chat_logprobs(c, start, end, top_k) if top_k is not None else None,
                               "finish_reason": finish_reason, "stop_reason": c.stop_reason,
@@ -268,7 +276,7 @@ def _tool_delta(streamer: ToolCallStreamer, text: str, done: bool) -> tuple[dict
     if done:
         d.extend(streamer.finish())
     delta: dict[str, Any] = {}
-    if d.content or (not d.tool_calls and not done):
+    if d.content:
         delta["content"] = d.content
     if d.tool_calls:
         delta["tool_calls"] = [t.to_openai() for t in d.tool_calls]

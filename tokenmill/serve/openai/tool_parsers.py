@@ -21,13 +21,17 @@ Registered by name (`TOOL_PARSERS`, `get_tool_parser`; vLLM's `--tool-call-parse
 parsers, not registered, read the output that tool_choice `required` and a named function
 constrain with structured output (a JSON array of `{"name", "parameters"}`, and the arguments object).
 
-Malformed JSON never raises: what does not parse as a call stays content. Streamed calls come out
-whole (a start delta with id and name, then the complete arguments in one piece) once their block
-is complete, except for a named function, whose arguments stream as they are generated (and, cut
-short at max_tokens, are incomplete JSON, as OpenAI's are).
+Malformed JSON never raises: what does not parse as a call stays content. A call whose object starts
+`{"name": "...", "arguments": {` (hermes blocks, the elements of `required`'s array) streams as it is
+generated (`CallObjectStreamer`): a start delta with id and name once that head is read, then the
+arguments object's text in fragments, as the model writes it; cut short at max_tokens the arguments
+are incomplete JSON, as OpenAI's are (a named function's likewise). Other call objects (keys in
+another order, arguments as JSON text) come out whole when complete; llama3_json holds its output
+to the end (one malformed object makes all of it content).
 """
 
 import json
+import re
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -112,6 +116,74 @@ def call_from_object(obj, args_keys: tuple[str, ...]) -> Optional[ToolCall]:
     return ToolCall(obj["name"], _dumps(args))
 
 
+# A call object's head, up to the brace that opens its arguments: {"name": "<name>", "arguments": {
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(arguments|parameters)"\s*:\s*\{')
+HEAD_LIMIT = 512  # a head not complete within this many characters is read whole, at the object's end
+
+
+class CallObjectStreamer:
+    """One call object's JSON text, fed piece by piece. Once its head `{"name": "...", "arguments": {`
+    is complete, the call starts (a delta with id and name) and its arguments object streams as the
+    raw text the model writes, until that object closes (the rest of the text is not read); cut
+    short, the arguments are incomplete JSON, as OpenAI's are. Without such a head, `finish` parses
+    the whole text as before (None: not a call)."""
+
+    def __init__(self, index: int, args_keys: tuple[str, ...]):
+        self.index = index
+        self.args_keys = args_keys
+        self.text = ""
+        self.call: Optional[ToolCall] = None  # once the head is seen; its arguments grow
+        self.looking = True
+        self.pos = 0  # the first character of the arguments not read yet
+        self.scanner = JsonScanner()
+        self.args_closed = False
+
+    @property
+    def started(self) -> bool:
+        return self.call is not None
+
+    def feed(self, text: str) -> list[ToolCallDelta]:
+        self.text += text
+        out: list[ToolCallDelta] = []
+        if self.looking:
+            m = _CALL_HEAD.match(self.text)
+            if m is not None and m.end() <= HEAD_LIMIT:
+                self.looking = False
+                try:
+                    name = json.loads(m.group(1))
+                except JSON_ERRORS:
+                    name = ""
+                if name and m.group(2) in self.args_keys:
+                    self.call = ToolCall(name, "")
+                    out.append(ToolCallDelta(self.index, id=self.call.id, name=name))
+                    self.pos = m.end() - 1
+            elif len(self.text) >= HEAD_LIMIT:
+                self.looking = False
+        if self.call is None or self.args_closed:
+            return out
+        start, end = self.pos, len(self.text)
+        for j in range(start, end):
+            self.scanner.push(self.text[j])
+            if self.scanner.depth == 0:
+                end, self.args_closed = j + 1, True
+                break
+        self.pos = end
+        if end > start:
+            self.call.arguments += self.text[start:end]
+            out.append(ToolCallDelta(self.index, arguments=self.text[start:end]))
+        return out
+
+    def finish(self) -> tuple[Optional[ToolCall], list[ToolCallDelta]]:
+        """The call (None: the text is not one), and the deltas of it not sent yet."""
+        if self.call is not None:
+            return self.call, []
+        try:
+            call = call_from_object(json.loads(self.text), self.args_keys)
+        except JSON_ERRORS:
+            call = None
+        return call, (call_deltas(self.index, call) if call is not None else [])
+
+
 class ToolCallStreamer(ABC):
     """Incremental parsing of one output."""
 
@@ -177,24 +249,9 @@ class HermesToolParser(ToolParser):
         return call_from_object(obj, ("arguments", "parameters"))
 
     def extract(self, text: str) -> ExtractedToolCalls:
-        content, calls, pos = [], [], 0
-        while True:
-            s = text.find(self.start, pos)
-            if s < 0:
-                content.append(text[pos:])
-                break
-            content.append(text[pos:s])
-            e = text.find(self.end, s + len(self.start))
-            stop = len(text) if e < 0 else e + len(self.end)
-            call = self.parse_block(text[s + len(self.start):len(text) if e < 0 else e])
-            if call is None:
-                content.append(text[s:stop])
-            else:
-                calls.append(call)
-            pos = stop
-            if e < 0:
-                break
-        return _finish_content("".join(content), calls)
+        streamer = HermesStreamer(self)
+        content = streamer.feed(text).extend(streamer.finish()).content
+        return ExtractedToolCalls(content, streamer.found)
 
     def streamer(self) -> ToolCallStreamer:
         return HermesStreamer(self)
@@ -243,57 +300,65 @@ class _Held:
 
 
 class HermesStreamer(ToolCallStreamer):
+    """Content outside blocks streams at once (a possible start tag held back); inside a block, the
+    call streams as CallObjectStreamer reads it (a possible end tag held back)."""
+
     def __init__(self, parser: HermesToolParser):
         self.parser = parser
-        self.buffer = ""  # text not yet shown: a possible start tag, or an open block
-        self.in_block = False
+        self.buffer = ""  # text not yet read: a possible start tag, or (in a block) a possible end tag
+        self.block: Optional[CallObjectStreamer] = None  # the open block's call object
         self.held = _Held()
-        self.calls = 0
+        self.found: list[ToolCall] = []
 
     @property
     def num_calls(self) -> int:
-        return self.calls
+        return len(self.found) + (self.block is not None and self.block.started)
 
     def feed(self, text: str) -> StreamDelta:
         self.buffer += text
         out = StreamDelta()
         start, end = self.parser.start, self.parser.end
         while True:
-            if self.in_block:
-                e = self.buffer.find(end, len(start))
+            if self.block is not None:
+                e = self.buffer.find(end)
                 if e < 0:
+                    keep = _partial_suffix(self.buffer, end)
+                    out.tool_calls.extend(self.block.feed(self.buffer[:len(self.buffer) - keep]))
+                    self.buffer = self.buffer[len(self.buffer) - keep:]
                     return out
-                self._close(self.buffer[:e + len(end)], self.buffer[len(start):e], out)
+                out.tool_calls.extend(self.block.feed(self.buffer[:e]))
                 self.buffer = self.buffer[e + len(end):]
-                self.in_block = False
+                self._close(out, closed=True)
                 continue
             s = self.buffer.find(start)
             if s >= 0:
                 out.content += self.held.show(self.buffer[:s])
-                self.buffer = self.buffer[s:]
-                self.in_block = True
+                self.buffer = self.buffer[s + len(start):]
+                self.block = CallObjectStreamer(len(self.found), ("arguments", "parameters"))
                 continue
             keep = _partial_suffix(self.buffer, start)
             out.content += self.held.show(self.buffer[:len(self.buffer) - keep])
             self.buffer = self.buffer[len(self.buffer) - keep:]
             return out
 
-    def _close(self, block: str, body: str, out: StreamDelta) -> None:
-        call = self.parser.parse_block(body)
-        if call is None:
-            out.content += self.held.show(block)
+    def _close(self, out: StreamDelta, closed: bool) -> None:
+        call, deltas = self.block.finish()
+        if call is None:  # not a call: the block is content, tags and all
+            out.content += self.held.show(self.parser.start + self.block.text + (self.parser.end if closed else ""))
         else:
-            out.tool_calls.extend(call_deltas(self.calls, call))
-            self.calls += 1
+            out.tool_calls.extend(deltas)
+            self.found.append(call)
+        self.block = None
 
     def finish(self) -> StreamDelta:
         out = StreamDelta()
-        if self.in_block:
-            self._close(self.buffer, self.buffer[len(self.parser.start):], out)
+        if self.block is not None:
+            out.tool_calls.extend(self.block.feed(self.buffer))
+            self._close(out, closed=False)
         else:
             out.content += self.held.show(self.buffer)
-        self.buffer, self.in_block = "", False
-        out.content += self.held.end(self.calls > 0)
+        self.buffer = ""
+        out.content += self.held.end(bool(self.found))
         return out
 
 
@@ -471,20 +536,21 @@ class RequiredCallsParser(ToolParser):
 
 
 class RequiredCallsStreamer(ToolCallStreamer):
-    """Each element of the array is emitted as a call when it closes (cut short at max_tokens, the
-    calls completed are the calls); an output without a complete call is content, at the end."""
+    """Each element of the array streams as a call (CallObjectStreamer); cut short at max_tokens, the
+    calls begun are the calls. An element that is not a call ends the calls; an output without a
+    call is content, at the end."""
 
     def __init__(self):
         self.text = ""
         self.scanner = JsonScanner()
-        self.element_start: Optional[int] = None
+        self.element: Optional[CallObjectStreamer] = None  # the open element
+        self.fed = 0  # how much of self.text the open element has read
         self.found: list[ToolCall] = []
-        self.calls = 0
         self.broken = False
 
     @property
     def num_calls(self) -> int:
-        return self.calls
+        return len(self.found) + (self.element is not None and self.element.started)
 
     def feed(self, text: str) -> StreamDelta:
         out = StreamDelta()
@@ -496,39 +562,43 @@ class RequiredCallsStreamer(ToolCallStreamer):
             depth_before = self.scanner.depth
             self.scanner.push(ch)
             if depth_before == 1 and self.scanner.depth == 2 and not self.scanner.in_string:
-                self.element_start = pos
-            elif depth_before == 2 and self.scanner.depth == 1 and self.element_start is not None:
-                call = None
-                try:
-                    call = call_from_object(json.loads(self.text[self.element_start:pos + 1]), ("parameters",))
-                except JSON_ERRORS:
-                    pass
+                self.element, self.fed = CallObjectStreamer(len(self.found), ("parameters",)), pos
+            elif depth_before == 2 and self.scanner.depth == 1 and self.element is not None:
+                out.tool_calls.extend(self.element.feed(self.text[self.fed:]))
+                call, deltas = self.element.finish()
                 if call is None:
                     self.broken = True
                 else:
-                    out.tool_calls.extend(call_deltas(self.calls, call))
+                    out.tool_calls.extend(deltas)
                     self.found.append(call)
-                    self.calls += 1
-                self.element_start = None
+                self.element = None
+        if self.element is not None and not self.broken:
+            out.tool_calls.extend(self.element.feed(self.text[self.fed:]))
+            self.fed = len(self.text)
         return out
 
     def finish(self) -> StreamDelta:
-        return StreamDelta(content=self.text if self.calls == 0 else "")
+        if self.element is not None and self.element.started:  # cut short inside a call's arguments
+            self.found.append(self.element.call)
+        self.element = None
+        return StreamDelta(content=self.text if not self.found else "")
 
 
 class FirstCallOnly(ToolParser):
-    """Another parser, keeping only its first call (parallel_tool_calls false with tool_choice auto)."""
+    """Another parser, keeping only its first `limit` calls (tool_choice auto with parallel_tool_calls
+    false: 1, or with max_tool_calls)."""
 
-    def __init__(self, parser: ToolParser):
+    def __init__(self, parser: ToolParser, limit: int = 1):
         self.parser = parser
         self.name = parser.name
+        self.limit = limit
 
     def extract(self, text: str) -> ExtractedToolCalls:
         found = self.parser.extract(text)
-        return ExtractedToolCalls(found.content, found.calls[:1])
+        return ExtractedToolCalls(found.content, found.calls[:self.limit])
 
     def streamer(self) -> ToolCallStreamer:
-        return _FirstCallStreamer(self.parser.streamer())
+        return _FirstCallStreamer(self.parser.streamer(), self.limit)
 
     def render_tools(self, tools: list[dict]) -> str:
         return self.parser.render_tools(tools)
@@ -541,16 +611,16 @@ class FirstCallOnly(ToolParser):
 
 
 class _FirstCallStreamer(ToolCallStreamer):
-    def __init__(self, inner: ToolCallStreamer):
+    def __init__(self, inner: ToolCallStreamer, limit: int):
         self.inner = inner
+        self.limit = limit
 
     @property
     def num_calls(self) -> int:
-        return min(self.inner.num_calls, 1)
+        return min(self.inner.num_calls, self.limit)
 
-    @staticmethod
-    def _first(delta: StreamDelta) -> StreamDelta:
-        delta.tool_calls = [d for d in delta.tool_calls if d.index == 0]
+    def _first(self, delta: StreamDelta) -> StreamDelta:
+        delta.tool_calls = [d for d in delta.tool_calls if d.index < self.limit]
         return delta
 
     def feed(self, text: str) -> StreamDelta:

@@ -10,9 +10,11 @@ the conversation a chat template gets.
   answer: a 400 without them).
 - `forced_call_output` turns "required" and a named function into structured output: the named
   function's `parameters` schema (the output is its arguments object), or for "required" a JSON array
-  (minItems 1; maxItems 1 without parallel_tool_calls) of `{"name": <const>, "parameters": <schema>}`,
-  one anyOf branch per tool. `compile_forced` compiles it on the prepare worker with the engine's
-  compiler; a schema xgrammar cannot compile is a 400 naming the tool's parameters.
+  (minItems 1; maxItems 1 without parallel_tool_calls, else the request's `max_tool_calls` if given) of `{"name": <const>, "parameters": <schema>}`,
+  one anyOf branch per tool, the schema's local `$ref`s rewritten to its new place (so `$defs` and
+  recursive references still resolve); a `$ref` to a URL or file is a 400 (nothing is fetched).
+  `compile_forced` compiles it on the prepare worker with the engine's compiler; a schema xgrammar
+  cannot compile is a 400 naming the tool's parameters.
 - `template_conversation` gives the template what it can use. A template whose source mentions
   `tools` gets the tools as `apply_chat_template(tools=...)`; otherwise the parser's own
   description of them (`ToolParser.render_tools`) goes into the system message, so any model is
@@ -32,7 +34,8 @@ from typing import Any, Callable, Literal, Optional
 from tokenmill.errors import InvalidRequestError
 from tokenmill.serve.openai.tool_parsers import (FirstCallOnly, HermesToolParser, NamedFunctionParser,
                                                       RequiredCallsParser, ToolParser)
-from tokenmill.structured_outputs import StructuredOutputsParams
+from tokenmill.structured_outputs import (StructuredOutputsParams, non_local_ref, non_local_ref_message,
+                                          relocate_refs)
 
 _NAME = re.compile(r"^[A-Za-z0-9_\-.]{1,64}$")
 CHOICES = ("none", "auto", "required")
@@ -104,6 +107,10 @@ def parse_tools(raw: Optional[list]) -> list[FunctionTool]:
             if kind is not None and kind != "object":
                 raise ToolRequestError(f"{where}.function.parameters must describe an object (its type is {kind!r})",
                                        f"tools.{i}.function.parameters")
+            bad = non_local_ref(parameters)
+            if bad is not None:
+                raise ToolRequestError(f"{where}.function.parameters: {non_local_ref_message(bad)}",
+                                       f"tools.{i}.function.parameters")
         tools.append(FunctionTool(name, description, parameters))
     return tools
 
@@ -138,19 +145,22 @@ def resolve_tool_choice(raw, tools: list[FunctionTool], auto_parser: Optional[st
     raise ToolRequestError("tool_choice must be a string or an object", "tool_choice")
 
 
-def forced_call_output(choice: ToolChoice, tools: list[FunctionTool], parallel_tool_calls: bool
+def forced_call_output(choice: ToolChoice, tools: list[FunctionTool], max_calls: Optional[int]
                        ) -> Optional[StructuredOutputsParams]:
-    """The structured output that makes "required" and a named function produce a valid call."""
+    """The structured output that makes "required" and a named function produce a valid call;
+    `max_calls` bounds the calls (1: parallel_tool_calls false; None: no bound)."""
     if choice.mode == "named":
         tool = next(t for t in tools if t.name == choice.name)
         return StructuredOutputsParams(json=tool.arguments_schema)
     if choice.mode == "required":
-        items = {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.name]},
-                                                             "parameters": t.arguments_schema},
-                            "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}
+        # Each tool's schema moves under items/anyOf/k: its local $refs ($defs, '#') are rewritten to match.
+        items = {"anyOf": [{"type": "object", "properties": {
+            "name": {"type": "string", "enum": [t.name]},
+            "parameters": relocate_refs(t.arguments_schema, f"#/items/anyOf/{k}/properties/parameters")},
+            "required": ["name", "parameters"], "additionalProperties": False} for k, t in enumerate(tools)]}
         schema: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
-        if not parallel_tool_calls:
-            schema["maxItems"] = 1
+        if max_calls is not None:
+            schema["maxItems"] = max_calls
         return StructuredOutputsParams(json=schema)
     return None
 
@@ -173,16 +183,16 @@ def compile_forced(compile: Callable[[StructuredOutputsParams], Any], choice: To
         raise
 
 
-def output_parser(choice: ToolChoice, auto_parser: Optional[ToolParser], parallel_tool_calls: bool = True
+def output_parser(choice: ToolChoice, auto_parser: Optional[ToolParser], max_calls: Optional[int] = None
                   ) -> Optional[ToolParser]:
-    """What reads the output into calls: None when no calls can be made. Without parallel calls,
-    "auto" keeps the first call it finds (the forced choices' schema allows only one)."""
+    """What reads the output into calls: None when no calls can be made. With `max_calls`, "auto"
+    keeps the first calls it finds (the forced choices' schema allows no more)."""
     if choice.mode == "named":
         return NamedFunctionParser(choice.name)
     if choice.mode == "required":
         return RequiredCallsParser()
     if choice.mode == "auto" and auto_parser is not None:
-        return auto_parser if parallel_tool_calls else FirstCallOnly(auto_parser)
+        return auto_parser if max_calls is None else FirstCallOnly(auto_parser, max_calls)
     return None
 
 
