@@ -16,6 +16,13 @@ MAX_LOGIT_BIAS = 300
 MAX_STOP_TOKEN_IDS = 32
 MAX_BAD_WORDS = 100
 MAX_BAD_WORD_TOKENS = 16  # tokens of one bad word (each of its two spellings)
+MAX_CACHE_SALT_CHARS = 4096
+# The sampler holds these fields in float32: a value must stay finite there, and a non-zero one non-zero.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+# A positive temperature divides the logits in float32: below this the scaled logits overflow.
+MIN_POSITIVE_TEMPERATURE = 1e-30
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
 @dataclass
@@ -42,6 +49,8 @@ class SamplingParams:
     structured_outputs: Optional[StructuredOutputsParams] = None  # constrain the output (JSON, regex, ...)
     bad_words: Optional[list[str]] = None  # words never generated
     allowed_token_ids: Optional[list[int]] = None  # sample only among these
+    # Requests share prefix-cache blocks only with requests of the same salt (engine/block_hash.py)
+    cache_salt: Optional[str] = None
     # bad_words as token-id sequences (resolve_bad_words, with the engine's tokenizer)
     bad_words_token_ids: list[list[int]] = field(init=False, repr=False, default_factory=list)
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
@@ -67,10 +76,24 @@ class SamplingParams:
         def is_int(x) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+        for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 bad(f"{name} must be a finite number, got {value!r}")
+            if abs(value) > FLOAT32_MAX or 0 < abs(value) < FLOAT32_TINY:
+                bad(f"{name} must be representable as a 32-bit float (magnitude 0 or between "
+                    f"{FLOAT32_TINY:.4g} and {FLOAT32_MAX:.4g}), got {value!r}")
+        if 0 < self.temperature < MIN_POSITIVE_TEMPERATURE:
+            bad(f"temperature must be 0 (greedy) or at least {MIN_POSITIVE_TEMPERATURE:g}, got {self.temperature!r}")
+        if self.cache_salt is not None:
+            if not isinstance(self.cache_salt, str) or not self.cache_salt:
+                bad(f"cache_salt must be a non-empty string, got {self.cache_salt!r}"[:200])
+            if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+                bad(f"cache_salt may be at most {MAX_CACHE_SALT_CHARS} characters long, got {len(self.cache_salt)}")
+            try:
+                self.cache_salt.encode("utf-8")
+            except UnicodeEncodeError:
+                bad("cache_salt cannot be encoded as UTF-8")
 
         if not is_int(self.n) or self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n!r}")
@@ -107,8 +130,8 @@ class SamplingParams:
             if not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
                 bad(f"{name} must be in [-2, 2], got {value!r}")
         if self.logit_bias is not None:
-            if any(not math.isfinite(v) for v in self.logit_bias.values()):
-                bad("logit_bias values must be finite numbers")
+            if any(not math.isfinite(v) or 0 < abs(v) < FLOAT32_TINY for v in self.logit_bias.values()):
+                bad("logit_bias values must be finite numbers representable as 32-bit floats")
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
                 bad(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries")
             if any(t < 0 for t in self.logit_bias) or any(not -100 <= v <= 100 for v in self.logit_bias.values()):

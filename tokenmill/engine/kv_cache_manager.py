@@ -59,7 +59,7 @@ class KVCacheManager:
             return
         parent = request.block_hashes[-1] if done else None
         request.block_hashes.extend(hash_blocks(parent, request.all_token_ids[done * bs : full * bs], bs,
-                                                request.cache_extra))
+                                                request.cache_extra, salt=request.params.cache_salt))
 
     def find_cached_prefix(self, request: Request) -> tuple[list[int], int]:
         """Cached blocks for the longest prefix of the request's tokens (leaving at least one token

@@ -1,12 +1,32 @@
 """The checks a request passes before it is queued, from the model's fixed facts only (tokenizer,
 vocabulary, context length, KV-cache size, grammar compiler): so the API server process can run
-them as well as the engine, and a request refused here never reaches the engine."""
+them as well as the engine, and a request refused here never reaches the engine.
+
+A text prompt is measured before it is tokenized: no token is longer than the tokenizer's longest
+vocabulary entry (in characters; a byte-level entry has a character per byte), so a text longer than
+max_model_len times that cannot fit the context, and is refused without spending the CPU time of
+tokenizing it (megabytes of text take tens of seconds).
+"""
 
 from typing import Optional
 
 from tokenmill.engine.kv_cache_manager import fits_problem
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The length in characters of the tokenizer's longest vocabulary entry (added tokens included)."""
+    vocab = tokenizer.get_vocab()
+    return max((len(t) for t in vocab), default=1) or 1
+
+
+def check_prompt_chars(text: str, max_chars: int, max_model_len: int, what: str = "the prompt") -> None:
+    """InvalidRequestError if `text` is too long to fit the context whatever its tokens (before tokenizing);
+    max_chars: max_model_len x longest_token_chars."""
+    if len(text) > max_chars:
+        raise InvalidRequestError(f"{what} has {len(text)} characters, more than the {max_chars} that could fit the "
+                                  f"context length of {max_model_len} tokens")
 
 
 class RequestValidator:
@@ -18,11 +38,20 @@ class RequestValidator:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.structured = structured  # a StructuredOutputManager: grammars are compiled (and cached) here
+        self._max_prompt_chars: Optional[int] = None
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The most characters a text prompt that fits the context can have (computed on first use)."""
+        if self._max_prompt_chars is None:  # a race only computes it twice
+            self._max_prompt_chars = self.max_model_len * longest_token_chars(self.tokenizer)
+        return self._max_prompt_chars
 
     def tokenize(self, prompt, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: pass the prompt as token ids")
+            check_prompt_chars(prompt, self.max_prompt_chars, self.max_model_len)
             ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)

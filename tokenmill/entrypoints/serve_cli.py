@@ -7,7 +7,7 @@ uvicorn, pydantic, prometheus-client) are imported only when the command runs.
 import argparse
 import os
 import sys
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence, Union
 
 from tokenmill.config import ConfigError
 from tokenmill.logger import init_logger
@@ -30,12 +30,23 @@ def register(subparsers) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=8000, help="port to bind")
+    # API keys and tenants (serve/openai/tenants.py).
     keys = g.add_mutually_exclusive_group()
-    keys.add_argument("--api-key", default=None,
-                      help="require 'Authorization: Bearer KEY' on every route but /health; the process list "
-                           f"shows it, --api-key-file does not (default: ${API_KEY_ENV} if set, else no key)")
+    keys.add_argument("--api-key", action="append", default=None,
+                      help="require 'Authorization: Bearer KEY' on every route but /health; repeat for several "
+                           "keys (tenants), any one opens the server; the process list shows them, "
+                           f"--api-key-file does not (default: ${API_KEY_ENV} if set, else no key)")
     keys.add_argument("--api-key-file", default=None, metavar="PATH",
-                      help="read the key from this file (surrounding whitespace stripped) (default: none)")
+                      help="read the keys from this file, one per line (surrounding whitespace stripped, blank "
+                           "lines skipped) (default: none)")
+    g.add_argument("--cache-salt-by-api-key", action="store_true",
+                   help="salt every request's prefix cache by its API key: requests of different keys never share "
+                        "cached blocks, so no tenant learns from hits or timing what another sent (a request's own "
+                        "cache_salt is added to its key's)")
+    g.add_argument("--metrics-api-key", default=None, metavar="KEY",
+                   help="a key that opens /metrics only, and the only one shown the prefix-cache figures (a hit "
+                        "rate tells whether a guessed prompt was sent before); without it they are shown only "
+                        "while fewer than two API keys are configured")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in the `model` field (default: the model's name)")
     g.add_argument("--max-waiting", type=int, default=4096,
@@ -86,27 +97,39 @@ def register(subparsers) -> None:
     p.set_defaults(func=cmd_serve, log_level_default="INFO")
 
 
-def resolve_api_key(api_key: Optional[str], api_key_file: Optional[str],
-                    environ: Mapping[str, str] = os.environ) -> Optional[str]:
-    """The key from --api-key, --api-key-file or $TOKENMILL_API_KEY (in that order), stripped; None
-    when none is given. An empty or blank key from any of them is a ConfigError, never "no key"."""
-    if api_key is not None and api_key_file is not None:
+def resolve_api_keys(api_keys: Union[None, str, Sequence[str]], api_key_file: Optional[str],
+                     environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The keys from --api-key (each), --api-key-file (one per line) or $TOKENMILL_API_KEY (in that
+    order), stripped and without repeats; [] when none is given. An empty or blank key from the flag or
+    the variable, or a file without a key, is a ConfigError, never "no key"."""
+    if isinstance(api_keys, str):
+        api_keys = [api_keys]
+    if api_keys is not None and api_key_file is not None:
         raise ConfigError("give --api-key or --api-key-file, not both")
     if api_key_file is not None:
         try:
             with open(api_key_file, encoding="utf-8") as f:
-                key, source = f.read().strip(), f"--api-key-file {api_key_file}"
+                keys, source = [line.strip() for line in f if line.strip()], f"--api-key-file {api_key_file}"
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"cannot read --api-key-file {api_key_file}: {e}") from None
-    elif api_key is not None:
-        key, source = api_key.strip(), "--api-key"
+        if not keys:
+            keys = [""]
+    elif api_keys is not None:
+        keys, source = [k.strip() for k in api_keys], "--api-key"
     elif API_KEY_ENV in environ:
-        key, source = environ[API_KEY_ENV].strip(), f"${API_KEY_ENV}"
+        keys, source = [environ[API_KEY_ENV].strip()], f"${API_KEY_ENV}"
     else:
-        return None
-    if not key:
+        return []
+    if not all(keys):
         raise ConfigError(f"{source} is empty: give a key, or leave it out to serve without one")
-    return key
+    return list(dict.fromkeys(keys))
+
+
+def resolve_api_key(api_key: Optional[str], api_key_file: Optional[str],
+                    environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The first key resolve_api_keys finds, or None."""
+    keys = resolve_api_keys(api_key, api_key_file, environ)
+    return keys[0] if keys else None
 
 
 def load_chat_template(value: Optional[str]) -> Optional[str]:
@@ -206,7 +229,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    api_key = resolve_api_key(args.api_key, args.api_key_file)  # before anything slow
+    api_keys = resolve_api_keys(args.api_key, args.api_key_file)  # before anything slow
+    if args.cache_salt_by_api_key and not api_keys:
+        print("error: --cache-salt-by-api-key needs API keys (--api-key, --api-key-file or "
+              f"${API_KEY_ENV})", file=sys.stderr)
+        return 2
+    metrics_api_key = None if args.metrics_api_key is None else args.metrics_api_key.strip()
+    if metrics_api_key is not None and (not metrics_api_key or metrics_api_key in api_keys):
+        print("error: --metrics-api-key must be a non-empty key of its own (not one of the API keys)",
+              file=sys.stderr)
+        return 2
     chat_template = load_chat_template(args.chat_template)
     specs = lora_specs(args)
     if args.served_model_name:
@@ -232,7 +264,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not names:  # the model's name, and the reference it was started with (e.g. a path) as an alias
             names = [engine.model_name] + ([args.model] if args.model and args.model != engine.model_name else [])
         modules = add_lora_modules(engine, specs, names)
-        settings = ServerSettings(served_model_names=names, api_key=api_key, max_waiting=args.max_waiting,
+        settings = ServerSettings(served_model_names=names, api_keys=api_keys, max_waiting=args.max_waiting,
+                                  cache_salt_by_api_key=args.cache_salt_by_api_key,
+                                  metrics_api_key=metrics_api_key,
                                   max_sequences_per_request=args.max_sequences_per_request,
                                   max_body_bytes=args.max_body_bytes, chat_template=chat_template,
                                   enable_auto_tool_choice=args.enable_auto_tool_choice,

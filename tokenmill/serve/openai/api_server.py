@@ -30,7 +30,7 @@ from tokenmill.config import ConfigError
 from tokenmill.serve.gc_policy import GCPolicy
 from tokenmill.engine.client import EngineClient
 from tokenmill.serve.async_engine import AsyncLLMEngine
-from tokenmill.serve.openai.errors import APIError, install_error_handlers
+from tokenmill.serve.openai.errors import APIError, echoed, install_error_handlers
 from tokenmill.serve.openai.lora import LoRAModule, LoRARegistry, LoRARegistryError
 from tokenmill.serve.openai.metrics import CONTENT_TYPE, ServerMetrics
 from tokenmill.serve.openai.middleware import GuardMiddleware
@@ -41,6 +41,7 @@ from tokenmill.serve.openai.serving_chat import OpenAIServingChat
 from tokenmill.serve.openai.serving_common import DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from tokenmill.serve.openai.serving_completions import OpenAIServingCompletion
 from tokenmill.serve.openai.serving_tokenize import OpenAIServingTokenization
+from tokenmill.serve.openai.tenants import Tenants
 from tokenmill.serve.openai.tool_parsers import TOOL_PARSERS
 from tokenmill.errors import InvalidRequestError, LoRAError
 from tokenmill.logger import init_logger
@@ -55,7 +56,15 @@ FORCED_CLOSE_SECONDS = 2.0  # after a second signal: how long aborted streams ge
 @dataclass
 class ServerSettings:
     served_model_names: Optional[list[str]] = None  # default: the engine's model name
+    # Keys that open every route but /health (any one of them; none: no key needed). `api_key` is
+    # one more, for callers with a single key. serve/openai/tenants.py has what the next three decide.
     api_key: Optional[str] = None
+    api_keys: list[str] = field(default_factory=list)
+    # Each request's prefix-cache salt starts with a digest of its API key: tenants never share blocks.
+    cache_salt_by_api_key: bool = False
+    # The key that shows /metrics' prefix-cache figures (opens /metrics only); without it they are
+    # shown only while fewer than two API keys are configured.
+    metrics_api_key: Optional[str] = None
     # Sequences (prompts x n) waiting to be scheduled: a request that would take the count past this
     # gets 503 + Retry-After, one larger than it on its own a 400. 0 or None: no bound.
     max_waiting: Optional[int] = 4096
@@ -93,6 +102,40 @@ class ServerSettings:
                               f"{', '.join(sorted(TOOL_PARSERS))})")
         if self.allow_runtime_lora_updating and not self.lora_roots:
             raise ConfigError("--allow-runtime-lora-updating needs --lora-root DIR (where adapters may be loaded from)")
+        keys = self.all_api_keys
+        if any(not isinstance(k, str) or not k.strip() for k in keys):
+            raise ConfigError("API keys must be non-empty strings")
+        if self.cache_salt_by_api_key and not keys:
+            raise ConfigError("--cache-salt-by-api-key needs API keys (--api-key or --api-key-file)")
+        if self.metrics_api_key is not None and (not self.metrics_api_key.strip() or self.metrics_api_key in keys):
+            raise ConfigError("--metrics-api-key must be a non-empty key of its own (not one of the API keys)")
+
+    @property
+    def all_api_keys(self) -> list[str]:
+        return list(dict.fromkeys(self.api_keys + ([self.api_key] if self.api_key is not None else [])))
+
+    def tenants(self) -> Tenants:
+        return Tenants(self.all_api_keys, self.metrics_api_key, self.cache_salt_by_api_key)
+
+
+class UnknownFieldLog:
+    """Names each unknown request field once, at WARNING (a misspelt field would otherwise silently get
+    its default); remembers at most LIMIT names, so clients cannot grow it or flood the log."""
+
+    LIMIT = 256
+
+    def __init__(self):
+        self._seen: set[str] = set()
+
+    def note(self, route: str, body) -> None:
+        for name in body.model_extra or ():
+            if name in self._seen or len(self._seen) > self.LIMIT:
+                continue
+            self._seen.add(name)
+            if len(self._seen) > self.LIMIT:
+                logger.warning("more than %d unknown request fields seen: no more are logged", self.LIMIT)
+            else:
+                logger.warning("%s: unknown field %r ignored (logged once per name)", route, echoed(name))
 
 
 _ERROR_DESCRIPTIONS = {
@@ -105,9 +148,9 @@ _ERROR_DESCRIPTIONS = {
 }
 
 
-def _errors(api_key: Optional[str], *statuses: int) -> dict:
+def _errors(key_required: bool, *statuses: int) -> dict:
     """The `responses` of a route for the OpenAPI schema: its error statuses, with OpenAI's error body."""
-    statuses = ((401,) if api_key else ()) + statuses
+    statuses = ((401,) if key_required else ()) + statuses
     return {s: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[s]} for s in sorted(statuses)}
 
 
@@ -137,8 +180,10 @@ def build_app(engine: AsyncLLMEngine, settings: Optional[ServerSettings] = None)
     metrics.attach(engine)
     if settings.max_waiting is not None:
         engine.max_waiting = settings.max_waiting if settings.max_waiting > 0 else None
-    completions = OpenAIServingCompletion(engine, names, metrics, settings.max_sequences_per_request, loras=loras)
-    chat = OpenAIServingChat(engine, names, metrics, settings.max_sequences_per_request, loras=loras,
+    tenants = settings.tenants()
+    completions = OpenAIServingCompletion(engine, names, metrics, settings.max_sequences_per_request, loras=loras,
+                                          tenants=tenants)
+    chat = OpenAIServingChat(engine, names, metrics, settings.max_sequences_per_request, loras=loras, tenants=tenants,
                              chat_template=settings.chat_template, tool_call_parser=settings.tool_call_parser,
                              enable_auto_tool_choice=settings.enable_auto_tool_choice,
                              trust_request_chat_template=settings.trust_request_chat_template)
@@ -173,13 +218,17 @@ def build_app(engine: AsyncLLMEngine, settings: Optional[ServerSettings] = None)
     app.state.gc_policy = gc_policy  # run_server starts it (freezes what exists) once the app is built
     app.state.metrics = metrics
     app.state.loras = loras  # the LoRA adapters this process serves, by name
-    install_error_handlers(app)
+    app.state.tenants = tenants
+    unknown = UnknownFieldLog()
+    install_error_handlers(app, on_invalid=lambda: metrics.rejected("invalid"))
     _without_422(app)
-    app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
-    _add_info_routes(app, engine, names, loras, metrics, settings.api_key)
-    _add_engine_routes(app, engine, completions, chat, settings.api_key)
-    _add_lora_routes(app, engine, loras, settings.api_key)
-    _add_tokenize_routes(app, tokenization, settings.api_key)
+    app.add_middleware(GuardMiddleware, tenants=tenants, max_body_bytes=settings.max_body_bytes,
+                       on_invalid=lambda: metrics.rejected("invalid"))
+    key = tenants.required
+    _add_info_routes(app, engine, names, loras, metrics, tenants)
+    _add_engine_routes(app, engine, completions, chat, key, unknown)
+    _add_lora_routes(app, engine, loras, key, unknown)
+    _add_tokenize_routes(app, tokenization, key, unknown)
     return app
 
 
@@ -198,9 +247,10 @@ def lora_registry(engine: AsyncLLMEngine, names: list[str], settings: ServerSett
 
 
 def _add_info_routes(app: FastAPI, engine: AsyncLLMEngine, names: list[str], loras: LoRARegistry,
-                     metrics: ServerMetrics, key: Optional[str]) -> None:
+                     metrics: ServerMetrics, tenants: Tenants) -> None:
     """Health, metrics, models and version."""
     created = int(time.time())
+    key = tenants.required
 
     def model_card(name: str) -> dict:
         module = loras.get(name) if name not in names else None
@@ -217,8 +267,9 @@ def _add_info_routes(app: FastAPI, engine: AsyncLLMEngine, names: list[str], lor
         return {"status": "ok"}
 
     @app.get("/metrics", responses=_errors(key))
-    async def get_metrics():
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+    async def get_metrics(request: Request):
+        shown = tenants.shows_prefix_cache(dict(request.scope.get("headers") or []))
+        return Response(metrics.render(prefix_cache=shown), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models", responses=_errors(key))
     async def list_models():
@@ -227,7 +278,8 @@ def _add_info_routes(app: FastAPI, engine: AsyncLLMEngine, names: list[str], lor
     @app.get("/v1/models/{model_id:path}", responses=_errors(key, 404))
     async def get_model(model_id: str):
         if model_id not in names and loras.get(model_id) is None:
-            raise APIError(404, f"the model `{model_id}` does not exist", param="model", code="model_not_found")
+            raise APIError(404, f"the model `{echoed(model_id)}` does not exist", param="model",
+                           code="model_not_found")
         return model_card(model_id)
 
     @app.get("/version", responses=_errors(key))
@@ -236,15 +288,17 @@ def _add_info_routes(app: FastAPI, engine: AsyncLLMEngine, names: list[str], lor
 
 
 def _add_engine_routes(app: FastAPI, engine: AsyncLLMEngine, completions: OpenAIServingCompletion,
-                       chat: OpenAIServingChat, key: Optional[str]) -> None:
+                       chat: OpenAIServingChat, key: bool, unknown: UnknownFieldLog) -> None:
     """Completions, chat completions and the prefix-cache reset."""
 
     @app.post("/v1/completions", responses=_errors(key, 400, 404, 413, 503))
     async def create_completion(body: CompletionRequest, raw_request: Request):
+        unknown.note("/v1/completions", body)
         return await completions.create(body, raw_request)
 
     @app.post("/v1/chat/completions", responses=_errors(key, 400, 404, 413, 503))
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
+        unknown.note("/v1/chat/completions", body)
         return await chat.create(body, raw_request)
 
     @app.post("/reset_prefix_cache", responses=_errors(key, 409, 413, 503))
@@ -260,7 +314,8 @@ def _lora_api_error(e: LoRARegistryError) -> APIError:
     return APIError(e.status, e.message, param=e.param, code=e.code)
 
 
-def _add_lora_routes(app: FastAPI, engine: AsyncLLMEngine, loras: LoRARegistry, key: Optional[str]) -> None:
+def _add_lora_routes(app: FastAPI, engine: AsyncLLMEngine, loras: LoRARegistry, key: bool,
+                     unknown: UnknownFieldLog) -> None:
     """/v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; plain-text success)."""
 
     async def add(request) -> None:
@@ -273,6 +328,7 @@ def _add_lora_routes(app: FastAPI, engine: AsyncLLMEngine, loras: LoRARegistry, 
     @app.post("/v1/load_lora_adapter", responses=_errors(key, 400, 413, 503))
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):
         """Load a LoRA adapter (a PEFT directory on the server's machine); requests then name it as `model`."""
+        unknown.note("/v1/load_lora_adapter", body)
         try:
             module = await loras.load(body.lora_name, body.lora_path, add)
         except LoRARegistryError as e:
@@ -288,6 +344,7 @@ def _add_lora_routes(app: FastAPI, engine: AsyncLLMEngine, loras: LoRARegistry, 
     @app.post("/v1/unload_lora_adapter", responses=_errors(key, 400, 404, 413, 503))
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
         """Stop serving a LoRA adapter; requests already running with it finish with it."""
+        unknown.note("/v1/unload_lora_adapter", body)
         try:
             module = await loras.unload(body.lora_name, body.lora_int_id, remove)
         except LoRARegistryError as e:
@@ -296,17 +353,20 @@ def _add_lora_routes(app: FastAPI, engine: AsyncLLMEngine, loras: LoRARegistry, 
         return PlainTextResponse(f"Success: LoRA adapter '{module.name}' removed successfully.")
 
 
-def _add_tokenize_routes(app: FastAPI, tokenization: OpenAIServingTokenization, key: Optional[str]) -> None:
+def _add_tokenize_routes(app: FastAPI, tokenization: OpenAIServingTokenization, key: bool,
+                         unknown: UnknownFieldLog) -> None:
     """/tokenize and /detokenize (vLLM's routes)."""
 
     @app.post("/tokenize", responses=_errors(key, 400, 404, 413))
     async def tokenize(body: TokenizeRequest):
         """A prompt's token ids, or those of chat messages rendered with the chat template."""
+        unknown.note("/tokenize", body)
         return JSONResponse(await tokenization.tokenize(body))
 
     @app.post("/detokenize", responses=_errors(key, 400, 404, 413))
     async def detokenize(body: DetokenizeRequest):
         """The text of token ids."""
+        unknown.note("/detokenize", body)
         return JSONResponse(await tokenization.detokenize(body))
 
 

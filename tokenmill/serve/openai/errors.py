@@ -4,7 +4,7 @@ Bad input is always a 4xx with a message that names the problem; a 5xx means a b
 """
 
 import json
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,6 +31,16 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers
+
+
+MAX_ECHOED_CHARS = 100  # of a client's value quoted back in a message
+
+
+def echoed(value: str) -> str:
+    """A client's value as a message quotes it: at most MAX_ECHOED_CHARS characters of it."""
+    if len(value) <= MAX_ECHOED_CHARS:
+        return value
+    return f"{value[:MAX_ECHOED_CHARS]}... ({len(value)} characters)"
 
 
 def error_body(status: int, message: str, type: Optional[str] = None, param: Optional[str] = None,
@@ -132,33 +142,41 @@ def _shown(value) -> str:
     return f" (got {shown[:60] + '...' if len(shown) > 60 else shown})"
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, on_invalid: Optional[Callable[[], None]] = None) -> None:
+    """OpenAI's error format for every error a route raises; `on_invalid` is told of each 400 (a request
+    refused as invalid, whichever check refused it: the body's schema, the handler's or the engine's)."""
+
+    def respond(err: APIError) -> JSONResponse:
+        if err.status == 400 and on_invalid is not None:
+            on_invalid()
+        return error_response(err)
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response(exc)
+        return respond(exc)
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, exc: InvalidRequestError):
-        return error_response(to_api_error(exc))
+        return respond(to_api_error(exc))
 
     @app.exception_handler(EngineOverloadedError)
     async def _overloaded(request: Request, exc: EngineOverloadedError):
-        return error_response(to_api_error(exc))
+        return respond(to_api_error(exc))
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError):
-        return error_response(to_api_error(exc))
+        return respond(to_api_error(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         message, param = _describe(list(exc.errors()))
-        return error_response(APIError(400, message, param=param))
+        return respond(APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_response(APIError(exc.status_code, detail, code=code, headers=getattr(exc, "headers", None)))
+        return respond(APIError(exc.status_code, detail, code=code, headers=getattr(exc, "headers", None)))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):

@@ -268,7 +268,8 @@ class LoRARegistry:
                 if name in self.served_model_names:
                     raise LoRARegistryError(400, f"`{name}` is a served base model, not a LoRA adapter; it cannot "
                                                  "be unloaded", code="invalid_lora_name", param="lora_name")
-                raise LoRARegistryError(404, f"the LoRA adapter `{name}` is not loaded"
+                shown = name if len(name) <= 100 else f"{name[:100]}... ({len(name)} characters)"
+                raise LoRARegistryError(404, f"the LoRA adapter `{shown}` is not loaded"
                                         + self._loaded_hint(), code="lora_not_found", param="lora_name")
             if lora_int_id is not None and lora_int_id != module.request.lora_int_id:
                 raise LoRARegistryError(400, f"the LoRA adapter `{name}` has lora_int_id "

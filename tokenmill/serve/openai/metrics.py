@@ -26,6 +26,10 @@ replica's own `tokenmill:replica_num_requests_running`, `_num_requests_waiting`,
 and `_num_preemptions`, `_engine_steps`, `_prompt_tokens_computed`, `_generation_tokens`,
 `_requests_routed`, `_requests_routed_by_prefix` (counters: the balancer's choices, the latter those
 made for a cached prompt prefix).
+
+Prefix-cache figures (PREFIX_CACHE_SERIES) move with single requests: whoever reads them can tell
+whether a prompt prefix they guess was sent before. With several tenants they are left out unless
+the caller may see them (serve/openai/tenants.py decides; render's `prefix_cache` flag).
 """
 
 import time
@@ -71,6 +75,23 @@ _REPLICA_COUNTERS = (
     ("tokenmill:replica_requests_routed_by_prefix", "Of those, requests sent there for its cached prompt prefix.",
      lambda r: r.routed_by_prefix),
 )
+
+
+# Series that tell a prompt prefix was cached (the computed-token count drops on a hit).
+PREFIX_CACHE_SERIES = frozenset({"tokenmill:prefix_cache_hit_rate", "tokenmill:replica_prefix_cache_hit_rate",
+                                 "tokenmill:replica_requests_routed_by_prefix",
+                                 "tokenmill:replica_prompt_tokens_computed"})
+
+
+class _Without:
+    """A registry's collection less some metric families (generate_latest reads any `collect()`)."""
+
+    def __init__(self, registry: CollectorRegistry, names: frozenset):
+        self.registry = registry
+        self.names = names
+
+    def collect(self):
+        return (family for family in self.registry.collect() if family.name not in self.names)
 
 
 class _EngineStateCollector:
@@ -253,5 +274,6 @@ class ServerMetrics:
     def rejected(self, reason: str) -> None:
         self._rejected.labels(self.model_name, reason).inc()
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, prefix_cache: bool = True) -> bytes:
+        """The Prometheus text; without the prefix-cache series unless `prefix_cache`."""
+        return generate_latest(self.registry if prefix_cache else _Without(self.registry, PREFIX_CACHE_SERIES))

@@ -1,15 +1,16 @@
-"""The gate in front of every route: the API key, then the size of the request body.
+"""The gate in front of every route: the API key (any of the server's: serve/openai/tenants.py), then
+the size of the request body.
 
 Plain ASGI (no BaseHTTPMiddleware), so streaming responses pass through untouched. The key is
 checked before the body is read, so a client without it learns nothing else; /health stays open.
 The body is read here, at most `max_body_bytes` of it, and replayed to the app as JSON.
 """
 
-import hmac
 import json
-from typing import Optional
+from typing import Callable, Optional
 
 from tokenmill.serve.openai.errors import error_body
+from tokenmill.serve.openai.tenants import Tenants
 
 OPEN_PATHS = frozenset({"/health"})
 
@@ -23,21 +24,19 @@ async def _send_error(send, status: int, message: str, code: str, headers: Optio
 
 
 class GuardMiddleware:
-    def __init__(self, app, api_key: Optional[str] = None, max_body_bytes: int = 4 << 20):
+    def __init__(self, app, tenants: Optional[Tenants] = None, max_body_bytes: int = 4 << 20,
+                 on_invalid: Optional[Callable[[], None]] = None):
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        self.tenants = tenants or Tenants()
         self.max_body_bytes = max_body_bytes
-
-    def _authorized(self, headers: dict) -> bool:
-        value = headers.get(b"authorization", b"")
-        scheme, _, token = value.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+        self.on_invalid = on_invalid  # told of each 400 answered here (the rejected-requests counter)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope.get("path") not in OPEN_PATHS and not self._authorized(headers):
+        path = scope.get("path")
+        if self.tenants.required and path not in OPEN_PATHS and not self.tenants.authorized(path, headers):
             return await _send_error(send, 401, "a valid API key is required: send 'Authorization: Bearer <key>'",
                                      "invalid_api_key", [(b"www-authenticate", b"Bearer")])
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
@@ -50,6 +49,8 @@ class GuardMiddleware:
                 if int(declared) > limit:
                     return await _send_error(send, 413, too_large, "request_too_large")
             except ValueError:
+                if self.on_invalid is not None:
+                    self.on_invalid()
                 return await _send_error(send, 400, "invalid Content-Length header", "invalid_header")
         chunks, size = [], 0
         while True:

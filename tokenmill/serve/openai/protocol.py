@@ -3,15 +3,16 @@
 Field names, defaults and meanings follow OpenAI's public API reference. Fields OpenAI does not
 have (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
 include_stop_str_in_output, add_generation_prompt, chat_template, chat_template_kwargs) are
-extensions with the same names vLLM uses, as are the /tokenize and /detokenize bodies. Unknown
-fields are ignored, so newer clients keep working. Bounds that protect the engine (integers that
-must fit its int64 tables, the number of choices) are enforced here; the rest is checked by
-SamplingParams and the engine, which know the model.
+extensions with the same names vLLM uses, as are `cache_salt` and the /tokenize and /detokenize
+bodies. Unknown top-level fields are ignored, so newer clients keep working, and logged once per name
+(RequestBody keeps them in `model_extra` for that). Token ids are strict integers (no `true`, no
+"0"). Bounds that protect the engine (integers that must fit its int64 tables, the number of
+choices) are enforced here; the rest is checked by SamplingParams and the engine, which know the model.
 """
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from tokenmill.sampling_params import MAX_LOGPROBS
 
@@ -23,6 +24,12 @@ UINT64_MAX = 2**64 - 1
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class RequestBody(OpenAIModel):
+    """A route's whole body: unknown fields are kept aside (model_extra) so the server can name them."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIModel):
@@ -50,11 +57,13 @@ class _SamplingFields(OpenAIModel):
     repetition_penalty: Optional[float] = Field(None, gt=0)
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[StrictInt]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     bad_words: Optional[list[str]] = Field(None, description="words never generated (each as its tokens)")
-    allowed_token_ids: Optional[list[int]] = Field(None, description="sample only among these token ids")
+    allowed_token_ids: Optional[list[StrictInt]] = Field(None, description="sample only among these token ids")
+    cache_salt: Optional[str] = Field(None, min_length=1, description="requests share prefix-cache blocks only with "
+                                                                      "requests of the same salt")
     # Structured output (vLLM's names; serve/openai/response_format.py reads them).
     structured_outputs: Optional[dict[str, Any]] = None
     guided_json: Optional[Union[str, dict[str, Any]]] = None
@@ -63,8 +72,8 @@ class _SamplingFields(OpenAIModel):
     guided_grammar: Optional[str] = None
 
 
-class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
+class CompletionRequest(_SamplingFields, RequestBody):
+    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]] = Field(
         ..., description="a string, a list of strings, a list of token ids, or a list of token-id lists")
     max_tokens: Optional[int] = Field(16, description="tokens to generate per choice; null: up to the context")
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -107,7 +116,7 @@ class _ChatTemplateFields(OpenAIModel):
     add_generation_prompt: bool = Field(True, description="end with the assistant header")
 
 
-class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields, RequestBody):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: Optional[int] = Field(None, description="deprecated by OpenAI for max_completion_tokens")
     max_completion_tokens: Optional[int] = None
@@ -121,7 +130,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     max_tool_calls: Optional[int] = Field(None, ge=1, le=128, description="at most this many calls in the answer")
 
 
-class TokenizeRequest(_ChatTemplateFields):
+class TokenizeRequest(_ChatTemplateFields, RequestBody):
     """POST /tokenize (vLLM's shape): a `prompt`, or chat `messages` rendered with the chat template."""
 
     model: Optional[str] = None
@@ -131,19 +140,19 @@ class TokenizeRequest(_ChatTemplateFields):
     return_token_strs: bool = Field(False, description="also return each token's string")
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestBody):
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
-class LoadLoRAAdapterRequest(OpenAIModel):
+class LoadLoRAAdapterRequest(RequestBody):
     """POST /v1/load_lora_adapter (vLLM's shape)."""
 
     lora_name: str = Field(..., description="the name requests give as `model`")
     lora_path: str = Field(..., description="the adapter's directory as PEFT saves it, on the server's machine")
 
 
-class UnloadLoRAAdapterRequest(OpenAIModel):
+class UnloadLoRAAdapterRequest(RequestBody):
     """POST /v1/unload_lora_adapter (vLLM's shape): the adapter's name, or its id."""
 
     lora_name: Optional[str] = None

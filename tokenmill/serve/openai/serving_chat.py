@@ -26,7 +26,8 @@ from fastapi.responses import JSONResponse
 from tokenmill.serve.async_engine import PromptInfo, PromptTools, RequestAborted, RequestStream, check_encodable
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
 from tokenmill.chat_template import render_chat
-from tokenmill.serve.openai.errors import APIError, stream_error_event
+from tokenmill.engine.request_validator import longest_token_chars
+from tokenmill.serve.openai.errors import APIError, echoed, stream_error_event
 from tokenmill.serve.openai.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.serve.openai.serving_common import (SSE_DONE, ChoiceProgress, EventStreamResponse, OpenAIServing,
                                                          clamp_logprob, now_s, sse, token_str, usage)
@@ -45,10 +46,13 @@ def message_dict(i: int, m: ChatMessage) -> dict:
         text = content
     else:
         parts = []
-        for part in content:
-            if part.type != "text" or part.text is None:
+        for j, part in enumerate(content):
+            if part.type != "text":
                 raise APIError(400, f"messages[{i}]: only text content parts are supported (got type "
-                                    f"{part.type!r})", param=f"messages.{i}.content")
+                                    f"{echoed(part.type)!r})", param=f"messages.{i}.content")
+            if part.text is None:
+                raise APIError(400, f"messages[{i}].content[{j}]: a text content part needs a `text` string",
+                               param=f"messages.{i}.content.{j}.text")
             parts.append(part.text)
         text = "\n".join(parts)
     check_encodable(text, f"messages[{i}].content")
@@ -131,6 +135,7 @@ class OpenAIServingChat(OpenAIServing):
         # A request's own chat_template runs a client's Jinja on the server: only when trusted.
         self.trust_request_chat_template = trust_request_chat_template
         self._tokenizer = self.engine.engine.tokenizer
+        self._max_prompt_chars: Optional[int] = None  # check_conversation_chars's bound
         self.chat_template = chat_template  # the server's --chat-template, else None (the model's)
         self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
         self.auto_tool_choice = enable_auto_tool_choice and self.tool_parser is not None
@@ -141,9 +146,33 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, "chat_template in a request needs a server started with "
                                 "--trust-request-chat-template (it runs the client's Jinja template)",
                            param="chat_template")
-        return ChatPrompt([message_dict(i, m) for i, m in enumerate(messages)], tools,
+        conversation = [message_dict(i, m) for i, m in enumerate(messages)]
+        self.check_conversation_chars(conversation)
+        return ChatPrompt(conversation, tools,
                           req.chat_template if req.chat_template is not None else self.chat_template,
                           req.chat_template_kwargs, req.add_generation_prompt)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The most characters of text that could fit the context (engine/request_validator.py)."""
+        if self._max_prompt_chars is None:  # a race only computes it twice
+            self._max_prompt_chars = self.engine.max_model_len * longest_token_chars(self._tokenizer)
+        return self._max_prompt_chars
+
+    def check_conversation_chars(self, conversation: list[dict]) -> None:
+        """Refuse messages whose text alone could not fit the context, before the template renders them
+        (RequestValidator checks the rendered prompt the same way before tokenizing it)."""
+        if self._tokenizer is None:
+            return
+        chars = 0
+        for m in conversation:
+            chars += len(m["content"]) + len(m.get("name", ""))
+            for call in m.get("tool_calls", ()):
+                chars += len(call["function"]["name"]) + len(call["function"]["arguments"])
+        if chars > self.max_prompt_chars:
+            raise APIError(400, f"the messages have {chars} characters, more than the {self.max_prompt_chars} "
+                                f"that could fit the context length of {self.engine.max_model_len} tokens",
+                           param="messages")
 
     def render(self, prompt: ChatPrompt) -> str:
         """The prompt text (call it on a worker thread: templates can be slow)."""
@@ -169,7 +198,7 @@ class OpenAIServingChat(OpenAIServing):
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self.check_sequences(1, req.n, "n")
-        params = self.sampling_params(req, max_tokens, top_k)
+        params = self.request_params(req, raw_request, max_tokens, top_k)
         if plan.forced is not None:
             if params.structured_outputs is not None:
                 raise APIError(400, f"tool_choice {plan.choice.mode!r} constrains the output itself; it cannot be "

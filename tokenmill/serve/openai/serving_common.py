@@ -13,10 +13,11 @@ from starlette.responses import StreamingResponse
 from tokenmill.serve.async_engine import (AsyncLLMEngine, EngineDeadError, EngineOverloadedError, PrepareFn,
                                            PromptInfo, RequestStream, check_encodable)
 from tokenmill.engine.outputs import Logprob, RequestOutput
-from tokenmill.serve.openai.errors import APIError
+from tokenmill.serve.openai.errors import APIError, echoed
 from tokenmill.serve.openai.lora import LoRARegistry
 from tokenmill.serve.openai.metrics import ServerMetrics
 from tokenmill.serve.openai.protocol import _SamplingFields
+from tokenmill.serve.openai.tenants import Tenants
 from tokenmill.errors import InvalidRequestError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.serve.openai.response_format import structured_outputs_of
@@ -35,12 +36,13 @@ class ClientDisconnected(Exception):
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], metrics: Optional[ServerMetrics],
                  max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
-                 loras: Optional[LoRARegistry] = None):
+                 loras: Optional[LoRARegistry] = None, tenants: Optional[Tenants] = None):
         self.engine = engine
         self.served_model_names = served_model_names
         self.metrics = metrics
         self.max_sequences_per_request = max_sequences_per_request
         self.loras = loras  # LoRA adapters served by name (None: none)
+        self.tenants = tenants or Tenants()  # decides each request's cache salt (by its API key, if so set)
 
     def model_name(self, requested: Optional[str]) -> str:
         """The served name a request's `model` stands for: a base model's or a LoRA adapter's."""
@@ -56,7 +58,7 @@ class OpenAIServing:
         if module is not None:
             return requested, module.request
         served = self.served_model_names + (self.loras.names() if self.loras is not None else [])
-        raise APIError(404, f"the model `{requested}` does not exist; this server serves "
+        raise APIError(404, f"the model `{echoed(requested)}` does not exist; this server serves "
                             f"{', '.join(served)}", param="model", code="model_not_found")
 
     def check_sequences(self, num_prompts: int, n: int, param: str) -> None:
@@ -70,6 +72,14 @@ class OpenAIServing:
     @staticmethod
     def new_id(prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
+
+    def request_params(self, req: _SamplingFields, raw_request: Request, max_tokens: Optional[int],
+                       logprobs: Optional[int]) -> SamplingParams:
+        """sampling_params, with the request's cache salt (the client's, and its API key's if so set)."""
+        params = self.sampling_params(req, max_tokens, logprobs)
+        params.cache_salt = self.tenants.cache_salt(dict(raw_request.scope.get("headers") or []), req.cache_salt)
+        params.validate()
+        return params
 
     @staticmethod
     def sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
@@ -102,6 +112,7 @@ class OpenAIServing:
             bad_words=req.bad_words,
             allowed_token_ids=req.allowed_token_ids,
             structured_outputs=structured_outputs_of(req),
+            cache_salt=req.cache_salt,
         )
 
     async def submit(self, prepare: PrepareFn, params: SamplingParams, request_id: str,
@@ -116,9 +127,8 @@ class OpenAIServing:
             prompts = await stream.accepted()
         except BaseException as e:
             stream.abort()
-            if self.metrics is not None:
-                reason = ("invalid" if isinstance(e, InvalidRequestError) else "overloaded"
-                          if isinstance(e, EngineOverloadedError) else "unavailable"
+            if self.metrics is not None:  # invalid ones are counted with every 400 (errors.install_error_handlers)
+                reason = ("overloaded" if isinstance(e, EngineOverloadedError) else "unavailable"
                           if isinstance(e, EngineDeadError) else None)
                 if reason:
                     self.metrics.rejected(reason)

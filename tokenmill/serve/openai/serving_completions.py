@@ -94,7 +94,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echo_only = echo and req.max_tokens == 0  # the prompt alone (the engine makes one token, dropped)
         prompts = normalize_prompts(req.prompt)
         self.check_sequences(len(prompts), req.n, "prompt" if len(prompts) > 1 else "n")
-        params = self.sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs)
+        params = self.request_params(req, raw_request, 1 if echo_only else req.max_tokens, req.logprobs)
         echo_logprobs = echo and req.logprobs is not None
         if echo_logprobs:
             params = replace(params, prompt_logprobs=req.logprobs)

@@ -4,12 +4,15 @@
 completions renders them: chat_template, chat_template_kwargs, tools, add_generation_prompt;
 add_special_tokens default false, the template holds them) and answers `{"count", "max_model_len",
 "tokens", "token_strs"}` (token_strs null unless `return_token_strs`). /detokenize takes
-`{"tokens": [ids]}` and answers `{"prompt": text}`; an id outside the model's vocabulary is a 400.
+`{"tokens": [ids]}` and answers `{"prompt": text}`; an id outside the model's vocabulary, or not a
+JSON integer (`true`, "0"), is a 400. A text too long to fit the context whatever its tokens is
+refused before it is tokenized, as a completion's prompt is.
 Both work on a worker thread, off the event loop, as the chat route's rendering does.
 """
 
 import asyncio
 
+from tokenmill.engine.request_validator import check_prompt_chars
 from tokenmill.serve.async_engine import check_encodable
 from tokenmill.serve.openai.errors import APIError
 from tokenmill.serve.openai.protocol import DetokenizeRequest, TokenizeRequest
@@ -39,6 +42,7 @@ class OpenAIServingTokenization:
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.prompt is not None:
             check_encodable(req.prompt, "prompt")
+            check_prompt_chars(req.prompt, self.chat.max_prompt_chars, self.engine.max_model_len)
             text, special = req.prompt, req.add_special_tokens is not False
             prompt = None
         else:
@@ -53,6 +57,7 @@ class OpenAIServingTokenization:
         def work() -> tuple[list[int], list[str]]:
             rendered = self.chat.render(prompt) if prompt is not None else text
             check_encodable(rendered, "the rendered prompt")  # tools and template variables are free text
+            check_prompt_chars(rendered, self.chat.max_prompt_chars, self.engine.max_model_len, "the rendered prompt")
             ids = list(self.tokenizer(rendered, add_special_tokens=special)["input_ids"])
             strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
             return ids, strs
