@@ -28,6 +28,15 @@ BAD_PARAMS = [
     (dict(seed=2**64), "seed must be an integer in"),
     (dict(top_k=2**40), "top_k must be"),
     (dict(logit_bias={3: float("nan")}), "logit_bias values must be finite"),
+    # The sampler holds these in float32: finite there, and non-zero if non-zero.
+    (dict(temperature=1e308), "temperature must be representable as a 32-bit float"),
+    (dict(temperature=3.5e38), "temperature must be representable as a 32-bit float"),
+    (dict(temperature=1e-40), "temperature must be representable as a 32-bit float"),
+    (dict(temperature=1e-35), "temperature must be 0 .greedy. or at least 1e-30"),
+    (dict(repetition_penalty=1e300), "repetition_penalty must be representable"),
+    (dict(min_p=1e-45), "min_p must be representable"),
+    (dict(cache_salt=""), "cache_salt must be a non-empty string"),
+    (dict(cache_salt=7), "cache_salt must be a non-empty string"),
 ]
 
 

@@ -4,7 +4,7 @@ import hashlib
 
 import numpy as np
 
-from tokenmill.engine.block_hash import ROOT, hash_blocks
+from tokenmill.engine.block_hash import ROOT, hash_blocks, root_key
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import Request
 from tokenmill.sampling_params import SamplingParams
@@ -50,3 +50,15 @@ def test_the_manager_keys_requests_by_prefix():
     other = Request("c", [0, 1, 2, 3, 4, 5, 6, 8, 9, 9], params, 0, 4, frozenset())
     blocks, tokens = kv.find_cached_prefix(other)
     assert tokens == 4 and blocks == first.block_ids[:1]
+
+
+def test_a_cache_salt_roots_the_chain():
+    tokens = list(range(32))
+    salted = hash_blocks(None, tokens, 16, salt="tenant-a")
+    assert salted[0] == hashlib.sha256(root_key("tenant-a") + b"".join(t.to_bytes(4, "little") for t in range(16))).digest()
+    assert root_key("tenant-a") == hashlib.sha256(b"tokenmill-cache-salt\0tenant-a").digest()
+    assert root_key(None) == root_key("") == ROOT
+    # No block is shared with the unsalted chain or another salt's, and the salt reaches every later block.
+    others = hash_blocks(None, tokens, 16) + hash_blocks(None, tokens, 16, salt="tenant-b")
+    assert not set(salted) & set(others)
+    assert hash_blocks(salted[0], tokens[16:], 16) == salted[1:]

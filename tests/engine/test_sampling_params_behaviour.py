@@ -86,6 +86,20 @@ def test_n_samples_share_the_prompt_and_differ(llm, prompt):
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]
 
 
+def test_cache_salt_keeps_prefix_cache_blocks_apart(llm, prompt):
+    """Requests share cached prompt blocks only with requests of the same cache_salt (tenants)."""
+    def cached(salt):
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, cache_salt=salt), use_tqdm=False)[0]
+        return out.metrics.num_cached_prompt_tokens
+
+    full = 16 * ((len(prompt) - 1) // 16)  # the prompt's full blocks (its last token is always computed)
+    cached(None)  # now the prompt is cached without a salt
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") == full
+    assert cached("tenant-b") == 0
+    assert cached(None) == full and cached("tenant-b") == full
+
+
 def test_seeded_request_is_independent_of_its_batch(llm, prompt):
     params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, ignore_eos=True, seed=1234)
     alone = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
