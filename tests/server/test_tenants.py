@@ -56,8 +56,9 @@ def hit_rate(server) -> float:
 
 
 def secret_prompt() -> str:
-    """A prompt of several KV blocks no other test sends."""
-    return f"Project {uuid.uuid4().hex}: the launch code is 4417 and the vault opens at dawn. " * 6
+    """A prompt of a few KV blocks (16 tokens each) that no other test sends."""
+    return (f"Project {uuid.uuid4().hex[:6]}: the launch code is 4417, and the vault opens at dawn on the first day "
+            "of the month, when the guards change.")
 
 
 def complete(server, key: str, prompt: str, **extra) -> None:
@@ -97,9 +98,8 @@ def test_client_cache_salt_adds_to_the_key_salt(server):
     prompt = secret_prompt()
     complete(server, KEY_A, prompt, cache_salt="x")
     rate = rate_after(server, hit_rate(server), KEY_A, prompt, cache_salt="x")
-    for key, salt in [(KEY_A, "y"), (KEY_A, None), (KEY_B, "x")]:  # another salt, none, another tenant's "x"
-        extra = {} if salt is None else {"cache_salt": salt}
-        lower = rate_after(server, rate, key, prompt, **extra)
+    for key, salt in [(KEY_A, "y"), (KEY_B, "x")]:  # another salt; another tenant's "x"
+        lower = rate_after(server, rate, key, prompt, cache_salt=salt)
         assert lower < rate, (key, salt)
         rate = lower
     assert rate_after(server, rate, KEY_A, prompt, cache_salt="x") > rate
