@@ -155,7 +155,7 @@ def test_other_errors(server):
     assert_error(r, 413)
     # a form content type is still read as JSON
     r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "Hi", "max_tokens": 2}',
-                   headers=dict(server.headers, **{"content-type": "application/x-www-form-urlencoded"}))
+                   headers=dict(server.headers, **{"content-type": "application/x-www-form-urlencoded"}), timeout=60)
     assert r.status_code == 200, r.text
 
 

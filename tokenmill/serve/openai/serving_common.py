@@ -77,8 +77,7 @@ class OpenAIServing:
                        logprobs: Optional[int]) -> SamplingParams:
         """sampling_params, with the request's cache salt (the client's, and its API key's if so set)."""
         params = self.sampling_params(req, max_tokens, logprobs)
-        params.cache_salt = self.tenants.cache_salt(dict(raw_request.scope.get("headers") or []), req.cache_salt)
-        params.validate()
+        params.cache_salt = self.tenants.cache_salt(dict(raw_request.scope.get("headers") or []), params.cache_salt)
         return params
 
     @staticmethod

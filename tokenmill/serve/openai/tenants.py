@@ -68,4 +68,6 @@ class Tenants:
         key_salt = self._salts.get(bearer_token(headers) or b"")
         if key_salt is None:  # no keys configured (refused at start-up) or no key: the client's alone
             return client_salt
-        return f"key:{key_salt}" + ("" if client_salt is None else f"\0client:{client_salt}")
+        if client_salt is None:
+            return f"key:{key_salt}"
+        return f"key:{key_salt}\0client:{hashlib.sha256(client_salt.encode('utf-8')).hexdigest()}"
