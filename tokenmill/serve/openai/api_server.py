@@ -129,13 +129,14 @@ class UnknownFieldLog:
 
     def note(self, route: str, body) -> None:
         for name in body.model_extra or ():
+            name = echoed(name)  # what is kept and logged of a name: at most its first 100 characters
             if name in self._seen or len(self._seen) > self.LIMIT:
                 continue
             self._seen.add(name)
             if len(self._seen) > self.LIMIT:
                 logger.warning("more than %d unknown request fields seen: no more are logged", self.LIMIT)
             else:
-                logger.warning("%s: unknown field %r ignored (logged once per name)", route, echoed(name))
+                logger.warning("%s: unknown field %r ignored (logged once per name)", route, name)
 
 
 _ERROR_DESCRIPTIONS = {
