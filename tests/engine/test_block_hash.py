@@ -55,7 +55,8 @@ def test_the_manager_keys_requests_by_prefix():
 def test_a_cache_salt_roots_the_chain():
     tokens = list(range(32))
     salted = hash_blocks(None, tokens, 16, salt="tenant-a")
-    assert salted[0] == hashlib.sha256(root_key("tenant-a") + b"".join(t.to_bytes(4, "little") for t in range(16))).digest()
+    first_block = b"".join(t.to_bytes(4, "little") for t in range(16))
+    assert salted[0] == hashlib.sha256(root_key("tenant-a") + first_block).digest()
     assert root_key("tenant-a") == hashlib.sha256(b"tokenmill-cache-salt\0tenant-a").digest()
     assert root_key(None) == root_key("") == ROOT
     # No block is shared with the unsalted chain or another salt's, and the salt reaches every later block.
