@@ -61,21 +61,52 @@ class LLM:
 
     def __init__(self, model: Optional[str] = None, **kwargs: Any):
         load, config = configs_from_kwargs(model, kwargs)
+        self._owns_engine = False  # set first: __del__ runs even when the engine fails to build
         self.engine = LLMEngine(load.model, config, dtype=load.dtype, device=load.device,
                                 load_format=load.load_format, tokenizer=load.tokenizer)
+        self._owns_engine = True
 
     __init__.__signature__ = _signature()
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "LLM":
-        """Wrap an existing engine (e.g. one built around an already loaded model)."""
+        """Wrap an existing engine (e.g. one built around an already loaded model); shutdown() and
+        deleting the LLM leave that engine to its owner."""
         llm = cls.__new__(cls)
         llm.engine = engine
+        llm._owns_engine = False
         return llm
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        return self.engine
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        """The tokenizer prompts are encoded with (None for a dummy preset without one)."""
+        return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Release the model, the KV cache, CUDA graphs and workers now (idempotent); the LLM cannot
+        generate afterwards. Deleting the last reference to an LLM does the same."""
+        if self.__dict__.get("_owns_engine"):
+            self._owns_engine = False
+            self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 -- at interpreter exit the modules it needs may be gone
+            pass
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
