@@ -173,14 +173,19 @@ def test_serve_logs_a_start_up_summary_at_the_default_level(small_engine, tokenm
     monkeypatch.delenv("TOKENMILL_LOG_LEVEL", raising=False)
     monkeypatch.delenv("TOKENMILL_API_KEY", raising=False)
     argv = ["serve", "--num-kv-blocks", "64", "--max-model-len", "512", "--port", "8123", "--host", "0.0.0.0"]
-    assert cli.main(argv) == 0
-    assert served and served[0]["port"] == 8123
-    lines = [r.getMessage() for r in tokenmill_log if r.name == "tokenmill.entrypoints.serve_cli"]
-    assert len(lines) == 1 and tokenmill_log[-1].levelno == logging.INFO
-    line = lines[0]
-    for part in ("smollm2-135m-instruct", "LlamaForCausalLM", "float32 on cpu", "context length 512",
-                 "KV cache 64 blocks x 16 = 1024 tokens", "CUDA graphs off", "http://0.0.0.0:8123"):
-        assert part in line, (part, line)
+    for mode in ([], ["--no-engine-process"]):
+        tokenmill_log.clear()
+        served.clear()
+        assert cli.main(argv + mode) == 0
+        assert served and served[0]["port"] == 8123
+        assert tokenmill_log[-1].levelno == logging.INFO
+        text = [r.getMessage() for r in tokenmill_log]
+        summaries = [line for line in text if "KV cache 64 blocks" in line]
+        assert len(summaries) == 1, (mode, text)  # the engine's summary once, whether in a process or not
+        for part in ("smollm2-135m-instruct", "LlamaForCausalLM", "float32 on cpu", "context length 512",
+                     "KV cache 64 blocks x 16 = 1024 tokens", "CUDA graphs off"):
+            assert part in summaries[0], (part, summaries[0])
+        assert sum("binding http://0.0.0.0:8123" in line for line in text) == 1, (mode, text)
 
 
 def test_summary_brackets_an_ipv6_address(small_engine):
