@@ -219,3 +219,49 @@ def test_chat_drops_the_oldest_turns_and_keeps_going(small_engine, monkeypatch, 
 def test_serve_refuses_a_zero_per_request_limit(capsys):
     assert cli.main(["serve", "--max-sequences-per-request", "0"]) == 2
     assert "--max-sequences-per-request must be at least 1" in capsys.readouterr().err
+
+
+# ---- usage errors, Ctrl-C, the progress bar's rates -----------------------------------------
+
+@pytest.mark.parametrize("argv, usage", [
+    (["generate", "hi", "--max-tokenz", "5"], "usage: tokenmill generate"),
+    (["generate", "hi", "--max-token", "5"], "usage: tokenmill generate"),  # no abbreviations
+    (["bench", "throughput", "--workload", "tiny", "--repat", "2"], "usage: tokenmill bench throughput"),
+])
+def test_unknown_flags_show_their_subcommands_usage(argv, usage, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith(usage), err
+    assert "unrecognized arguments: " + argv[-2] in err
+
+
+def test_ctrl_c_in_generate_exits_quietly_with_130(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    # Random weights never end the reply early, so it is still generating when the signal comes.
+    argv = [sys.executable, "-m", "tokenmill.entrypoints.cli", "generate", "Once upon a time", "--raw",
+            "--load-format", "dummy", "--model", "smollm2-135m", "--tokenizer", "smollm2-135m-instruct",
+            "--max-model-len", "1024", "--num-kv-blocks", "64", "--max-tokens", "1000"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ.copy())
+    try:
+        assert proc.stdout.read(1), "no token before the process ended"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err.decode()
+    assert b"Traceback" not in err and b"KeyboardInterrupt" not in err, err.decode()
+
+
+@pytest.mark.parametrize("tokens, seconds, shown", [
+    (1234, 1.0, "1234 tok/s"), (35, 10.0, "3.5 tok/s"), (4, 10.0, "0.4 tok/s"), (2, 5.0, "0.4 tok/s"),
+    (1, 25.0, "25.0 s/tok"), (0, 3.0, "0 tok/s"),
+])
+def test_progress_bar_rates_below_one_token_a_second(tokens, seconds, shown):
+    from tokenmill.entrypoints.llm import format_rate
+
+    assert format_rate(tokens, seconds) == shown

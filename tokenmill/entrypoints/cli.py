@@ -17,9 +17,21 @@ from tokenmill.config import EngineConfig, LoadConfig, field_default, scalar_typ
 from tokenmill.errors import InvalidRequestError
 from tokenmill.logger import DEFAULT_LEVEL
 
-# Namespace attributes of the negative flags' first spellings (--no-prefix-caching ...), kept in step
-# with their fields for code that still reads them (tokenmill/bench/serve.py forwards them to a
-# launched server); new code reads the fields themselves.
+class Parser(argparse.ArgumentParser):
+    """No abbreviated flags (`--max-token 5` would silently be --max-tokens), and a subcommand
+    reports arguments it does not know with its own usage rather than the top level's."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and self._subparsers is None:  # a leaf command: nothing after it could take them
+            self.error("unrecognized arguments: " + " ".join(extras))
+        return namespace, extras
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every flag's help ends with its default, unless the help already says what it is."""
 
@@ -263,7 +275,7 @@ def add_command(subparsers, name: str, **kwargs) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenmill", description="A compact, fast LLM inference engine.",
+    parser = Parser(prog="tokenmill", description="A compact, fast LLM inference engine.",
                                      formatter_class=HelpFormatter)
     parser.add_argument("--log-level", default=None, type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="tokenmill's log level (default: $TOKENMILL_LOG_LEVEL if set, else INFO for serve "
@@ -332,6 +344,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except TokenmillError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what ran was stopped cleanly; no traceback
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

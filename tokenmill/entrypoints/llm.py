@@ -48,6 +48,17 @@ def _signature() -> inspect.Signature:
     return inspect.Signature(params)
 
 
+def format_rate(tokens: int, seconds: float) -> str:
+    """A token rate as the progress bar shows it: "1234 tok/s", "3.5 tok/s", "0.4 tok/s", or
+    "12.5 s/tok" below 0.1 tok/s (a rate under 1 never reads as 0)."""
+    rate = tokens / seconds if seconds > 0 else 0.0
+    if rate >= 10 or tokens == 0:
+        return f"{rate:.0f} tok/s"
+    if rate >= 0.1:
+        return f"{rate:.1f} tok/s"
+    return f"{1 / rate:.1f} s/tok"
+
+
 class LLM:
     """Batched offline generation.
 
@@ -196,8 +207,8 @@ class LLM:
                 if use_tqdm:
                     elapsed = max(time.perf_counter() - started, 1e-9)
                     bar.set_postfix_str(
-                        f"prompt {(engine.scheduler.num_prefill_tokens - prompt0) / elapsed:.0f} tok/s, "
-                        f"gen {(engine.generation_tokens - gen0) / elapsed:.0f} tok/s", refresh=False)
+                        f"prompt {format_rate(engine.scheduler.num_prefill_tokens - prompt0, elapsed)}, "
+                        f"gen {format_rate(engine.generation_tokens - gen0, elapsed)}", refresh=False)
         except BaseException:
             for request_id in ids:  # leave nothing behind on Ctrl-C or an error
                 if request_id not in finished:
