@@ -265,3 +265,21 @@ def test_progress_bar_rates_below_one_token_a_second(tokens, seconds, shown):
     from tokenmill.entrypoints.llm import format_rate
 
     assert format_rate(tokens, seconds) == shown
+
+
+def test_convert_writes_the_embedded_models_hf_directory_in_bf16(tmp_path, capsys):
+    import json
+
+    from safetensors import safe_open
+
+    out = tmp_path / "hf"
+    assert cli.main(["convert", "smollm2-135m-instruct", str(out), "--dtype", "bf16"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == "bfloat16"
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        embed = f.get_slice("model.embed_tokens.weight")
+        assert embed.get_shape() == [config["vocab_size"], config["hidden_size"]]
+        assert embed.get_dtype() == "BF16"
+    assert (out / "tokenizer.json").is_file()
+    assert cli.main(["convert", "smollm2-135m-instruct", str(out)]) == 2  # never over an existing directory

@@ -269,6 +269,18 @@ def cmd_chat(args) -> int:
             _chat_turn(engine, history, line, params)
 
 
+def cmd_convert(args) -> int:
+    from tokenmill.errors import ModelLoadError
+    from tokenmill.loader.gguf_loader import export_gguf_as_hf
+    from tokenmill.loader.resolve import resolve_model
+
+    source = resolve_model(args.gguf)
+    if source.kind != "gguf":
+        raise ModelLoadError(f"{args.gguf} is not a GGUF file")
+    print(export_gguf_as_hf(source.path, args.out_dir, args.dtype))
+    return 0
+
+
 def add_command(subparsers, name: str, **kwargs) -> argparse.ArgumentParser:
     """A subcommand whose help shows every flag's default."""
     return subparsers.add_parser(name, formatter_class=HelpFormatter, **kwargs)
@@ -297,6 +309,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat, skip_flags=("--seed",))
     _add_sampling_args(chat, temperature=0.7)
     chat.set_defaults(func=cmd_chat)
+
+    conv = add_command(sub, "convert", help="write a GGUF file's HF directory (config, safetensors, tokenizer)",
+                       description="Dequantizes the GGUF file into an HF model directory that HF transformers "
+                                   "and PEFT load. The conversion is cached (under $TOKENMILL_CACHE_DIR, else "
+                                   "~/.cache/tokenmill/gguf/), so this copies it when the file was loaded before.")
+    conv.add_argument("gguf", help="a GGUF file, or smollm2-135m-instruct for the embedded model")
+    conv.add_argument("out_dir", help="the directory to write (new or empty)")
+    conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "bf16", "float16", "fp16"],
+                      help="the weights' dtype")
+    conv.set_defaults(func=cmd_convert)
 
     for extra in ("tokenmill.entrypoints.serve_cli", "tokenmill.bench.cli"):
         try:
