@@ -103,7 +103,12 @@ def _config_from_args(cls: type, args: argparse.Namespace):
 
 
 def load_config_from_args(args: argparse.Namespace) -> LoadConfig:
-    return _config_from_args(LoadConfig, args)
+    """The loader's options; a Hub id (org/name) becomes its snapshot directory, fetched now."""
+    from tokenmill.loader.hub import local_model
+
+    load = _config_from_args(LoadConfig, args)
+    return dataclasses.replace(load, model=local_model(load.model, load.load_format, load.revision,
+                                                       load.download_dir))
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -132,7 +137,8 @@ def engine_from_args(args: argparse.Namespace):
     """Validate the options (a ConfigError before anything loads), then load the model."""
     from tokenmill.engine.llm_engine import LLMEngine
 
-    load, config = load_config_from_args(args), engine_config_from_args(args)
+    config = engine_config_from_args(args)  # before a Hub download
+    load = load_config_from_args(args)
     return LLMEngine(load.model, config, dtype=load.dtype, device=load.device, load_format=load.load_format,
                      tokenizer=load.tokenizer)
 
@@ -155,8 +161,9 @@ def _sampling_params(args):
                           top_k=args.top_k, seed=args.sample_seed)
 
 
-def stream_completion(engine, prompt_ids: list[int], params, out=sys.stdout) -> str:
-    """Run one request, writing its text as it is generated; returns the full text."""
+def stream_completion(engine, prompt_ids: list[int], params, out=None) -> str:
+    """Run one request, writing its text (to stdout by default) as it is generated; returns the full text."""
+    out = out or sys.stdout  # looked up per call: stdout may have been replaced since import
     request_id = engine.add_request(None, params, prompt_ids=prompt_ids)
     shown, text = 0, ""
     try:

@@ -38,6 +38,12 @@ def configs_from_kwargs(model: Optional[str], kwargs: dict) -> tuple[LoadConfig,
     return load, EngineConfig(**{k: v for k, v in kwargs.items() if names[k] is EngineConfig})
 
 
+def _local_model(load: LoadConfig) -> Optional[str]:
+    from tokenmill.loader.hub import local_model
+
+    return local_model(load.model, load.load_format, load.revision, load.download_dir)
+
+
 def _signature() -> inspect.Signature:
     """LLM(model=None, *, <every LoadConfig and EngineConfig field with its default>), for help() and IDEs."""
     hints = {**typing.get_type_hints(LoadConfig), **typing.get_type_hints(EngineConfig)}
@@ -73,7 +79,7 @@ class LLM:
     def __init__(self, model: Optional[str] = None, **kwargs: Any):
         load, config = configs_from_kwargs(model, kwargs)
         self._owns_engine = False  # set first: __del__ runs even when the engine fails to build
-        self.engine = LLMEngine(load.model, config, dtype=load.dtype, device=load.device,
+        self.engine = LLMEngine(_local_model(load), config, dtype=load.dtype, device=load.device,
                                 load_format=load.load_format, tokenizer=load.tokenizer)
         self._owns_engine = True
 

@@ -133,11 +133,13 @@ def read_arch(model: Optional[str] = None, load_format: str = "auto"):
 
 def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_format: str = "auto",
                max_positions: Optional[int] = None, seed: int = 0, tokenizer: Optional[str] = None,
-               quantization: Optional[str] = None) -> LoadedModel:
-    """quantization: quantize the linear layers after loading ("fp8", loader/quantize.py)."""
+               quantization: Optional[str] = None, revision: Optional[str] = None,
+               download_dir: Optional[str] = None) -> LoadedModel:
+    """quantization: quantize the linear layers after loading ("fp8", loader/quantize.py);
+    revision, download_dir: for a Hugging Face Hub id (loader/hub.py)."""
     started = time.perf_counter()
     dev = resolve_device(device)
-    source = resolve_model(model, load_format)
+    source = resolve_model(model, load_format, revision, download_dir)
     directory = None
     if source.kind == "dummy":
         from tokenmill.models.presets import PRESETS, get_preset
