@@ -11,6 +11,7 @@ import itertools
 import random
 import sys
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -92,6 +93,10 @@ class LLMEngine:
         self.runner = self.executor or ModelRunner(self.loaded.model, self.config, self.max_model_len,
                                                    self.loaded.device, self.loaded.dtype,
                                                    self.draft.model if self.draft is not None else None, self.loras)
+        # An engine dropped without shutdown() still stops its workers and breaks the runner's
+        # reference cycles (CUDA graphs hold its bound methods) at once, not at a garbage collection.
+        self._release = weakref.finalize(self, _release_runner, self.executor,
+                                         self.runner if self.executor is None else None)
         # This engine's Triton compiles (counted on CUDA; those after warm-up are warned about).
         self.compile_watch = CompileWatch()
         on_gpu = self.loaded.device.type == "cuda"
@@ -171,16 +176,9 @@ class LLMEngine:
         if self.__dict__.get("_shut_down"):
             return
         device = self.loaded.device if "loaded" in self.__dict__ else None
-        executor = self.__dict__.get("executor")
-        if executor is not None:
-            import atexit
-
-            executor.close()
-            atexit.unregister(executor.close)  # its registration would keep rank 0's model alive
-            if getattr(executor, "runner", None) is not None:
-                executor.runner.shutdown()
-        elif self.__dict__.get("runner") is not None:
-            self.runner.shutdown()
+        release = self.__dict__.get("_release")
+        if release is not None:
+            release()  # runs once
         keep = {k: self.__dict__[k] for k in ("config", "tokenizer", "max_model_len") if k in self.__dict__}
         self.__dict__.clear()
         self.__dict__.update(keep, _shut_down=True)
@@ -504,6 +502,18 @@ class LLMEngine:
     def take_gc_pauses(self) -> list[tuple[int, float]]:
         """Collections timed by the engine itself: none in-process (the server's own hook sees them)."""
         return []
+
+
+def _release_runner(executor, runner) -> None:
+    """Stop the tensor-parallel workers (executor) or drop what the runner holds."""
+    if executor is not None:
+        import atexit
+
+        executor.close()
+        atexit.unregister(executor.close)  # its registration would keep rank 0's model alive
+        runner = getattr(executor, "runner", None)
+    if runner is not None:
+        runner.shutdown()
 
 
 def _trim_host_heap() -> None:

@@ -3,6 +3,7 @@
 import dataclasses
 import difflib
 import inspect
+import sys
 import time
 import typing
 from typing import Any, Optional, Sequence, Union
@@ -120,6 +121,12 @@ class LLM:
         self.shutdown()
 
     def __del__(self) -> None:
+        # Only when this LLM is the engine's last holder (a caller may keep `llm.llm_engine`):
+        # two references, the attribute's and getrefcount's argument.
+        engine = self.__dict__.get("engine")
+        if engine is None or sys.getrefcount(engine) > 3:  # + this local
+            return
+        del engine
         try:
             self.shutdown()
         except Exception:  # noqa: BLE001 -- at interpreter exit the modules it needs may be gone
