@@ -341,10 +341,12 @@ def _torchrun_worker_rank(args: argparse.Namespace) -> bool:
     engine become its workers (executor/tensor_parallel.py) instead."""
     import os
 
+    parallel = getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1)
+    if parallel == 1:
+        return False
     from tokenmill.executor.tensor_parallel import under_torchrun
 
-    parallel = getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1)
-    return parallel > 1 and under_torchrun() and int(os.environ["RANK"]) > 0
+    return under_torchrun() and int(os.environ["RANK"]) > 0
 
 
 def _run_torchrun_worker(args: argparse.Namespace) -> int:
