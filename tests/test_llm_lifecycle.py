@@ -44,3 +44,18 @@ def test_shutdown_frees_the_engine_and_a_second_one_works_and_frees_on_del():
     finally:
         gc.enable()
     assert built - rss > weights // 2 and freed > weights // 2, (rss, built, freed, weights)
+
+
+def test_shutdown_stops_tensor_parallel_workers(tmp_path):
+    from tests.test_hf_dir_models import _save_random_hf_model
+
+    _save_random_hf_model("llama3.1", False, tmp_path)
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, dtype="float32", device="cpu", num_kv_blocks=32)
+    executor = llm.llm_engine.executor
+    workers = list(executor._procs)
+    assert workers and all(p.is_alive() for p in workers)
+    ref = weakref.ref(executor)
+    del executor
+    llm.shutdown()
+    assert not any(p.is_alive() for p in workers)
+    assert ref() is None  # nothing (atexit's registration included) keeps rank 0's model alive
