@@ -173,14 +173,19 @@ def test_serve_logs_a_start_up_summary_at_the_default_level(small_engine, tokenm
     monkeypatch.delenv("TOKENMILL_LOG_LEVEL", raising=False)
     monkeypatch.delenv("TOKENMILL_API_KEY", raising=False)
     argv = ["serve", "--num-kv-blocks", "64", "--max-model-len", "512", "--port", "8123", "--host", "0.0.0.0"]
-    assert cli.main(argv) == 0
-    assert served and served[0]["port"] == 8123
-    lines = [r.getMessage() for r in tokenmill_log if r.name == "tokenmill.entrypoints.serve_cli"]
-    assert len(lines) == 1 and tokenmill_log[-1].levelno == logging.INFO
-    line = lines[0]
-    for part in ("smollm2-135m-instruct", "LlamaForCausalLM", "float32 on cpu", "context length 512",
-                 "KV cache 64 blocks x 16 = 1024 tokens", "CUDA graphs off", "http://0.0.0.0:8123"):
-        assert part in line, (part, line)
+    for mode in ([], ["--no-engine-process"]):
+        tokenmill_log.clear()
+        served.clear()
+        assert cli.main(argv + mode) == 0
+        assert served and served[0]["port"] == 8123
+        assert tokenmill_log[-1].levelno == logging.INFO
+        text = [r.getMessage() for r in tokenmill_log]
+        summaries = [line for line in text if "KV cache 64 blocks" in line]
+        assert len(summaries) == 1, (mode, text)  # the engine's summary once, whether in a process or not
+        for part in ("smollm2-135m-instruct", "LlamaForCausalLM", "float32 on cpu", "context length 512",
+                     "KV cache 64 blocks x 16 = 1024 tokens", "CUDA graphs off"):
+            assert part in summaries[0], (part, summaries[0])
+        assert sum("binding http://0.0.0.0:8123" in line for line in text) == 1, (mode, text)
 
 
 def test_summary_brackets_an_ipv6_address(small_engine):
@@ -214,3 +219,67 @@ def test_chat_drops_the_oldest_turns_and_keeps_going(small_engine, monkeypatch, 
 def test_serve_refuses_a_zero_per_request_limit(capsys):
     assert cli.main(["serve", "--max-sequences-per-request", "0"]) == 2
     assert "--max-sequences-per-request must be at least 1" in capsys.readouterr().err
+
+
+# ---- usage errors, Ctrl-C, the progress bar's rates -----------------------------------------
+
+@pytest.mark.parametrize("argv, usage", [
+    (["generate", "hi", "--max-tokenz", "5"], "usage: tokenmill generate"),
+    (["generate", "hi", "--max-token", "5"], "usage: tokenmill generate"),  # no abbreviations
+    (["bench", "throughput", "--workload", "tiny", "--repat", "2"], "usage: tokenmill bench throughput"),
+])
+def test_unknown_flags_show_their_subcommands_usage(argv, usage, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith(usage), err
+    assert "unrecognized arguments: " + argv[-2] in err
+
+
+def test_ctrl_c_in_generate_exits_quietly_with_130(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    # Random weights never end the reply early, so it is still generating when the signal comes.
+    argv = [sys.executable, "-m", "tokenmill.entrypoints.cli", "generate", "Once upon a time", "--raw",
+            "--load-format", "dummy", "--model", "smollm2-135m", "--tokenizer", "smollm2-135m-instruct",
+            "--max-model-len", "1024", "--num-kv-blocks", "64", "--max-tokens", "1000"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ.copy())
+    try:
+        assert proc.stdout.read(1), "no token before the process ended"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err.decode()
+    assert b"Traceback" not in err and b"KeyboardInterrupt" not in err, err.decode()
+
+
+@pytest.mark.parametrize("tokens, seconds, shown", [
+    (1234, 1.0, "1234 tok/s"), (35, 10.0, "3.5 tok/s"), (4, 10.0, "0.4 tok/s"), (2, 5.0, "0.4 tok/s"),
+    (1, 25.0, "25.0 s/tok"), (0, 3.0, "0 tok/s"),
+])
+def test_progress_bar_rates_below_one_token_a_second(tokens, seconds, shown):
+    from tokenmill.entrypoints.llm import format_rate
+
+    assert format_rate(tokens, seconds) == shown
+
+
+def test_convert_writes_the_embedded_models_hf_directory_in_bf16(tmp_path, capsys):
+    import json
+
+    from safetensors import safe_open
+
+    out = tmp_path / "hf"
+    assert cli.main(["convert", "smollm2-135m-instruct", str(out), "--dtype", "bf16"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == "bfloat16"
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        embed = f.get_slice("model.embed_tokens.weight")
+        assert embed.get_shape() == [config["vocab_size"], config["hidden_size"]]
+        assert embed.get_dtype() == "BF16"
+    assert (out / "tokenizer.json").is_file()
+    assert cli.main(["convert", "smollm2-135m-instruct", str(out)]) == 2  # never over an existing directory

@@ -26,7 +26,8 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
     return found
 
 
-COMMANDS = subcommands(cli.build_parser())
+# The commands that run an engine (convert only rewrites a file: it takes no engine options).
+COMMANDS = {k: v for k, v in subcommands(cli.build_parser()).items() if k != "convert"}
 BENCH_DEFAULTS = {"model": None, "load_format": None, "dtype": None}  # from the workload
 
 

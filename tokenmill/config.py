@@ -276,8 +276,13 @@ class LoadConfig:
     """What to load and where: the loader's options, also flags and `LLM(...)` keywords."""
 
     model: Optional[str] = option(
-        None, "HF directory, GGUF file, or preset name with --load-format dummy",
+        None, "HF directory, GGUF file, Hugging Face Hub id (org/name), or preset name with --load-format dummy",
         default_help="the embedded smollm2-135m-instruct")
+    revision: Optional[str] = option(None, "a Hub model's branch, tag or commit",
+                                     default_help="the default branch")
+    download_dir: Optional[str] = option(
+        None, "the cache Hub models are read from and downloaded into (huggingface_hub's layout)",
+        default_help="huggingface_hub's: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub")
     load_format: str = option("auto", "how to read the model (auto: from the path; dummy: random weights)",
                               choices=("auto", "hf", "gguf", "dummy"))
     tokenizer: Optional[str] = option(

@@ -427,8 +427,10 @@ def test_throughput_with_a_speculative_config_and_synthetic_acceptance(tmp_path,
     assert s["speculative"]["num_drafts"] == 3 * 4 and s["output_tokens"] == 3 * 13
     assert r["engine"]["config"]["speculative_config"]["num_speculative_tokens"] == 2
     assert r["roofline"]["by_kind"]["decode"]["steps"] == 4  # verify steps, as the scheduler saw them
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "acceptance 100.0%" in out and "3.00 tokens per verifying step" in out
+    assert (captured.out + captured.err).count("roofline: ") == 1  # the summary is printed once
 
 
 def test_serve_launch_forwards_speculation_and_reports_acceptance(tmp_path):

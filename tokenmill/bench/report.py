@@ -253,7 +253,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     serve-table IN.json... (the markdown rate table of every serve result: see serve_table)"""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m tokenmill.bench.report")
+    p = argparse.ArgumentParser(prog="python -m tokenmill.bench.report", allow_abbrev=False)
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("merge", help="merge result files into one and print the summary table")
     m.add_argument("out")

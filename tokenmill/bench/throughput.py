@@ -145,10 +145,7 @@ def run(args, log=None) -> dict:
                "elapsed_s": med["elapsed_s"], "output_tokens": med["output_tokens"], "num_steps": med["num_steps"],
                "roofline_pct": med["roofline"]["roofline_pct"], "roofline_pct_spec": med["roofline"]["roofline_pct_spec"],
                "peer_ratio": None, "speculative": med["speculative"]}
-    result["summary"] = summary
-    log(format_roofline(med["roofline"]))
-    if med["speculative"]:
-        log(format_spec(med["speculative"]))
+    result["summary"] = summary  # print_summary shows it, with the roofline, once
     if args.compare:
         requests, warm = tm["requests"], tm["warmup"]
         del tm

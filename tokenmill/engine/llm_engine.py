@@ -6,9 +6,12 @@ processes them while the device runs N+1. With pipeline stages it keeps one step
 flight (executor/pipeline.py).
 """
 
+import ctypes
 import itertools
 import random
+import sys
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -90,6 +93,10 @@ class LLMEngine:
         self.runner = self.executor or ModelRunner(self.loaded.model, self.config, self.max_model_len,
                                                    self.loaded.device, self.loaded.dtype,
                                                    self.draft.model if self.draft is not None else None, self.loras)
+        # An engine dropped without shutdown() still stops its workers and breaks the runner's
+        # reference cycles (CUDA graphs hold its bound methods) at once, not at a garbage collection.
+        self._release = weakref.finalize(self, _release_runner, self.executor,
+                                         self.runner if self.executor is None else None)
         # This engine's Triton compiles (counted on CUDA; those after warm-up are warned about).
         self.compile_watch = CompileWatch()
         on_gpu = self.loaded.device.type == "cuda"
@@ -162,6 +169,31 @@ class LLMEngine:
         """Stop the tensor-parallel workers, if any (the engine cannot step afterwards)."""
         if self.executor is not None:
             self.executor.close()
+
+    def shutdown(self) -> None:
+        """Stop the workers and release the model, the KV cache and the CUDA graphs now, so that
+        another engine can have the device memory; the engine cannot be used afterwards (idempotent)."""
+        if self.__dict__.get("_shut_down"):
+            return
+        device = self.loaded.device if "loaded" in self.__dict__ else None
+        release = self.__dict__.get("_release")
+        if release is not None:
+            release()  # runs once
+        keep = {k: self.__dict__[k] for k in ("config", "tokenizer", "max_model_len") if k in self.__dict__}
+        self.__dict__.clear()
+        self.__dict__.update(keep, _shut_down=True)
+        if device is not None and device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()  # hand the freed blocks back to the device, not just the allocator
+        _trim_host_heap()
+        logger.info("engine shut down")
+
+    def __getattr__(self, name: str):
+        # Only reached for a missing attribute: after shutdown() every part but the config is gone.
+        if self.__dict__.get("_shut_down"):
+            raise RuntimeError(f"this engine has been shut down (LLMEngine.{name} is gone)")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _load_draft(self, draft_loaded: Optional[LoadedModel]) -> Optional[LoadedModel]:
         """Speculative method draft_model: its draft, loaded like the target (same loader, dtype and
@@ -470,6 +502,29 @@ class LLMEngine:
     def take_gc_pauses(self) -> list[tuple[int, float]]:
         """Collections timed by the engine itself: none in-process (the server's own hook sees them)."""
         return []
+
+
+def _release_runner(executor, runner) -> None:
+    """Stop the tensor-parallel workers (executor) or drop what the runner holds."""
+    if executor is not None:
+        import atexit
+
+        executor.close()
+        atexit.unregister(executor.close)  # its registration would keep rank 0's model alive
+        runner = getattr(executor, "runner", None)
+    if runner is not None:
+        runner.shutdown()
+
+
+def _trim_host_heap() -> None:
+    """Give freed host memory back to the system: glibc keeps large freed heaps otherwise, and the
+    process's RSS would stay at its peak after the engine is gone."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl)
+        pass
 
 
 def engine_summary(engine) -> str:

@@ -17,9 +17,21 @@ from tokenmill.config import EngineConfig, LoadConfig, field_default, scalar_typ
 from tokenmill.errors import InvalidRequestError
 from tokenmill.logger import DEFAULT_LEVEL
 
-# Namespace attributes of the negative flags' first spellings (--no-prefix-caching ...), kept in step
-# with their fields for code that still reads them (tokenmill/bench/serve.py forwards them to a
-# launched server); new code reads the fields themselves.
+class Parser(argparse.ArgumentParser):
+    """No abbreviated flags (`--max-token 5` would silently be --max-tokens), and a subcommand
+    reports arguments it does not know with its own usage rather than the top level's."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and self._subparsers is None:  # a leaf command: nothing after it could take them
+            self.error("unrecognized arguments: " + " ".join(extras))
+        return namespace, extras
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every flag's help ends with its default, unless the help already says what it is."""
 
@@ -91,7 +103,12 @@ def _config_from_args(cls: type, args: argparse.Namespace):
 
 
 def load_config_from_args(args: argparse.Namespace) -> LoadConfig:
-    return _config_from_args(LoadConfig, args)
+    """The loader's options; a Hub id (org/name) becomes its snapshot directory, fetched now."""
+    from tokenmill.loader.hub import local_model
+
+    load = _config_from_args(LoadConfig, args)
+    return dataclasses.replace(load, model=local_model(load.model, load.load_format, load.revision,
+                                                       load.download_dir))
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -120,7 +137,8 @@ def engine_from_args(args: argparse.Namespace):
     """Validate the options (a ConfigError before anything loads), then load the model."""
     from tokenmill.engine.llm_engine import LLMEngine
 
-    load, config = load_config_from_args(args), engine_config_from_args(args)
+    config = engine_config_from_args(args)  # before a Hub download
+    load = load_config_from_args(args)
     return LLMEngine(load.model, config, dtype=load.dtype, device=load.device, load_format=load.load_format,
                      tokenizer=load.tokenizer)
 
@@ -143,8 +161,9 @@ def _sampling_params(args):
                           top_k=args.top_k, seed=args.sample_seed)
 
 
-def stream_completion(engine, prompt_ids: list[int], params, out=sys.stdout) -> str:
-    """Run one request, writing its text as it is generated; returns the full text."""
+def stream_completion(engine, prompt_ids: list[int], params, out=None) -> str:
+    """Run one request, writing its text (to stdout by default) as it is generated; returns the full text."""
+    out = out or sys.stdout  # looked up per call: stdout may have been replaced since import
     request_id = engine.add_request(None, params, prompt_ids=prompt_ids)
     shown, text = 0, ""
     try:
@@ -257,13 +276,25 @@ def cmd_chat(args) -> int:
             _chat_turn(engine, history, line, params)
 
 
+def cmd_convert(args) -> int:
+    from tokenmill.errors import ModelLoadError
+    from tokenmill.loader.gguf_loader import export_gguf_as_hf
+    from tokenmill.loader.resolve import resolve_model
+
+    source = resolve_model(args.gguf)
+    if source.kind != "gguf":
+        raise ModelLoadError(f"{args.gguf} is not a GGUF file")
+    print(export_gguf_as_hf(source.path, args.out_dir, args.dtype))
+    return 0
+
+
 def add_command(subparsers, name: str, **kwargs) -> argparse.ArgumentParser:
     """A subcommand whose help shows every flag's default."""
     return subparsers.add_parser(name, formatter_class=HelpFormatter, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenmill", description="A compact, fast LLM inference engine.",
+    parser = Parser(prog="tokenmill", description="A compact, fast LLM inference engine.",
                                      formatter_class=HelpFormatter)
     parser.add_argument("--log-level", default=None, type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="tokenmill's log level (default: $TOKENMILL_LOG_LEVEL if set, else INFO for serve "
@@ -286,6 +317,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, temperature=0.7)
     chat.set_defaults(func=cmd_chat)
 
+    conv = add_command(sub, "convert", help="write a GGUF file's HF directory (config, safetensors, tokenizer)",
+                       description="Dequantizes the GGUF file into an HF model directory that HF transformers "
+                                   "and PEFT load. The conversion is cached (under $TOKENMILL_CACHE_DIR, else "
+                                   "~/.cache/tokenmill/gguf/), so this copies it when the file was loaded before.")
+    conv.add_argument("gguf", help="a GGUF file, or smollm2-135m-instruct for the embedded model")
+    conv.add_argument("out_dir", help="the directory to write (new or empty)")
+    conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "bf16", "float16", "fp16"],
+                      help="the weights' dtype")
+    conv.set_defaults(func=cmd_convert)
+
     for extra in ("tokenmill.entrypoints.serve_cli", "tokenmill.bench.cli"):
         try:
             module = __import__(extra, fromlist=["register"])
@@ -300,10 +341,12 @@ def _torchrun_worker_rank(args: argparse.Namespace) -> bool:
     engine become its workers (executor/tensor_parallel.py) instead."""
     import os
 
+    parallel = getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1)
+    if parallel == 1:
+        return False
     from tokenmill.executor.tensor_parallel import under_torchrun
 
-    parallel = getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1)
-    return parallel > 1 and under_torchrun() and int(os.environ["RANK"]) > 0
+    return under_torchrun() and int(os.environ["RANK"]) > 0
 
 
 def _run_torchrun_worker(args: argparse.Namespace) -> int:
@@ -332,6 +375,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except TokenmillError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what ran was stopped cleanly; no traceback
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

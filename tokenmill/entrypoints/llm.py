@@ -3,6 +3,7 @@
 import dataclasses
 import difflib
 import inspect
+import sys
 import time
 import typing
 from typing import Any, Optional, Sequence, Union
@@ -38,6 +39,12 @@ def configs_from_kwargs(model: Optional[str], kwargs: dict) -> tuple[LoadConfig,
     return load, EngineConfig(**{k: v for k, v in kwargs.items() if names[k] is EngineConfig})
 
 
+def _local_model(load: LoadConfig) -> Optional[str]:
+    from tokenmill.loader.hub import local_model
+
+    return local_model(load.model, load.load_format, load.revision, load.download_dir)
+
+
 def _signature() -> inspect.Signature:
     """LLM(model=None, *, <every LoadConfig and EngineConfig field with its default>), for help() and IDEs."""
     hints = {**typing.get_type_hints(LoadConfig), **typing.get_type_hints(EngineConfig)}
@@ -46,6 +53,17 @@ def _signature() -> inspect.Signature:
         kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if f.name == "model" else inspect.Parameter.KEYWORD_ONLY
         params.append(inspect.Parameter(f.name, kind, default=field_default(f), annotation=hints[f.name]))
     return inspect.Signature(params)
+
+
+def format_rate(tokens: int, seconds: float) -> str:
+    """A token rate as the progress bar shows it: "1234 tok/s", "3.5 tok/s", "0.4 tok/s", or
+    "12.5 s/tok" below 0.1 tok/s (a rate under 1 never reads as 0)."""
+    rate = tokens / seconds if seconds > 0 else 0.0
+    if rate >= 10 or tokens == 0:
+        return f"{rate:.0f} tok/s"
+    if rate >= 0.1:
+        return f"{rate:.1f} tok/s"
+    return f"{1 / rate:.1f} s/tok"
 
 
 class LLM:
@@ -61,21 +79,58 @@ class LLM:
 
     def __init__(self, model: Optional[str] = None, **kwargs: Any):
         load, config = configs_from_kwargs(model, kwargs)
-        self.engine = LLMEngine(load.model, config, dtype=load.dtype, device=load.device,
+        self._owns_engine = False  # set first: __del__ runs even when the engine fails to build
+        self.engine = LLMEngine(_local_model(load), config, dtype=load.dtype, device=load.device,
                                 load_format=load.load_format, tokenizer=load.tokenizer)
+        self._owns_engine = True
 
     __init__.__signature__ = _signature()
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "LLM":
-        """Wrap an existing engine (e.g. one built around an already loaded model)."""
+        """Wrap an existing engine (e.g. one built around an already loaded model); shutdown() and
+        deleting the LLM leave that engine to its owner."""
         llm = cls.__new__(cls)
         llm.engine = engine
+        llm._owns_engine = False
         return llm
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        return self.engine
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        """The tokenizer prompts are encoded with (None for a dummy preset without one)."""
+        return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Release the model, the KV cache, CUDA graphs and workers now (idempotent); the LLM cannot
+        generate afterwards. Deleting the last reference to an LLM does the same."""
+        if self.__dict__.get("_owns_engine"):
+            self._owns_engine = False
+            self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        # Only when this LLM is the engine's last holder (a caller may keep `llm.llm_engine`):
+        # two references, the attribute's and getrefcount's argument.
+        engine = self.__dict__.get("engine")
+        if engine is None or sys.getrefcount(engine) > 3:  # + this local
+            return
+        del engine
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 -- at interpreter exit the modules it needs may be gone
+            pass
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
@@ -165,8 +220,8 @@ class LLM:
                 if use_tqdm:
                     elapsed = max(time.perf_counter() - started, 1e-9)
                     bar.set_postfix_str(
-                        f"prompt {(engine.scheduler.num_prefill_tokens - prompt0) / elapsed:.0f} tok/s, "
-                        f"gen {(engine.generation_tokens - gen0) / elapsed:.0f} tok/s", refresh=False)
+                        f"prompt {format_rate(engine.scheduler.num_prefill_tokens - prompt0, elapsed)}, "
+                        f"gen {format_rate(engine.generation_tokens - gen0, elapsed)}", refresh=False)
         except BaseException:
             for request_id in ids:  # leave nothing behind on Ctrl-C or an error
                 if request_id not in finished:

@@ -149,14 +149,17 @@ def load_chat_template(value: Optional[str]) -> Optional[str]:
 
 
 def startup_summary(engine, host: str, port: int) -> str:
-    """engine_summary (an in-process engine, or the summary the engine process sent) and the address."""
+    """engine_summary (an in-process engine, or a summary as text) and the address; the address
+    alone for None (an engine process, whose client logged the summary when it was ready)."""
+    address = f"[{host}]" if ":" in host else host
+    if engine is None:
+        return f"binding http://{address}:{port}"
     if isinstance(engine, str):
         summary = engine
     else:
         from tokenmill.engine.llm_engine import engine_summary
 
         summary = engine_summary(engine)
-    address = f"[{host}]" if ":" in host else host
     return f"{summary}; binding http://{address}:{port}"
 
 
@@ -252,7 +255,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if args.engine_process:
         engine = _start_engine_process(args)
-        summary = engine.summary
+        summary = None  # logged by the engine client once the process was ready: not twice
     else:
         from tokenmill.engine.llm_engine import engine_summary
         from tokenmill.entrypoints.cli import engine_from_args

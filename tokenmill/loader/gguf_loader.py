@@ -181,3 +181,40 @@ def convert_gguf_to_hf_dir(path: str) -> str:
     logger.info("converted %s to %s in %.1fs", path, target, time.perf_counter() - started)
     return target
 
+
+
+_EXPORT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                  "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def export_gguf_as_hf(path: str, out_dir: str, dtype: str = "float32") -> str:
+    """Write the HF directory of a GGUF file (config.json, model.safetensors, tokenizer files) to
+    out_dir, its weights in `dtype`; the conversion itself comes from (or goes into) the cache."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    if dtype not in _EXPORT_DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r} (choose from {', '.join(_EXPORT_DTYPES)})")
+    torch_dtype = _EXPORT_DTYPES[dtype]
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise ModelLoadError(f"{out_dir} already exists and is not an empty directory")
+    cached = convert_gguf_to_hf_dir(path)
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(cached):
+        if name not in ("model.safetensors", "config.json", "source.json"):
+            shutil.copy2(os.path.join(cached, name), os.path.join(out_dir, name))
+    with open(os.path.join(cached, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    weights_path = os.path.join(out_dir, "model.safetensors")
+    if torch_dtype == torch.float32:
+        shutil.copyfile(os.path.join(cached, "model.safetensors"), weights_path)
+    else:
+        with safe_open(os.path.join(cached, "model.safetensors"), framework="pt") as f:
+            weights = {k: f.get_tensor(k).to(torch_dtype) for k in f.keys()}
+            metadata = f.metadata()
+        save_file(weights, weights_path, metadata=metadata)
+    logger.info("wrote %s (%s) from %s", out_dir, cfg["torch_dtype"], path)
+    return out_dir

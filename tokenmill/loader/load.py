@@ -1,5 +1,6 @@
 """load_model: from a model reference to a model on its device, with its tokenizer."""
 
+import inspect
 import json
 import os
 import time
@@ -132,11 +133,13 @@ def read_arch(model: Optional[str] = None, load_format: str = "auto"):
 
 def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_format: str = "auto",
                max_positions: Optional[int] = None, seed: int = 0, tokenizer: Optional[str] = None,
-               quantization: Optional[str] = None) -> LoadedModel:
-    """quantization: quantize the linear layers after loading ("fp8", loader/quantize.py)."""
+               quantization: Optional[str] = None, revision: Optional[str] = None,
+               download_dir: Optional[str] = None) -> LoadedModel:
+    """quantization: quantize the linear layers after loading ("fp8", loader/quantize.py);
+    revision, download_dir: for a Hugging Face Hub id (loader/hub.py)."""
     started = time.perf_counter()
     dev = resolve_device(device)
-    source = resolve_model(model, load_format)
+    source = resolve_model(model, load_format, revision, download_dir)
     directory = None
     if source.kind == "dummy":
         from tokenmill.models.presets import PRESETS, get_preset
@@ -194,9 +197,20 @@ def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_f
     if plan is not None and not plan.from_checkpoint:
         quantize_model(net, plan.method)
     net.eval()
+    drop_weight_loaders(net)
     elapsed = time.perf_counter() - started
     logger.info("loaded %s (%s, %s on %s) in %.2fs", source.name, arch.architecture, torch_dtype, dev, elapsed)
     return LoadedModel(net, arch, tokenizer, source, torch_dtype, dev, _eos_ids(arch, tokenizer, directory), elapsed)
+
+
+def drop_weight_loaders(net: torch.nn.Module) -> None:
+    """Remove the bound methods the layers hang on their parameters for loading (weight_loader and
+    the like): each makes a cycle module -> parameter -> method -> module, so the weights would only
+    be freed by a garbage collection; nothing loads into the parameters after load_model."""
+    for _, param in net.named_parameters(remove_duplicate=False):
+        for name, value in list(vars(param).items()):
+            if inspect.ismethod(value):
+                delattr(param, name)
 
 
 def _load_checkpoint(net, directory: str, plan=None) -> None:

@@ -1,4 +1,5 @@
-"""What a model reference names: the embedded default, a preset, an HF directory or a GGUF file."""
+"""What a model reference names: the embedded default, a preset, an HF directory, a GGUF file or a
+Hugging Face Hub id."""
 
 import importlib.util
 import os
@@ -33,7 +34,11 @@ def embedded_model_path() -> str:
     return path
 
 
-def resolve_model(model: Optional[str], load_format: str = "auto") -> ModelSource:
+def resolve_model(model: Optional[str], load_format: str = "auto", revision: Optional[str] = None,
+                  download_dir: Optional[str] = None) -> ModelSource:
+    """revision, download_dir: for a Hugging Face Hub id (loader/hub.py)."""
+    from tokenmill.loader.hub import hub_name, hub_snapshot, is_hub_id
+
     if load_format not in ("auto", "dummy", "hf", "gguf"):
         raise ModelLoadError(f"unknown load format {load_format!r} (auto, hf, gguf, dummy)")
     if model is None or model.lower() == EMBEDDED_MODEL:
@@ -46,14 +51,20 @@ def resolve_model(model: Optional[str], load_format: str = "auto") -> ModelSourc
     if os.path.isdir(model):
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise ModelLoadError(f"{model} is a directory without config.json (not an HF model directory)")
-        return ModelSource("hf_dir", model, os.path.basename(os.path.abspath(model)))
+        return ModelSource("hf_dir", model, hub_name(model) or os.path.basename(os.path.abspath(model)))
     if os.path.isfile(model):
         with open(model, "rb") as f:
             magic = f.read(4)
         if magic != b"GGUF":
             raise ModelLoadError(f"{model} is neither a GGUF file nor an HF model directory")
         return ModelSource("gguf", model, os.path.basename(model))
+    if is_hub_id(model):
+        path = hub_snapshot(model, revision, download_dir)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ModelLoadError(f"model {model!r} has no config.json (not a transformers model)")
+        return ModelSource("hf_dir", path, model)
     raise ModelLoadError(
-        f"model {model!r} not found: no such file or directory (models load from local paths, "
-        f"the presets with --load-format dummy, or the embedded default {EMBEDDED_MODEL})"
+        f"model {model!r} not found: no such file or directory (models load from local paths, Hugging Face "
+        f"Hub ids such as Qwen/Qwen3-0.6B, the presets with --load-format dummy, or the embedded default "
+        f"{EMBEDDED_MODEL})"
     )

@@ -190,6 +190,14 @@ class ModelRunner:
         budget = cuda_kv_budget_bytes(self.config.gpu_memory_utilization, peak, self.device)
         return int(budget // self.kv_bytes_per_block())
 
+    def shutdown(self) -> None:
+        """Drop the model, KV cache, CUDA graphs and buffers (the runner cannot step afterwards)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # nothing in flight reads what is dropped
+        device = self.device
+        vars(self).clear()
+        self.device = device
+
     def speculates(self, params) -> bool:
         """Whether a request with these sampling parameters verifies drafts in its decodes."""
         return self.spec is not None and self.spec.eligible(params)
