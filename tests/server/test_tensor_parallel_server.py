@@ -26,7 +26,7 @@ def test_killing_a_worker_mid_request(start_server):
     r = httpx.post(server.base_url + "/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     engine = int(re.search(r"engine process (\d+) ready", server.log()).group(1))
-    workers = [p for p in _children(engine) if "spawn_main" in _cmdline(p) and "resource_tracker" not in _cmdline(p)]
+    workers = [p for p in _children(engine) if "tokenmill.executor.worker" in _cmdline(p)]
     assert len(workers) == 2, [(p, _cmdline(p)) for p in _children(engine)]
     body = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True}
     events, killed_at = stream_and_kill(server, body, workers[0])
