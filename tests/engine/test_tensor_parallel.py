@@ -2,10 +2,16 @@
 single-process engine's and HF transformers' (fp32) with the embedded model at TP = 3 (9 query
 heads, 3 KV heads) and PP = 2, and a tiny HF model at TP = 2 and TP x PP = 2 x 2, with chunked
 prefill and preemption too (with pipeline stages, one step per stage in flight); layouts that do
-not split are refused; a dead worker fails the engine with a clear error."""
+not split are refused; a dead worker fails the engine with a clear error. Workers start as a module of
+the package: an engine built by a script read from stdin (no main guard) works, and a worker that
+fails during start-up fails the engine's construction within seconds with the worker's own error."""
 
+import json
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -47,18 +53,60 @@ def test_embedded_model_equals_hf(layout, regime, chat_prompt_ids, hf_greedy):
         llm.engine.close()
 
 
-def test_tp2_tiny_model_equals_single_process(tmp_path):
+# The TP engine runs in a script piped to `python -` with no main guard, as a user would write it.
+_STDIN_SCRIPT = """
+import json, sys
+from tokenmill import LLM, SamplingParams
+llm = LLM(sys.argv[1], tensor_parallel_size=2, dtype="float32", device="cpu", max_num_seqs=16, num_kv_blocks=256)
+params = [SamplingParams(**p) for p in json.loads(sys.argv[3])]
+prompts = json.loads(sys.argv[2])
+print(json.dumps([[o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)] for p in params]))
+"""
+
+
+def test_tp2_tiny_model_from_a_stdin_script_equals_single_process(tmp_path):
     _save_random_hf_model("llama3.1", False, tmp_path)
     prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(5 + 3 * i)] for i in range(8)]
-    params = [GREEDY, SamplingParams(temperature=0.8, seed=5, max_tokens=20)]  # greedy and seeded sampling
-    single = LLM(str(tmp_path), **CPU, num_kv_blocks=256)
-    want = [[o.outputs[0].token_ids for o in single.generate(prompts, p, use_tqdm=False)] for p in params]
-    llm = _tp_llm(2, str(tmp_path))
+    params = [dict(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS),  # greedy and seeded sampling
+              dict(temperature=0.8, seed=5, max_tokens=20)]
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "w") as o, open(err, "w") as e:
+        tp = subprocess.Popen([sys.executable, "-", str(tmp_path), json.dumps(prompts), json.dumps(params)],
+                              stdin=subprocess.PIPE, stdout=o, stderr=e, text=True)
+    tp.stdin.write(_STDIN_SCRIPT)
+    tp.stdin.close()
+    single = LLM(str(tmp_path), **CPU, num_kv_blocks=256)  # meanwhile
+    want = [[o.outputs[0].token_ids for o in single.generate(prompts, SamplingParams(**p), use_tqdm=False)]
+            for p in params]
+    assert tp.wait(300) == 0, err.read_text()[-3000:]
+    assert json.loads(out.read_text().strip().splitlines()[-1]) == want
+
+
+def test_a_worker_failing_at_start_up_fails_the_engine_at_once_with_its_error(tmp_path):
+    """A worker whose environment lacks a dependency (safetensors, hidden from the workers alone by a
+    sitecustomize that only a worker's environment triggers): the engine's construction fails within
+    seconds (not the store's 600 s), and the error carries the worker's own message."""
+    from tokenmill.executor.tensor_parallel import ENV_RANK, TPWorkerError
+
+    model = tmp_path / "model"
+    _save_random_hf_model("llama3.1", False, model)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        f"import os, sys\nif os.environ.get({ENV_RANK!r}):\n    sys.modules['safetensors'] = None\n")
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(hook)] + ([old] if old else []))
     try:
-        got = [[o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)] for p in params]
-        assert got == want
+        started = time.monotonic()
+        with pytest.raises(TPWorkerError, match=r"(?s)worker rank 1 exited \(code 1\) while starting.*"
+                                                r"import of safetensors halted"):
+            _tp_llm(2, str(model))
+        assert time.monotonic() - started < 60  # a model load on a loaded CI machine, never the 600 s timeout
     finally:
-        llm.engine.close()
+        if old is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 def test_tp2_pp2_tiny_model_equals_single_process(tmp_path):
@@ -91,7 +139,7 @@ def test_a_dead_worker_fails_the_engine_clearly(tmp_path):
     try:
         worker = llm.engine.executor._procs[0]
         os.kill(worker.pid, signal.SIGKILL)
-        worker.join(10)
+        worker.proc.wait(10)
         with pytest.raises(RuntimeError, match="worker rank 1 exited"):
             llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     finally:

@@ -1,7 +1,9 @@
 """The engine in a process of its own under `tokenmill serve` (the default):
 
-- killing the engine process mid-request gives the streaming client an error, and the server then
-  answers 503 (health and new requests) within 10 s;
+- killing the engine process mid-request gives the streaming client an error at once; the server
+  restarts the engine process (its LoRA adapters loaded again, /metrics counting the restart) and
+  serves again; killed once more with no restart left (--max-engine-restarts 1), the server exits
+  with status 1 within seconds;
 - SIGTERM still exits 0, and the engine process ends with the server;
 - killing the server process ends the engine process too (it watches its parent);
 - the engine process's garbage collections reach /metrics.
@@ -16,6 +18,7 @@ import time
 import httpx
 import pytest
 
+from tests.lora_adapters import make_adapter
 from tests.server.conftest import SMALL_ENGINE, stream_and_kill
 
 
@@ -47,31 +50,42 @@ def _wait_gone(pid: int, timeout: float) -> bool:
     return False
 
 
-def test_killing_the_engine_process_mid_request(start_server):
-    server = start_server(SMALL_ENGINE)
+def test_a_killed_engine_process_is_restarted_then_the_server_exits_1(start_server, hf_smollm, tmp_path_factory):
+    adapter = make_adapter(hf_smollm, tmp_path_factory.mktemp("lora") / "ad", rank=4, seed=1)
+    server = start_server(SMALL_ENGINE + ["--max-engine-restarts", "1", "--enable-lora", "--max-lora-rank", "8",
+                                          "--lora-modules", f"ad={adapter}"])
     pid = _engine_pid(server)
     assert pid != server.proc.pid and _alive(pid)
+
+    def with_adapter() -> list[int]:
+        r = httpx.post(server.base_url + "/completions", json={"model": "ad", "prompt": "Hi", "max_tokens": 4,
+                                                               "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    before = with_adapter()
     body = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True}
     events, killed_at = stream_and_kill(server, body, pid)
-    ended = time.monotonic() - killed_at
-    assert ended < 10
+    assert time.monotonic() - killed_at < 10  # the stream ends at once, not after the restart
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert "engine process" in error["message"] and "killed by signal 9" in error["message"], error
-    # Afterwards: 503 from health and from new requests, with a message that says why.
-    deadline = killed_at + 10
-    status = None
-    while time.monotonic() < deadline:
-        status = httpx.get(server.url + "/health", timeout=5).status_code
-        if status == 503:
-            break
+    # Restarted: healthy again, a new engine process, the adapter there again, the restart counted.
+    deadline = killed_at + 120
+    while httpx.get(server.url + "/health", timeout=5).status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert status == 503
-    r = httpx.post(server.base_url + "/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
-    assert r.status_code == 503
-    assert "engine process" in r.json()["error"]["message"]
-    assert "the engine is gone" in server.log()
-    assert server.stop() == 1  # the engine failed: not a clean exit
+    m = re.search(r"engine process (\d+) ready after restart 1 of at most 1", server.log())
+    assert m, server.log()[-3000:]
+    new_pid = int(m.group(1))
+    assert new_pid != pid and _alive(new_pid) and not _alive(pid)
+    assert with_adapter() == before
+    assert server.metrics()["tokenmill:engine_restarts_total"] == 1
+    # Killed again with no restart left: the server exits 1 by itself, for its supervisor to restart it.
+    os.kill(new_pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    assert server.wait(30) == 1
+    assert time.monotonic() - killed_at < 15
+    assert "the server exits with status 1" in server.log()
 
 
 def test_sigterm_exits_0_and_ends_the_engine_process(start_server):

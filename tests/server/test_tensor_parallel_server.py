@@ -1,6 +1,6 @@
 """`tokenmill serve --tensor-parallel-size 3` (the embedded model, CPU, gloo): a request is served by
-the three ranks, and killing a tensor-parallel worker mid-request gives the streaming client an error naming the worker,
-then 503 from health and new requests, within 10 s (never a hang)."""
+the three ranks, and killing a tensor-parallel worker mid-request gives the streaming client an error naming the worker
+within 10 s (never a hang); with no engine restart allowed, the server then exits with status 1."""
 
 import json
 import re
@@ -22,11 +22,11 @@ def _cmdline(pid: int) -> str:
 
 
 def test_killing_a_worker_mid_request(start_server):
-    server = start_server(["--tensor-parallel-size", "3", *SMALL_ENGINE])
+    server = start_server(["--tensor-parallel-size", "3", "--max-engine-restarts", "0", *SMALL_ENGINE])
     r = httpx.post(server.base_url + "/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     engine = int(re.search(r"engine process (\d+) ready", server.log()).group(1))
-    workers = [p for p in _children(engine) if "spawn_main" in _cmdline(p) and "resource_tracker" not in _cmdline(p)]
+    workers = [p for p in _children(engine) if "tokenmill.executor.worker" in _cmdline(p)]
     assert len(workers) == 2, [(p, _cmdline(p)) for p in _children(engine)]
     body = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True}
     events, killed_at = stream_and_kill(server, body, workers[0])
@@ -34,13 +34,4 @@ def test_killing_a_worker_mid_request(start_server):
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert "engine" in error["message"], error
-    status = None
-    while time.monotonic() < killed_at + 10:
-        status = httpx.get(server.url + "/health", timeout=5).status_code
-        if status == 503:
-            break
-        time.sleep(0.2)
-    assert status == 503
-    r = httpx.post(server.base_url + "/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=10)
-    assert r.status_code == 503
-    assert server.stop() == 1  # the engine failed: not a clean exit
+    assert server.wait(30) == 1  # by itself: the engine failed, and no restart is allowed

@@ -68,6 +68,10 @@ def register(subparsers) -> None:
     g.add_argument("--no-engine-process", dest="engine_process", action="store_false",
                    help="run the engine on a thread of the server's process instead of a process of its own "
                         "(default: its own process, so HTTP, tokenizing and detokenizing never share its GIL)")
+    g.add_argument("--max-engine-restarts", type=int, default=3, metavar="N",
+                   help="times a dead engine process is restarted (backoff 0.5 s, doubling) over the server's "
+                        "life; streams it ran get an error event. With none left (or 0, or with "
+                        "--data-parallel-size or --api-server-count above 1) the server exits with status 1")
     g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) used instead of the model's; a "
                         "request's chat_template (with --trust-request-chat-template) still wins (default: the "
@@ -177,6 +181,8 @@ def _check_server_args(args: argparse.Namespace) -> Optional[str]:
         return "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)"
     if args.api_server_count < 1:
         return "--api-server-count must be at least 1"
+    if args.max_engine_restarts < 0:
+        return "--max-engine-restarts must be at least 0"
     if args.api_server_count > 1 and not args.engine_process:
         return "--api-server-count above 1 needs the engine in its own process (leave out --no-engine-process)"
     if args.lora_modules and not args.enable_lora:
@@ -309,5 +315,18 @@ def _start_engine_process(args: argparse.Namespace):
         from tokenmill.serve.dp_client import DPEngineClient
 
         logger.info("starting %d data-parallel engine replicas", config.data_parallel_size)
-        return DPEngineClient.launch(launch, config.data_parallel_size)
-    return EngineCoreClient.launch(launch)
+        client = DPEngineClient.launch(launch, config.data_parallel_size)
+    else:  # the other API servers could not follow a new engine process: with several, none is restarted
+        restarts = args.max_engine_restarts if args.api_server_count == 1 else 0
+        client = EngineCoreClient.launch(launch, max_restarts=restarts)
+    client.on_give_up = _exit_with_the_engine
+    return client
+
+
+def _exit_with_the_engine(why: str) -> None:
+    """A dead engine that stays dead ends the server as a SIGTERM would (its streams were failed
+    already); run_server then returns 1, the engine having failed, for a supervisor to act on."""
+    import signal
+
+    logger.error("the engine is gone for good; the server exits with status 1 (%s)", why)
+    os.kill(os.getpid(), signal.SIGTERM)

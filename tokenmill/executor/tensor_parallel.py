@@ -13,16 +13,24 @@ same tokens (the samplers are seeded per request) and keeps the same request sta
 0's sampled tokens go back to the engine. NCCL carries the model's collectives on CUDA (one GPU per
 rank: cuda:<local rank>), gloo on the CPU; the control group is always gloo.
 
-A worker that exits (killed, out of memory) fails the driver's next step with an error naming it;
-a worker whose driver is gone exits.
+Workers start as `python -m tokenmill.executor.worker` (executor/worker.py): a fresh interpreter
+that imports only tokenmill, never the user's main module (a script read from stdin works, and no
+`if __name__ == "__main__"` guard is needed). Rank 0 holds a TCPStore that hands them the RankLaunch;
+each worker marks itself joined (before the process group) and ready (its shard built) there, and
+rank 0 waits for both marks while watching the processes, so a worker that exits during start-up
+fails the engine's construction at once with TPWorkerError carrying the tail of its stderr.
+A worker that exits later (killed, out of memory) fails the driver's next step with an error naming
+it; a worker whose driver is gone exits.
 """
 
 import atexit
+import collections
 import dataclasses
 import datetime
-import multiprocessing
 import os
-import socket
+import pickle
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +41,7 @@ import torch.distributed as dist
 
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.distributed import ParallelState, tensor_parallel
+from tokenmill.errors import TokenmillError
 from tokenmill.executor import step_wire
 from tokenmill.logger import init_logger
 
@@ -42,6 +51,24 @@ CONTROL_TIMEOUT = datetime.timedelta(days=365)  # workers wait on the control br
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 START_TIMEOUT_S = 600.0
 PARENT_CHECK_S = 1.0
+START_POLL_S = 0.05  # how often rank 0 looks at the store and the worker processes during start-up
+STDERR_TAIL_LINES = 30  # of a worker's stderr, kept for the error that reports its exit
+LAUNCH_KEY = "tokenmill/launch"
+# The environment of a spawned worker (executor/worker.py reads it).
+ENV_RANK, ENV_WORLD, ENV_STORE, ENV_PARENT = ("TOKENMILL_TP_RANK", "TOKENMILL_TP_WORLD_SIZE", "TOKENMILL_TP_STORE",
+                                              "TOKENMILL_TP_PARENT_PID")
+
+
+class TPWorkerError(TokenmillError, RuntimeError):
+    """A tensor-parallel worker process exited (during start-up: with the end of its own stderr)."""
+
+
+def _joined_key(rank: int) -> str:
+    return f"tokenmill/joined/{rank}"
+
+
+def _ready_key(rank: int) -> str:
+    return f"tokenmill/ready/{rank}"
 
 
 @dataclass
@@ -55,7 +82,7 @@ class RankLaunch:
     config: EngineConfig
     max_positions: Optional[int]
     seed: int
-    init_method: str  # tcp://host:port, or env:// under torchrun
+    init_method: str  # "store": rank 0's TCPStore (spawned workers); env:// under torchrun
     world_size: int
     tokenizer: Optional[str] = None  # a tokenizer instead of the model's (rank 0 only needs one)
 
@@ -98,12 +125,6 @@ def check_supported(config: EngineConfig) -> None:
         raise ConfigError("step_time_target_ms with tensor_parallel_size > 1 is not supported yet")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def under_torchrun() -> bool:
     """Started by torchrun (its standard environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
@@ -128,7 +149,7 @@ class ControlChannel:
         return buf.numpy().tobytes()
 
 
-def _init_rank(launch: RankLaunch, rank: int) -> tuple[torch.device, object, ParallelState, object]:
+def _init_rank(launch: RankLaunch, rank: int, store=None) -> tuple[torch.device, object, ParallelState, object]:
     """Join the process group; returns this rank's device, the control group, its place (with
     pipeline stages: its stage's tensor-parallel group, every rank creating every group in order)
     and, with pipeline stages, the group of the stages' sends."""
@@ -137,8 +158,9 @@ def _init_rank(launch: RankLaunch, rank: int) -> tuple[torch.device, object, Par
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=launch.init_method, rank=rank,
-                            world_size=launch.world_size, timeout=COLLECTIVE_TIMEOUT)
+    where = dict(store=store) if store is not None else dict(init_method=launch.init_method)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=launch.world_size,
+                            timeout=COLLECTIVE_TIMEOUT, **where)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     tp, pp = launch.config.tensor_parallel_size, launch.config.pipeline_parallel_size
     group = p2p = None  # one stage: the tensor-parallel group is the world
@@ -191,12 +213,24 @@ def _watch_parent(parent_pid: Optional[int]) -> None:
     threading.Thread(target=watch, name="tokenmill-tp-parent-watch", daemon=True).start()
 
 
-def run_worker(launch: RankLaunch, rank: int, parent_pid: Optional[int] = None) -> int:
-    """A worker rank: build the shard and runner, then run what the driver sends until it says stop."""
+def run_spawned_worker(store_address: str, rank: int, world_size: int, parent_pid: int) -> int:
+    """A worker rank that rank 0 started (executor/worker.py): its RankLaunch comes from rank 0's
+    store, where it marks itself joined, then (run_worker) ready."""
     _watch_parent(parent_pid)
-    device, control, state, p2p = _init_rank(launch, rank)
+    host, port = store_address.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    launch = pickle.loads(store.get(LAUNCH_KEY))
+    store.set(_joined_key(rank), b"1")
+    return run_worker(launch, rank, store=store)
+
+
+def run_worker(launch: RankLaunch, rank: int, store=None) -> int:
+    """A worker rank: build the shard and runner, then run what the driver sends until it says stop."""
+    device, control, state, p2p = _init_rank(launch, rank, store)
     channel = ControlChannel(control)
     _, runner = _build(launch, rank, device, state, p2p)
+    if store is not None:
+        store.set(_ready_key(rank), b"1")
     logger.info("tensor-parallel rank %d/%d ready on %s", rank, launch.world_size, device)
     stage = last = None  # with pipeline stages: this rank's steps in flight (executor/pipeline.py)
     if runner.pipeline is not None:
@@ -274,11 +308,45 @@ def _device_type(device) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _worker_entry(launch: RankLaunch, rank: int, parent_pid: int) -> None:
-    import logging
+class _WorkerProcess:
+    """A spawned worker rank: its process, and the tail of its stderr (passed on to ours as it
+    comes; a pipe that is read, so the worker never blocks on it)."""
 
-    logging.basicConfig(level=logging.WARNING)
-    os._exit(run_worker(launch, rank, parent_pid))
+    def __init__(self, rank: int, store_address: str, world_size: int):
+        import tokenmill
+
+        self.rank = rank
+        env = dict(os.environ, **{ENV_RANK: str(rank), ENV_WORLD: str(world_size), ENV_STORE: store_address,
+                                  ENV_PARENT: str(os.getpid())})
+        root = os.path.dirname(os.path.dirname(os.path.abspath(tokenmill.__file__)))
+        env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        self.proc = subprocess.Popen([sys.executable, "-m", "tokenmill.executor.worker"], env=env,
+                                     stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.pid = self.proc.pid
+        self._tail: collections.deque = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self._reader = threading.Thread(target=self._read, name=f"tokenmill-tp-{rank}-stderr", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in iter(self.proc.stderr.readline, b""):
+            text = line.decode("utf-8", "replace")
+            self._tail.append(text.rstrip("\n"))
+            try:
+                sys.stderr.write(text)
+            except (OSError, ValueError):  # our stderr is closed: keep draining the pipe
+                pass
+        self.proc.stderr.close()
+
+    def exit_error(self, when: str) -> Optional[TPWorkerError]:
+        """The error that reports this worker's exit, or None while it runs."""
+        code = self.proc.poll()
+        if code is None:
+            return None
+        self._reader.join(2.0)  # its last lines
+        how = f"killed by signal {-code}" if code < 0 else f"code {code}"
+        tail = "\n".join(self._tail).strip()
+        return TPWorkerError(f"tensor-parallel worker rank {self.rank} exited ({how}){' ' + when if when else ''}" +
+                             (f"; its last output:\n{tail}" if tail else ""))
 
 
 class TPExecutor:
@@ -287,23 +355,27 @@ class TPExecutor:
     def __init__(self, launch: RankLaunch):
         self.launch = launch
         self.world_size = launch.world_size
-        self._procs: list = []
+        self._procs: list[_WorkerProcess] = []
         self._closed = False
-        if launch.init_method != "env://":  # not under torchrun: start the other ranks here
-            ctx = multiprocessing.get_context("spawn")
-            for rank in range(1, self.world_size):
-                # daemonic: a program that ends without closing its engine does not wait on them
-                p = ctx.Process(target=_worker_entry, args=(launch, rank, os.getpid()),
-                                name=f"tokenmill-tp-{rank}", daemon=True)
-                p.start()
-                self._procs.append(p)
+        store = None
         try:
-            device, control, state, p2p = _init_rank(launch, 0)
+            if launch.init_method != "env://":  # not under torchrun: start the other ranks here
+                store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False,
+                                      timeout=COLLECTIVE_TIMEOUT)
+                store.set(LAUNCH_KEY, pickle.dumps(launch))
+                address = f"127.0.0.1:{store.port}"
+                self._procs = [_WorkerProcess(rank, address, self.world_size) for rank in range(1, self.world_size)]
+                self._wait_for(store, _joined_key, "joined the process group")
+            device, control, state, p2p = _init_rank(launch, 0, store)
             self.control = control
             self.channel = ControlChannel(control)
             self.loaded, self.runner = _build(launch, 0, device, state, p2p)
+            if store is not None:
+                self._wait_for(store, _ready_key, "built their shards")
         except BaseException:
             self._kill_workers()
+            if dist.is_initialized():
+                dist.destroy_process_group()
             raise
         self.steps = None  # with pipeline stages: rank 0's (the last stage's) queued steps
         if self.runner.pipeline is not None:
@@ -328,7 +400,7 @@ class TPExecutor:
                                   f"pipeline_parallel_size is {world}")
             init = "env://"
         else:
-            init = f"tcp://127.0.0.1:{_free_port()}"
+            init = "store"
         return cls(RankLaunch(model, load_format, dtype, device_type, config, config.max_model_len, seed, init,
                               world, tokenizer))
 
@@ -337,10 +409,24 @@ class TPExecutor:
         self._check_workers()
         self.channel.send(data)
 
-    def _check_workers(self) -> None:
-        for rank, p in enumerate(self._procs, start=1):
-            if not p.is_alive():
-                raise RuntimeError(f"tensor-parallel worker rank {rank} exited (code {p.exitcode})")
+    def _check_workers(self, when: str = "") -> None:
+        for p in self._procs:
+            error = p.exit_error(when)
+            if error is not None:
+                raise error
+
+    def _wait_for(self, store, key, what: str) -> None:
+        """Until every worker has set its key in the store; TPWorkerError as soon as one exits."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        pending = set(range(1, self.world_size))
+        while pending:
+            pending = {rank for rank in pending if not store.check([key(rank)])}
+            self._check_workers("while starting")
+            if pending and time.monotonic() > deadline:
+                raise TPWorkerError(f"tensor-parallel worker rank(s) {sorted(pending)} had not {what} "
+                                    f"within {START_TIMEOUT_S:.0f} s")
+            if pending:
+                time.sleep(START_POLL_S)
 
     def initialize_kv_cache(self) -> int:
         self._send(step_wire.encode("call", "initialize_kv_cache", []))
@@ -396,19 +482,25 @@ class TPExecutor:
             return
         self._closed = True
         try:
-            if all(p.is_alive() for p in self._procs):
+            if all(p.proc.poll() is None for p in self._procs):
                 self.channel.send(step_wire.encode("shutdown"))
         except Exception as e:  # a worker already gone
             logger.debug("tensor-parallel shutdown message failed: %r", e)
         deadline = time.monotonic() + timeout
         for p in self._procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+            try:
+                p.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
         self._kill_workers()
         if dist.is_initialized():
             dist.destroy_process_group()
 
     def _kill_workers(self) -> None:
         for p in self._procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+            if p.proc.poll() is None:
+                p.proc.kill()
+                try:
+                    p.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    logger.warning("tensor-parallel worker rank %d did not end after SIGKILL", p.rank)

@@ -282,7 +282,8 @@ class AsyncLLMEngine:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._ids = itertools.count()
         self._stopping = False
-        self.error: Optional[BaseException] = None  # set if the engine thread died
+        self.error: Optional[BaseException] = None  # set if the engine thread died (or while it restarts the engine)
+        self._restarting = False
         # Engine-thread state.
         self._groups: dict[str, _Group] = {}
         self._group_of: dict[str, tuple[str, int]] = {}  # engine request id -> (group id, prompt index)
@@ -395,6 +396,8 @@ class AsyncLLMEngine:
             self._commands.put(AbortCommand(request_id))
 
     def _dead_error(self) -> EngineDeadError:
+        if self._restarting:
+            return EngineDeadError(f"the engine is restarting after a failure: {self.error}")
         if isinstance(self.error, EngineDeadError):
             return EngineDeadError(str(self.error))
         if self.error is not None:
@@ -403,6 +406,13 @@ class AsyncLLMEngine:
 
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
+        while not self._serve():  # the engine failed but was restarted (an engine process: core_client)
+            pass
+
+    def _serve(self) -> bool:
+        """Run the loop until a stop (True) or a failure of the engine: every open stream is failed
+        then; with an engine that can restart (its process died) it restarts (False: serve again),
+        else the thread ends with `error` set (True)."""
         engine = self.engine
         try:
             while True:
@@ -412,7 +422,7 @@ class AsyncLLMEngine:
                     stop = self._execute(command) or stop
                 if stop:
                     self._shutdown()
-                    return
+                    return True
                 if engine.has_unfinished_requests() or self._needs_step:
                     self._needs_step = False
                     completed = engine.steps_completed
@@ -436,8 +446,25 @@ class AsyncLLMEngine:
                 self._deliveries.append((group.stream, self._dead_error()))
             self._groups.clear()
             self._group_of.clear()
+            restart = getattr(engine, "restart", None)
+            if isinstance(e, EngineDeadError) and callable(restart) and not self._stopping:
+                self._restarting = True  # new submissions are refused meanwhile (503), /health says 503
+                self._flush()  # the failed streams hear it now, not after the restart
+                try:
+                    restart()
+                except BaseException as again:
+                    self.error = again
+                else:
+                    self.error = None
+                    return False
+                finally:
+                    self._restarting = False
+                    self._needs_step = False
+                    self._last_step_end = None
+                    self._stats = self._snapshot()
             self._refuse_queued(self._dead_error())
             self._flush()
+            return True
 
     def _execute(self, command: Command) -> bool:
         """Carry out one command; True if it asks the thread to stop."""

@@ -14,8 +14,12 @@ Validation needs no engine state, so it runs here (RequestValidator over the eng
 grammar compiler of its own), and an invalid request never reaches the engine process.
 
 A dead engine process (killed, crashed, or failed with an error) turns into EngineDeadError on the
-next `step()` or `check_health()`: AsyncLLMEngine then fails every open stream and the server
-answers 503; the log says what happened.
+next `step()` or `check_health()`: AsyncLLMEngine then fails every open stream at once and calls
+`restart()`. API server 0 (the owner) starts a new engine process in the same place, after a
+backoff of RESTART_BACKOFF_S doubling with each restart, at most `max_restarts` times over the
+server's life, each logged, and loads again the LoRA adapters the engine had; `engine_restarts`
+counts them (/metrics). When no restart is left, `restart()` tells `on_give_up` (the server then
+exits with status 1, for its supervisor to restart it) and raises.
 """
 
 import multiprocessing
@@ -27,7 +31,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import count
-from typing import Optional
+from typing import Callable, Optional
 
 from tokenmill.serve.async_engine import EngineDeadError
 from tokenmill.serve.core_wire import (EngineFacts, EngineSnapshot, logprobs_from_wire, lora_to_wire, pack,
@@ -46,6 +50,7 @@ logger = init_logger(__name__)
 STEP_WAIT_S = 0.02  # step() waits at most this long for a message, then lets commands in
 STARTUP_TIMEOUT_S = 3600.0  # loading a large model from a slow disk
 STOP_TIMEOUT_S = 30.0
+RESTART_BACKOFF_S = 0.5  # before the first restart of a dead engine process; doubles with each
 
 
 class EngineProcessError(EngineDeadError):
@@ -103,33 +108,38 @@ class EngineCoreClient:
     engine_pid=...)`."""
 
     @classmethod
-    def launch(cls, launch: EngineLaunch, startup_timeout: float = STARTUP_TIMEOUT_S) -> "EngineCoreClient":
-        return cls(tempfile.mkdtemp(prefix="tokenmill-engine-"), 0, launch=launch, startup_timeout=startup_timeout)
+    def launch(cls, launch: EngineLaunch, startup_timeout: float = STARTUP_TIMEOUT_S,
+               max_restarts: int = 0) -> "EngineCoreClient":
+        return cls(tempfile.mkdtemp(prefix="tokenmill-engine-"), 0, launch=launch, startup_timeout=startup_timeout,
+                   max_restarts=max_restarts)
 
     def __init__(self, engine_dir: str, index: int, *, launch: Optional[EngineLaunch] = None,
-                 engine_pid: Optional[int] = None, startup_timeout: float = STARTUP_TIMEOUT_S):
+                 engine_pid: Optional[int] = None, startup_timeout: float = STARTUP_TIMEOUT_S,
+                 max_restarts: int = 0):
         import zmq
 
         self._zmq = zmq
         self._dir = engine_dir
         self.index = index
         self._owner = launch is not None
+        self._launch = launch
+        self._startup_timeout = startup_timeout
+        self.max_restarts = max_restarts if self._owner else 0  # only the owner can start an engine process
+        self.engine_restarts = 0
+        self.on_give_up: Optional[Callable[[str], None]] = None  # told why, when a dead engine stays dead
+        self._loras: dict[int, LoRARequest] = {}  # the adapters the engine has: loaded again after a restart
+        self._steps_base = 0  # the steps of the engine processes before this one
         self._ctx = zmq.Context(io_threads=1)
-        in_addr, out_addr = addresses(engine_dir, index)
+        out_addr = addresses(engine_dir, index)[1]
         self._out = self._ctx.socket(zmq.PULL)  # from the engine (bound first: the engine connects to it)
         self._out.setsockopt(zmq.LINGER, 0)
         self._out.bind(out_addr)
-        self._in = self._ctx.socket(zmq.PUSH)  # to the engine
-        self._in.setsockopt(zmq.LINGER, 1000)
-        self._in.connect(in_addr)
+        self._connect_in()
         self._poller = zmq.Poller()
         self._poller.register(self._out, zmq.POLLIN)
         self._proc = None
         if self._owner:
-            ctx = multiprocessing.get_context("spawn")
-            self._proc = ctx.Process(target=run_engine_process, args=(launch, engine_dir, os.getpid()),
-                                     name="tokenmill-engine", daemon=False)
-            self._proc.start()
+            self._start_process()
             engine_pid = self._proc.pid
         else:
             self._in.send(pack(["hello", index]))
@@ -169,6 +179,17 @@ class EngineCoreClient:
         return self._dir
 
     # ---- start-up and shutdown -------------------------------------------------------------
+    def _connect_in(self) -> None:
+        self._in = self._ctx.socket(self._zmq.PUSH)  # to the engine
+        self._in.setsockopt(self._zmq.LINGER, 1000)
+        self._in.connect(addresses(self._dir, self.index)[0])
+
+    def _start_process(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._proc = ctx.Process(target=run_engine_process, args=(self._launch, self._dir, os.getpid()),
+                                 name="tokenmill-engine", daemon=False)
+        self._proc.start()
+
     def _engine_exit(self) -> Optional[str]:
         """Why the engine process is gone, or None while it runs."""
         if self._proc is not None:
@@ -226,6 +247,67 @@ class EngineCoreClient:
         self._ctx.term()
         if self._owner:
             shutil.rmtree(self._dir, ignore_errors=True)
+
+    def restart(self) -> None:
+        """Start a new engine process in place of the dead one (API server 0 only), after a backoff;
+        what ran in the dead one is dropped (its streams were failed already). Raises
+        EngineProcessError, after telling on_give_up, when no restart is left."""
+        why = self.error or self._engine_exit() or "the engine process failed"
+        while self.engine_restarts < self.max_restarts:
+            delay = RESTART_BACKOFF_S * 2 ** self.engine_restarts
+            self.engine_restarts += 1
+            logger.warning("%s: restarting the engine process in %.1f s (restart %d of at most %d)", why, delay,
+                           self.engine_restarts, self.max_restarts)
+            time.sleep(delay)
+            try:
+                self._respawn()
+                logger.warning("engine process %d ready after restart %d of at most %d", self.pid,
+                               self.engine_restarts, self.max_restarts)
+                return
+            except EngineProcessError as e:
+                why = str(e)
+                logger.error("restart %d of the engine process failed: %s", self.engine_restarts, why)
+        if not self._owner:
+            why += " (only the first API server process restarts it)"
+        elif self.max_restarts:
+            why += f" (after {self.engine_restarts} restart(s), the most --max-engine-restarts allows)"
+        self.error = why
+        logger.error("the engine process is not restarted: %s", why)
+        if self.on_give_up is not None:
+            self.on_give_up(why)
+        raise EngineProcessError(why)
+
+    def _respawn(self) -> None:
+        if self._proc is not None and self._proc.exitcode is None:  # failed but still ending
+            self._proc.kill()
+        if self._proc is not None:
+            self._proc.join(5.0)
+        self._in.close(linger=0)  # what was sent to the dead engine is not for the new one
+        self._connect_in()
+        while self._poller.poll(0):  # nor is what the dead one had sent
+            self._out.recv()
+        self.error = None
+        self._live.clear()
+        self._unseen_adds.clear()
+        self._adds_taken = 0
+        self._results.clear()
+        self._backlog = []
+        self._steps_base = self.steps_completed
+        self._start_process()
+        self.pid = self._proc.pid
+        try:
+            facts = self._wait_ready(self._startup_timeout)
+            self._snapshot = (EngineSnapshot.from_wire(facts.snapshot) if facts.snapshot is not None
+                              else EngineSnapshot(num_blocks=facts.num_blocks, num_free_blocks=facts.num_blocks))
+            for lora in self._loras.values():
+                self._call("add_lora", [lora_to_wire(lora)])
+        except BaseException as e:
+            if self._proc.exitcode is None:
+                self._proc.kill()
+                self._proc.join(5.0)
+            if isinstance(e, EngineProcessError):
+                raise
+            raise EngineProcessError(f"the new engine process failed: {type(e).__name__}: {e}") from e
 
     def check_health(self) -> None:
         """Raise EngineProcessError if the engine process has ended or failed. Also takes the
@@ -318,9 +400,12 @@ class EngineCoreClient:
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load and check an adapter in the engine process; LoRAError (its message) if it is bad."""
         self._call("add_lora", [lora_to_wire(lora_request)])
+        self._loras[lora_request.lora_int_id] = lora_request
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        return bool(self._call("remove_lora", [int(lora_int_id)]))
+        removed = bool(self._call("remove_lora", [int(lora_int_id)]))
+        self._loras.pop(int(lora_int_id), None)
+        return removed
 
     def list_loras(self) -> list[int]:
         return list(self._call("list_loras"))
@@ -349,7 +434,7 @@ class EngineCoreClient:
         kind = message[0]
         if kind == "step":
             _, steps, step_kind, deltas, snapshot, pauses, adds_seen = message
-            self.steps_completed, self.last_step_kind = steps, step_kind
+            self.steps_completed, self.last_step_kind = self._steps_base + steps, step_kind
             while self._adds_taken < adds_seen:
                 self._unseen_adds.popleft()
                 self._adds_taken += 1

@@ -13,10 +13,11 @@ whole server run unchanged on top of it:
 - `step()` waits on the output sockets of every replica at once (one zmq poll, at most STEP_WAIT_S)
   and returns the outputs of every replica whose message came.
 - `check_health()` fails (EngineProcessError naming the replica) as soon as any replica has died or
-  failed; AsyncLLMEngine then fails every open stream and the server answers 503, as for a dead
-  single engine process. A dead replica is not replaced and the others are not used on their own:
-  their KV caches hold requests the server can no longer finish coherently, so the server goes down
-  as a whole (the supervisor restarts it).
+  failed; AsyncLLMEngine then fails every open stream at once and calls `restart()`, which restarts
+  nothing here: it tells `on_give_up` and the server exits with status 1, for its supervisor to
+  restart it (`--max-engine-restarts` applies to a single engine process only). A dead replica is
+  not replaced and the others are not used on their own: the server goes down as a whole, so it
+  never runs on with fewer replicas (and less capacity) than it was started with.
 - `reset_prefix_cache`, `add_lora` and `remove_lora` go to every replica.
 - `snapshot()` is the sum over the replicas (what /metrics' unlabeled totals and the waiting bound
   read); `replica_stats()` has each replica's own counters (/metrics' `tokenmill:replica_*` series).
@@ -311,6 +312,8 @@ class DPEngineClient:
             self._socket_of[sock] = i
         self._last_health = time.monotonic()
         self._closed = False
+        self.engine_restarts = 0  # a dead replica is never restarted (see restart)
+        self.on_give_up = None  # told why when a replica has died (the server then exits 1)
         self.steps_completed = 0
         self.last_step_kind: Optional[str] = None
 
@@ -332,6 +335,18 @@ class DPEngineClient:
                 r.check_health()
             except EngineProcessError as e:
                 raise self._replica_error(i, e) from None
+
+    def restart(self) -> None:
+        """A replica has died: nothing is restarted (see the module docstring); on_give_up is told
+        and EngineProcessError raised."""
+        dead = [(i, r.error or r._engine_exit()) for i, r in enumerate(self.replicas)]
+        why = next((f"data-parallel replica {i} of {self.num_replicas}: {e}" for i, e in dead if e),
+                   "a data-parallel replica failed")
+        why += " (a replica is not restarted: the server exits)"
+        logger.error("%s", why)
+        if self.on_give_up is not None:
+            self.on_give_up(why)
+        raise EngineProcessError(why)
 
     def close(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Stop every replica's engine process (at once) and wait for them."""

@@ -137,6 +137,12 @@ class _EngineStateCollector:
         yield c
         if s.spec_decode is not None:
             yield from self._spec_decode(s.spec_decode)
+        restarts = getattr(self.engine.engine, "engine_restarts", None)  # an engine in a process of its own
+        if restarts is not None:
+            c = CounterMetricFamily("tokenmill:engine_restarts", "Engine processes restarted after one died.",
+                                    labels=labels)
+            c.add_metric([self.model_name], restarts)
+            yield c
         replica_stats = getattr(self.engine.engine, "replica_stats", None)
         if callable(replica_stats):
             yield from self._replicas(replica_stats())
