@@ -67,6 +67,7 @@ def test_llm_keywords_reach_the_configs(monkeypatch):
 
     monkeypatch.setattr(llm_module, "LLMEngine", FakeEngine)
     changed = dict(max_model_len=128, max_num_seqs=3, max_num_batched_tokens=64, max_prefill_tokens_with_decodes=16,
+                   max_prefill_tokens_per_step=32,
                    step_time_target_ms=25.0,
                    block_size=32, num_kv_blocks=9, gpu_memory_utilization=0.5, kv_cache_memory_gb=0.25,
                    enable_prefix_caching=False, async_scheduling=False, enforce_eager=True, cuda_graph_max_batch=8,
