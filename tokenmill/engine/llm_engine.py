@@ -20,7 +20,7 @@ from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.scheduler import Scheduler, SchedulerLimits
+from tokenmill.engine.scheduler import Scheduler, SchedulerLimits, prefill_context_scale
 from tokenmill.engine.spec_stats import SpecDecodeStats
 from tokenmill.engine.step_budget import StepBudget
 from tokenmill.engine.request_validator import RequestValidator
@@ -42,6 +42,8 @@ logger = init_logger(__name__)
 
 PromptType = Union[str, list[int]]
 _SEED_MASK = (1 << 63) - 1
+# On the CPU attention (a gather of the context, then SDPA) runs at about half the matmuls' FLOP rate.
+CPU_ATTENTION_SLOWDOWN = 2.0
 
 
 @dataclass
@@ -112,7 +114,8 @@ class LLMEngine:
                                                    spec.num_lookahead_tokens if spec else 0,
                                                    self.config.max_loras if self.loras is not None else 0,
                                                    self.config.pipeline_parallel_size,
-                                                   self.config.resolve_prefill_step_cap(device_type)),
+                                                   self.config.resolve_prefill_step_cap(device_type),
+                                                   self._prefill_context_scale(device_type)),
                                    self.kv, self.step_budget)
         # Steps kept in flight beyond the one being completed: one with async scheduling; with
         # pipeline stages pp - 1, so that every stage has a step (executor/pipeline.py).
@@ -141,6 +144,15 @@ class LLMEngine:
         if self.step_budget is not None:  # after warm-up: its compiles are not the steps' cost
             self.step_budget.calibrate_runner(self.runner, min(self.config.max_num_batched_tokens, self.max_model_len),
                                               self.config.max_num_seqs)
+
+    def _prefill_context_scale(self, device_type: str) -> Optional[float]:
+        """On the CPU, where a step's time follows its FLOPs, a per-step prompt cap counts a late
+        chunk of a long prompt dearer (its attention over the context); elsewhere plain tokens."""
+        if device_type != "cpu":
+            return None
+        arch = self.loaded.arch
+        return prefill_context_scale(arch.hidden_size, arch.intermediate_size, arch.q_size, arch.kv_size,
+                                     CPU_ATTENTION_SLOWDOWN)
 
     def _start_tensor_parallel(self, model, dtype, device, load_format: str, loaded, tokenizer):
         tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size

@@ -53,8 +53,20 @@ class SchedulerLimits:
     # is on its way is not scheduled again until it is back, and a step takes at most a 1/depth
     # share of the requests, so that the steps in flight hold different requests (executor/pipeline.py).
     pipeline_depth: int = 1
-    # Prompt tokens a step may take in all, with or without decodes (None: the token budget).
+    # Prompt tokens a step may take in all, with or without decodes (None: the token budget); with
+    # prefill_context_scale, a prompt token at context c counts 1 + c / prefill_context_scale (its
+    # attention over c earlier tokens: prefill_context_tokens()).
     max_prefill_tokens_per_step: Optional[int] = None
+    prefill_context_scale: Optional[float] = None
+
+
+def prefill_context_scale(hidden_size: int, intermediate_size: int, q_size: int, kv_size: int,
+                          attention_slowdown: float = 1.0) -> float:
+    """The context length at which a prompt token's attention over earlier tokens (4 x context x
+    q_size FLOPs a layer) costs as much as its linear layers (2 x their weights), with attention
+    running `attention_slowdown` times slower per FLOP than the matmuls."""
+    linear = hidden_size * (2 * q_size + 2 * kv_size) + 3 * hidden_size * intermediate_size
+    return linear / (2.0 * q_size * attention_slowdown)
 
 
 def _prefilling(request: Request) -> bool:
@@ -64,12 +76,15 @@ def _prefilling(request: Request) -> bool:
 
 @dataclass
 class _Step:
-    """What one schedule() call has taken so far."""
+    """What one schedule() call has taken so far, and the room left for prompt tokens."""
 
     budget: int  # tokens left (max_num_batched_tokens)
-    step_cap: Optional[int]  # max_prefill_tokens_per_step
+    # Prompt-token cost left under max_prefill_tokens_per_step (None: no such cap); a prompt token
+    # at context c costs 1 + c / context_scale with a context_scale, else 1.
+    cost_left: Optional[float]
+    context_scale: Optional[float]
     share: Optional[int]  # entries the step may take (pipeline stages), None: no limit
-    prefill_budget: int = 0  # prompt tokens left: the step cap, lowered once decodes are in (_cap_prefill)
+    prefill_budget: int = 0  # prompt tokens left, lowered once decodes are in (_cap_prefill)
     num_decodes: int = 0
     decode_tokens: int = 0
     batch: list = field(default_factory=list)
@@ -78,7 +93,24 @@ class _Step:
     preempted: set = field(default_factory=set)  # preempted in this step: not re-admitted in it
 
     def __post_init__(self) -> None:
-        self.prefill_budget = self.budget if self.step_cap is None else min(self.budget, self.step_cap)
+        self.prefill_budget = self.budget
+
+    def token_cost(self, start: int) -> float:
+        return 1.0 if self.context_scale is None else 1.0 + start / self.context_scale
+
+    def prompt_room(self, start: int) -> int:
+        """Prompt tokens a chunk that starts at position `start` may take (at least one while any
+        cost is left, so a prompt deep into its context still progresses)."""
+        room = min(self.budget, self.prefill_budget)
+        if self.cost_left is not None:
+            room = min(room, max(int(self.cost_left / self.token_cost(start)), 1 if self.cost_left > 0 else 0))
+        return room
+
+    def take_prompt(self, num_tokens: int, start: int) -> None:
+        self.budget -= num_tokens
+        self.prefill_budget -= num_tokens
+        if self.cost_left is not None:
+            self.cost_left = max(0.0, self.cost_left - num_tokens * self.token_cost(start))
 
 
 class Scheduler:
@@ -128,8 +160,9 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        step = _Step(self.limits.max_num_batched_tokens, self.limits.max_prefill_tokens_per_step,
-                     -(-len(self.requests) // self.limits.pipeline_depth) if self.limits.pipeline_depth > 1 else None)
+        limits = self.limits
+        step = _Step(limits.max_num_batched_tokens, limits.max_prefill_tokens_per_step, limits.prefill_context_scale,
+                     -(-len(self.requests) // limits.pipeline_depth) if limits.pipeline_depth > 1 else None)
         # Decodes first, then prefills in progress (stable, so oldest first within each).
         running = sorted(self.running, key=_prefilling)
         split = next((i for i, r in enumerate(running) if _prefilling(r)), len(running))
@@ -140,9 +173,12 @@ class Scheduler:
         in_progress = running[split:]
         if in_progress and self.waiting:
             # A short arrival goes before prompts in progress (each longer than it), so it is not
-            # held behind a long prompt's chunks; they keep a block's worth of the step.
+            # held behind a long prompt's chunks. Under a per-step cap its step stays short too:
+            # the prompts in progress take a block's worth in it.
             shortest = min(r.num_prefill_tokens - r.num_computed_tokens for r in in_progress)
-            self._admit_waiting(step, shorter_than=shortest, reserve=self.kv.block_size)
+            reserve = self.kv.block_size
+            if self._admit_waiting(step, shorter_than=shortest, reserve=reserve) and step.cost_left is not None:
+                step.cost_left = min(step.cost_left, reserve)
         for request in in_progress:
             self._schedule_running(step, request, prefilling=True)
         self._admit_waiting(step)
@@ -162,7 +198,8 @@ class Scheduler:
             return
         if step.share is not None and (request.num_pending or len(step.batch) >= step.share):
             return  # its token is in flight / this step has its share (pipeline stages)
-        num_new, speculative = self._running_tokens(request, prefilling, step.budget, step.prefill_budget)
+        start = request.num_computed_tokens
+        num_new, speculative = self._running_tokens(request, prefilling, step.budget, step.prompt_room(start))
         if num_new == 0:
             return
         blocks_before = len(request.block_ids)
@@ -175,27 +212,26 @@ class Scheduler:
                 return
         step.batch.append(self._entry(request, num_new, request.block_ids[blocks_before:], speculative))
         step.scheduled.add(request.request_id)
-        step.budget -= num_new
         if prefilling:
-            step.prefill_budget -= num_new
+            step.take_prompt(num_new, start)
         else:
+            step.budget -= num_new
             step.num_decodes += 1
             step.decode_tokens += num_new
 
-    def _admit_waiting(self, step: "_Step", shorter_than: Optional[int] = None, reserve: int = 0) -> None:
-        """Admit waiting requests in order while the step has room. With shorter_than: only while
-        the first one's whole prompt is shorter than that and fits the step with `reserve` prompt
-        tokens to spare (it then completes its prompt in this step)."""
+    def _admit_waiting(self, step: "_Step", shorter_than: Optional[int] = None, reserve: int = 0) -> int:
+        """Admit waiting requests in order while the step has room; returns how many. With
+        shorter_than: only while the first one's whole prompt is shorter than that and fits the step
+        with `reserve` prompt tokens to spare (it then completes its prompt in this step)."""
+        admitted = 0
         skipped: list[Request] = []  # waiting requests whose adapter has no slot now (kept in order)
-        while (self.waiting and min(step.budget, step.prefill_budget) > 0
-               and len(self.running) < self.limits.max_num_seqs
+        while (self.waiting and step.prompt_room(0) > 0 and len(self.running) < self.limits.max_num_seqs
                and (step.share is None or len(step.batch) < step.share)):
             request = self.waiting[0]
             if request.num_pending or request.request_id in step.preempted:
                 break  # wait for its in-flight token / don't re-admit what was just preempted
-            if shorter_than is not None and not (
-                    request.num_tokens < shorter_than
-                    and request.num_tokens + reserve <= min(step.budget, step.prefill_budget)):
+            if shorter_than is not None and not (request.num_tokens < shorter_than
+                                                 and request.num_tokens + reserve <= step.prompt_room(0)):
                 break
             if not self._lora_slot_free(request):
                 skipped.append(self.waiting.popleft())
@@ -204,8 +240,9 @@ class Scheduler:
             # request's blocks still enter the cache).
             cached_blocks, num_cached = (self.kv.find_cached_prefix(request) if request.params.prompt_logprobs is None
                                          else ([], 0))
-            num_new = min(request.num_tokens - num_cached, step.budget, step.prefill_budget)
-            if not self.kv.allocate(request, num_new, cached_blocks, self._lookahead(request, num_cached + num_new)):
+            num_new = min(request.num_tokens - num_cached, step.prompt_room(num_cached))
+            if num_new <= 0 or not self.kv.allocate(request, num_new, cached_blocks,
+                                                    self._lookahead(request, num_cached + num_new)):
                 break
             self.waiting.popleft()
             if request.num_preemptions == 0:
@@ -218,9 +255,10 @@ class Scheduler:
             step.new_requests.append(self._new_request_data(request))
             step.batch.append(self._entry(request, num_new, []))
             step.scheduled.add(request.request_id)  # never a victim of a later entry's allocation
-            step.budget -= num_new
-            step.prefill_budget -= num_new
+            step.take_prompt(num_new, num_cached)
+            admitted += 1
         self.waiting.extendleft(reversed(skipped))
+        return admitted
 
     def _lora_slot_free(self, request: Request) -> bool:
         """Whether the request's adapter (if any) can run now: it already runs, or fewer than
@@ -266,7 +304,7 @@ class Scheduler:
             return 0  # its last token is already on the way
         return min(request.num_tokens_scheduled_ahead - request.num_computed_tokens, budget)
 
-    def _running_tokens(self, request: Request, prefilling: bool, budget: int, prefill_budget: int
+    def _running_tokens(self, request: Request, prefilling: bool, budget: int, prompt_room: int
                         ) -> tuple[int, bool]:
         """Tokens to schedule for a running request, and whether they verify drafts."""
         # A speculating request whose lookups found nothing, with no verify step in flight, knows its
@@ -274,7 +312,7 @@ class Scheduler:
         # one logits row); its step still drafts, so the next may verify.
         if request.speculates and not prefilling and (request.expects_drafts or request.num_uncertain):
             return self._speculative_tokens(request, budget), True
-        return self._tokens_to_schedule(request, min(budget, prefill_budget) if prefilling else budget), False
+        return self._tokens_to_schedule(request, prompt_room if prefilling else budget), False
 
     def _speculative_tokens(self, request: Request, budget: int) -> int:
         """A speculating decode: its last token and up to k drafts, within the budget, the context
