@@ -24,8 +24,9 @@ source benchmarks/_gpu_parts.sh
 WORKLOAD=(--workload serve-8b --num-prompts "$REQUESTS")
 if [ -n "${DRY:-}" ]; then  # the whole pipeline on the CPU in seconds: tiny model, short requests, low rates
     RATES=${DRY_RATES:-2,4}
+    REQUESTS=${DRY_REQUESTS:-6}
     WORKLOAD=(--workload serve-8b --model tiny-llama --load-format dummy --dtype float32 --device cpu
-              --num-prompts "${DRY_REQUESTS:-6}" --input-len 8:24 --output-len 4:8 --num-kv-blocks 256)
+              --num-prompts "$REQUESTS" --input-len 8:24 --output-len 4:8 --num-kv-blocks 256)
 fi
 COMMON=("${WORKLOAD[@]}" --launch --rates "$RATES" --warmup-requests 4 --no-plot)
 
@@ -65,8 +66,9 @@ for name in ("old", "new"):
                      + ("pass" if r["passed"] else "fail: " + "; ".join(r["fail_reasons"])) + " |")
 for name, c in report["configs"].items():
     if "error" not in c:
-        lines.append(f"\n{name} defaults: goodput {c['goodput_req_per_s']} req/s; step-time target "
-                     f"{c['step_time_target_ms'] if c['step_time_target_ms'] is not None else 'off'} ms; {c['device']}")
+        target = "off" if c["step_time_target_ms"] is None else f"{c['step_time_target_ms']:g} ms"
+        lines.append(f"\n{name} defaults: goodput {c['goodput_req_per_s']} req/s; step-time target {target}; "
+                     f"{c['device']}")
 with open(os.path.join(out, "serve_defaults.json"), "w") as f:
     json.dump(report, f, indent=1)
 with open(os.path.join(out, "serve_defaults.md"), "w") as f:
