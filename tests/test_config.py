@@ -9,7 +9,7 @@ from typing import Optional
 import pytest
 
 from tokenmill.config import ConfigError, EngineConfig, LoadConfig, field_default, option
-from tokenmill.entrypoints import cli
+from tokenmill.entrypoints import cli, serve_cli
 from tokenmill.entrypoints.llm import LLM
 
 FIELDS = [f for cls in (LoadConfig, EngineConfig) for f in dataclasses.fields(cls)]
@@ -29,6 +29,7 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 # The commands that run an engine (convert only rewrites a file: it takes no engine options).
 COMMANDS = {k: v for k, v in subcommands(cli.build_parser()).items() if k != "convert"}
 BENCH_DEFAULTS = {"model": None, "load_format": None, "dtype": None}  # from the workload
+SERVE_ENGINE_DEFAULTS = serve_cli.SERVE_ENGINE_DEFAULTS
 
 
 def test_the_cli_has_every_command():
@@ -46,6 +47,8 @@ def test_every_field_has_help_and_a_flag_with_its_default(field):
         # The workload benches take the model from the workload; fidelity runs any model (the embedded one by default).
         from_workload = name.startswith("bench") and name != "bench fidelity"
         expected = BENCH_DEFAULTS.get(field.name, field_default(field)) if from_workload else field_default(field)
+        if name == "serve" and field.name in SERVE_ENGINE_DEFAULTS:  # the server's own scheduling defaults
+            expected = SERVE_ENGINE_DEFAULTS[field.name][0]
         assert parser.parse_args(["x"] if name == "generate" else []).__dict__[field.name] == expected
 
 
@@ -68,6 +71,7 @@ def test_llm_keywords_reach_the_configs(monkeypatch):
 
     monkeypatch.setattr(llm_module, "LLMEngine", FakeEngine)
     changed = dict(max_model_len=128, max_num_seqs=3, max_num_batched_tokens=64, max_prefill_tokens_with_decodes=16,
+                   max_prefill_tokens_per_step=32,
                    step_time_target_ms=25.0,
                    block_size=32, num_kv_blocks=9, gpu_memory_utilization=0.5, kv_cache_memory_gb=0.25,
                    enable_prefix_caching=False, async_scheduling=False, enforce_eager=True, cuda_graph_max_batch=8,
@@ -201,3 +205,16 @@ def test_cpu_default_chunks_long_prompts_beside_decodes():
     # a step-time target chooses the chunks itself (engine/step_budget.py); an explicit cap still holds
     assert EngineConfig(step_time_target_ms=50).resolve_prefill_cap("cpu") is None
     assert EngineConfig(step_time_target_ms=50, max_prefill_tokens_with_decodes=64).resolve_prefill_cap("cpu") == 64
+
+
+def test_cpu_defaults_chunk_every_step_and_schedule_synchronously():
+    """On the CPU every step's prompt tokens are capped (a new request waits one chunk at most) and
+    steps are not scheduled ahead (a CPU step computes while it is launched); CUDA keeps both open."""
+    from tokenmill.config import CPU_PREFILL_TOKENS_PER_STEP
+
+    config = EngineConfig()
+    assert (config.resolve_prefill_step_cap("cpu"), config.resolve_prefill_step_cap("cuda")) == (
+        CPU_PREFILL_TOKENS_PER_STEP, None)
+    assert (config.resolve_async_scheduling("cpu"), config.resolve_async_scheduling("cuda")) == (False, True)
+    assert EngineConfig(max_prefill_tokens_per_step=64).resolve_prefill_step_cap("cuda") == 64
+    assert EngineConfig(async_scheduling=True).resolve_async_scheduling("cpu") is True

@@ -143,6 +143,24 @@ class SpeculativeConfig:
 # with decodes running, a long prompt is taken in chunks of this size so streams keep moving
 # (docs/PERFORMANCE.md, CPU).
 CPU_PREFILL_TOKENS_WITH_DECODES = 256
+# On the CPU every step's prompt tokens, with or without decodes: a request that arrives during a
+# long prompt's prefill waits for one such chunk, not the whole prompt (docs/PERFORMANCE.md, CPU).
+CPU_PREFILL_TOKENS_PER_STEP = 256
+STEP_TIME_TARGET_WORDS = ("auto", "off")
+
+
+def parse_step_time_target(text: str):
+    """--step-time-target-ms: a number of milliseconds, `auto` or `off`."""
+    word = text.strip().lower()
+    if word in STEP_TIME_TARGET_WORDS or word == "none":
+        return "off" if word == "none" else word
+    try:
+        return float(word)
+    except ValueError:
+        raise ValueError(f"not a number, auto or off: {text!r}") from None
+
+
+parse_step_time_target.__name__ = "step-time target"  # argparse: "invalid step-time target value: ..."
 
 
 @dataclass
@@ -158,13 +176,21 @@ class EngineConfig:
         None, "prompt tokens a step may take while it also runs decodes; bounds inter-token latency",
         default_help=f"{CPU_PREFILL_TOKENS_WITH_DECODES} on the CPU unless step_time_target_ms is set, up to the "
                      "step budget on CUDA", minimum=1)
+    # A new request waits at most one step of this many prompt tokens behind a long prompt.
+    max_prefill_tokens_per_step: Optional[int] = option(
+        None, "prompt tokens any step may take, with or without decodes: a longer prompt is prefilled in chunks, "
+              "so a request that arrives meanwhile is scheduled at the next step (shorter prompts first)",
+        default_help=f"{CPU_PREFILL_TOKENS_PER_STEP} on the CPU, none on CUDA", minimum=1)
     # engine/step_budget.py: a lower target holds inter-token latency down but spreads prompts over
-    # more steps (a longer time to first token).
-    step_time_target_ms: Optional[float] = option(
+    # more steps (a longer time to first token). `tokenmill serve` defaults to auto.
+    step_time_target_ms: Union[float, str, None] = option(
         None, "a step that runs decodes takes only the prompt tokens a step-time model (timed at start-up, "
               "updated from measured steps) predicts fit in this many milliseconds beside them (at least one "
               "KV block's worth; within max_num_batched_tokens and max_prefill_tokens_with_decodes); steps "
-              "without decodes are not limited", default_help="off")
+              "without decodes are not limited. auto: on one CUDA device, the larger of "
+              "22 ms and twice the calibrated decode step of max_num_seqs requests; off on the CPU and with "
+              "tensor or pipeline parallelism. off: no target", default_help="off (tokenmill serve: auto)",
+        cli_type=parse_step_time_target)
     block_size: int = option(16, "tokens per KV-cache block", choices=(8, 16, 32, 64, 128))
     num_kv_blocks: Optional[int] = option(
         None, "explicit KV-cache size in blocks", default_help="derived from memory", minimum=1)
@@ -173,7 +199,10 @@ class EngineConfig:
         None, "CPU: KV-cache size in GiB", default_help="what max_num_seqs full-length requests need, <= 1 GiB")
     enable_prefix_caching: bool = option(
         True, "reuse the KV cache of shared prompt prefixes", aliases=("--no-prefix-caching",))
-    async_scheduling: bool = option(True, "schedule step N+1 while step N runs")
+    # On the CPU a step computes while it is launched: scheduling ahead would only hold each
+    # step's tokens back until the next step has run.
+    async_scheduling: Optional[bool] = option(
+        None, "schedule step N+1 while step N runs", default_help="on with CUDA, off on the CPU")
     enforce_eager: bool = option(False, "CUDA: no CUDA graphs")
     cuda_graph_max_batch: int = option(512, "CUDA: largest decode batch captured as a CUDA graph", minimum=1)
     # runner/piecewise_graphs.py; larger steps, where the device time dominates, run eagerly.
@@ -229,6 +258,11 @@ class EngineConfig:
                 self.speculative_config = SpeculativeConfig(**self.speculative_config)
             except TypeError as e:
                 raise ConfigError(f"speculative_config: {e}") from None
+        if isinstance(self.step_time_target_ms, str):
+            word = self.step_time_target_ms.strip().lower()
+            self.step_time_target_ms = None if word in ("off", "none") else word
+        if self.step_time_target_ms == "auto" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            self.step_time_target_ms = None  # not supported with several ranks yet: auto means off there
         self.validate()
 
     def validate(self) -> None:
@@ -237,8 +271,10 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
-        if self.step_time_target_ms is not None and not self.step_time_target_ms > 0:
-            raise ConfigError(f"step_time_target_ms must be > 0, got {self.step_time_target_ms}")
+        target = self.step_time_target_ms
+        if target is not None and target not in STEP_TIME_TARGET_WORDS and not (
+                isinstance(target, numbers.Real) and not isinstance(target, bool) and target > 0):
+            raise ConfigError(f"step_time_target_ms must be > 0, auto or off, got {target!r}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if self.batch_invariant:
@@ -262,6 +298,27 @@ class EngineConfig:
         if self.max_prefill_tokens_with_decodes is None and device_type == "cpu" and self.step_time_target_ms is None:
             return CPU_PREFILL_TOKENS_WITH_DECODES
         return self.max_prefill_tokens_with_decodes
+
+    def resolve_prefill_step_cap(self, device_type: str) -> Optional[int]:
+        """max_prefill_tokens_per_step on this device: on the CPU a step of thousands of prompt tokens
+        takes seconds, which every request that arrives meanwhile would wait."""
+        if self.max_prefill_tokens_per_step is None and device_type == "cpu":
+            return CPU_PREFILL_TOKENS_PER_STEP
+        return self.max_prefill_tokens_per_step
+
+    def resolve_async_scheduling(self, device_type: str) -> bool:
+        """async_scheduling on this device: on unless set, or on the CPU (see the field)."""
+        if self.async_scheduling is None:
+            return device_type != "cpu"
+        return self.async_scheduling
+
+    def resolve_step_time_target(self, device_type: str) -> Union[float, str, None]:
+        """step_time_target_ms on this device: a number, "auto" (on CUDA only; chosen at calibration,
+        engine/step_budget.py) or None (no target)."""
+        target = self.step_time_target_ms
+        if target == "off" or (target == "auto" and device_type != "cuda"):
+            return None
+        return target
 
     def resolve_max_model_len(self, model_max: int) -> int:
         if self.max_model_len is None:

@@ -2,6 +2,7 @@
 model's fits, the prompt-token cap it gives, the scheduler's use of it, and an engine with it."""
 
 import random
+import time
 
 import pytest
 
@@ -9,7 +10,8 @@ from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import Scheduler, SchedulerLimits
-from tokenmill.engine.step_budget import StepBudget, StepClock, StepTimeModel, calibration_shapes
+from tokenmill.engine.step_budget import (AUTO_TARGET_MIN_MS, StepBudget, StepClock, StepTimeModel, auto_target_ms,
+                                          calibration_shapes)
 from tokenmill.entrypoints import cli
 from tokenmill.sampling_params import SamplingParams
 
@@ -247,12 +249,31 @@ def test_engine_with_a_target_changes_scheduling_not_outputs():
 
 
 def test_target_option_is_validated_and_a_flag():
-    for bad in (0, -5.0):
+    for bad in (0, -5.0, "fast", True):
         with pytest.raises(ConfigError, match="step_time_target_ms must be > 0"):
             EngineConfig(step_time_target_ms=bad)
-    args = cli.build_parser().parse_args(["generate", "hi", "--step-time-target-ms", "40"])
+    parser = cli.build_parser()
+    args = parser.parse_args(["generate", "hi", "--step-time-target-ms", "40"])
     assert cli.engine_config_from_args(args).step_time_target_ms == 40.0
-    assert EngineConfig().step_time_target_ms is None
+    assert EngineConfig().step_time_target_ms is None  # offline: no target
+    # tokenmill serve: auto, a target on one CUDA device only
+    serve = cli.engine_config_from_args(parser.parse_args(["serve"]))
+    assert serve.resolve_step_time_target("cuda") == "auto" and serve.resolve_step_time_target("cpu") is None
+    assert cli.engine_config_from_args(parser.parse_args(["serve", "-tp", "2"])).step_time_target_ms is None
+    off = parser.parse_args(["serve", "--step-time-target-ms", "off"])
+    assert cli.engine_config_from_args(off).resolve_step_time_target("cuda") is None
+    assert cli.engine_flags(off) == ["--step-time-target-ms", "off"]  # what bench serve --launch passes on
+
+
+def test_auto_target_is_twice_the_decode_step_or_the_floor():
+    assert auto_target_ms(calibrated_model(), 64) == AUTO_TARGET_MIN_MS  # a decode of 64: 5.8 ms
+    slow = calibrated_model(a=20.0)  # a decode of 64: 20 + 0.64 + 3.2 ms
+    assert auto_target_ms(slow, 64) == pytest.approx(2 * 23.84)
+    budget = StepBudget("auto", 256)
+    assert budget.auto and budget.prefill_cap(8, 9) == 256  # before calibration: no limit
+    # Calibrated on passes that take as long as the slow model says: the target follows them.
+    budget.calibrate(lambda t, r: time.sleep(truth(t, r, a=20.0) / 1e3), lambda: None, max_tokens=256, max_reqs=64)
+    assert budget.target_ms == pytest.approx(2 * 23.84, rel=0.25)
 
 
 def test_a_lasting_change_of_speed_is_followed_within_a_few_steps():

@@ -595,6 +595,26 @@ def goodput_verdict(summary: dict, itl_p99_ms: float, ttft_p99_ms: float) -> lis
     return reasons
 
 
+def goodput_of_rates(result: dict, itl_p99_ms: float = 30.0, ttft_p99_ms: float = 1000.0) -> dict:
+    """Goodput over a sweep's fixed rates (a result of `bench serve --rates`): each rate's verdict
+    (goodput_verdict) and the highest rate that meets the targets with every lower rate meeting
+    them too (None when the lowest misses)."""
+    rows, best, ok_so_far = [], None, True
+    for entry in sorted(result.get("rates") or [], key=lambda e: float(e["request_rate"])):
+        s = entry["summary"]
+        reasons = goodput_verdict(s, itl_p99_ms, ttft_p99_ms)
+        ok_so_far = ok_so_far and not reasons
+        if ok_so_far:
+            best = float(entry["request_rate"])
+        steps = entry.get("server_steps") or {}
+        rows.append({"request_rate": float(entry["request_rate"]), "num_requests": entry.get("num_requests"),
+                     "output_tok_per_s": s.get("output_tok_per_s"), "ttft_ms_p50": s.get("ttft_ms_p50"),
+                     "ttft_ms_p99": s.get("ttft_ms_p99"), "itl_ms_p50": s.get("itl_ms_p50"),
+                     "itl_ms_p99": s.get("itl_ms_p99"), "failed": s.get("failed"),
+                     "mixed_steps": steps.get("mixed"), "passed": not reasons, "fail_reasons": reasons})
+    return {"goodput_req_per_s": best, "itl_p99_ms_max": itl_p99_ms, "ttft_p99_ms_max": ttft_p99_ms, "rates": rows}
+
+
 def goodput_start(args, w: Workload) -> float:
     """--goodput's first rate: --goodput-start, else the workload's rate (SystemExit when neither is a
     finite rate > 0, or the other goodput flags are out of range)."""

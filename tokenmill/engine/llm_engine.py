@@ -23,7 +23,7 @@ from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.scheduler import Scheduler, SchedulerLimits
+from tokenmill.engine.scheduler import Scheduler, SchedulerLimits, prefill_context_scale
 from tokenmill.engine.spec_stats import SpecDecodeStats
 from tokenmill.engine.step_budget import StepBudget
 from tokenmill.engine.request_validator import RequestValidator
@@ -45,6 +45,8 @@ logger = init_logger(__name__)
 
 PromptType = Union[str, list[int]]
 _SEED_MASK = (1 << 63) - 1
+# On the CPU attention (a gather of the context, then SDPA) runs at about half the matmuls' FLOP rate.
+CPU_ATTENTION_SLOWDOWN = 2.0
 
 
 @dataclass
@@ -108,21 +110,24 @@ class LLMEngine:
             self.runner.capture_cuda_graphs()
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         spec = self.config.speculative_config
+        device_type = self.loaded.device.type
         # step_time_target_ms: caps the prompt tokens of steps with decodes once calibrated (below)
-        self.step_budget = (StepBudget(self.config.step_time_target_ms, self.config.max_num_batched_tokens,
-                                       self.config.block_size, synchronous=not on_gpu)
-                            if self.config.step_time_target_ms is not None else None)
+        target = self.config.resolve_step_time_target(device_type)
+        self.step_budget = (StepBudget(target, self.config.max_num_batched_tokens, self.config.block_size,
+                                       synchronous=not on_gpu) if target is not None else None)
         self.scheduler = Scheduler(SchedulerLimits(self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                                   self.max_model_len,
-                                                   self.config.resolve_prefill_cap(self.loaded.device.type),
+                                                   self.max_model_len, self.config.resolve_prefill_cap(device_type),
                                                    spec.num_speculative_tokens if spec else 0,
                                                    spec.num_lookahead_tokens if spec else 0,
                                                    self.config.max_loras if self.loras is not None else 0,
-                                                   self.config.pipeline_parallel_size),
+                                                   self.config.pipeline_parallel_size,
+                                                   self.config.resolve_prefill_step_cap(device_type),
+                                                   self._prefill_context_scale(device_type)),
                                    self.kv, self.step_budget)
         # Steps kept in flight beyond the one being completed: one with async scheduling; with
         # pipeline stages pp - 1, so that every stage has a step (executor/pipeline.py).
-        self.steps_ahead = max(self.config.pipeline_parallel_size - 1, 1 if self.config.async_scheduling else 0)
+        self.async_scheduling = self.config.resolve_async_scheduling(device_type)
+        self.steps_ahead = max(self.config.pipeline_parallel_size - 1, 1 if self.async_scheduling else 0)
         self.max_steps_in_flight = 0  # the most seen at once
         self.outputs = OutputProcessor(self.tokenizer)
         # Structured output: grammars compiled (and cached) on validation, a matcher per request.
@@ -146,6 +151,15 @@ class LLMEngine:
         if self.step_budget is not None:  # after warm-up: its compiles are not the steps' cost
             self.step_budget.calibrate_runner(self.runner, min(self.config.max_num_batched_tokens, self.max_model_len),
                                               self.config.max_num_seqs)
+
+    def _prefill_context_scale(self, device_type: str) -> Optional[float]:
+        """On the CPU, where a step's time follows its FLOPs, a per-step prompt cap counts a late
+        chunk of a long prompt dearer (its attention over the context); elsewhere plain tokens."""
+        if device_type != "cpu":
+            return None
+        arch = self.loaded.arch
+        return prefill_context_scale(arch.hidden_size, arch.intermediate_size, arch.q_size, arch.kv_size,
+                                     CPU_ATTENTION_SLOWDOWN)
 
     def _start_tensor_parallel(self, model, dtype, device, load_format: str, loaded, tokenizer):
         tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size

@@ -1,9 +1,13 @@
 """Token-budget continuous batching with chunked prefill, prefix caching and preemption.
 
-Each step: running requests first (decodes, then unfinished prefills), then waiting requests in
-arrival order, until the token budget (max_num_batched_tokens) or max_num_seqs is used up. A prompt
-that does not fit the remaining budget is prefilled in chunks over several steps, mixed with the
-decodes. With `max_prefill_tokens_with_decodes` set, a step that runs decodes takes at most that many
+Each step: running decodes first, then unfinished prefills, then waiting requests in arrival
+order, until the token budget (max_num_batched_tokens) or max_num_seqs is used up; a waiting
+request whose whole prompt is shorter than every unfinished prefill's rest, and fits the step, goes
+before those prefills (a short arrival is not held behind a long prompt's chunks). A prompt that
+does not fit the remaining budget is prefilled in chunks over several steps, mixed with the
+decodes. `max_prefill_tokens_per_step` caps the prompt tokens of every step, with or without
+decodes, so a request that arrives during a long prefill is scheduled at the next step (on by
+default on the CPU). With `max_prefill_tokens_with_decodes` set, a step that runs decodes takes at most that many
 prompt tokens, so one long prompt cannot stall every running request's next token for long (off by
 default: on serve-8b a cap of 512 raised the inter-token latency's p90 and p99, docs/PERFORMANCE.md).
 With a step budget (engine/step_budget.py, EngineConfig.step_time_target_ms), a step that runs
@@ -24,7 +28,7 @@ follow a step write positions up to k - 1 past it. The runner never writes past 
 """
 
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from tokenmill.engine.kv_cache_manager import KVCacheManager, fits_problem
@@ -49,6 +53,64 @@ class SchedulerLimits:
     # is on its way is not scheduled again until it is back, and a step takes at most a 1/depth
     # share of the requests, so that the steps in flight hold different requests (executor/pipeline.py).
     pipeline_depth: int = 1
+    # Prompt tokens a step may take in all, with or without decodes (None: the token budget); with
+    # prefill_context_scale, a prompt token at context c counts 1 + c / prefill_context_scale (its
+    # attention over c earlier tokens: prefill_context_tokens()).
+    max_prefill_tokens_per_step: Optional[int] = None
+    prefill_context_scale: Optional[float] = None
+
+
+def prefill_context_scale(hidden_size: int, intermediate_size: int, q_size: int, kv_size: int,
+                          attention_slowdown: float = 1.0) -> float:
+    """The context length at which a prompt token's attention over earlier tokens (4 x context x
+    q_size FLOPs a layer) costs as much as its linear layers (2 x their weights), with attention
+    running `attention_slowdown` times slower per FLOP than the matmuls."""
+    linear = hidden_size * (2 * q_size + 2 * kv_size) + 3 * hidden_size * intermediate_size
+    return linear / (2.0 * q_size * attention_slowdown)
+
+
+def _prefilling(request: Request) -> bool:
+    """Its prompt (or, after a preemption, what it recomputes) is not done yet."""
+    return request.num_computed_tokens < request.num_prefill_tokens
+
+
+@dataclass
+class _Step:
+    """What one schedule() call has taken so far, and the room left for prompt tokens."""
+
+    budget: int  # tokens left (max_num_batched_tokens)
+    # Prompt-token cost left under max_prefill_tokens_per_step (None: no such cap); a prompt token
+    # at context c costs 1 + c / context_scale with a context_scale, else 1.
+    cost_left: Optional[float]
+    context_scale: Optional[float]
+    share: Optional[int]  # entries the step may take (pipeline stages), None: no limit
+    prefill_budget: int = 0  # prompt tokens left, lowered once decodes are in (_cap_prefill)
+    num_decodes: int = 0
+    decode_tokens: int = 0
+    batch: list = field(default_factory=list)
+    new_requests: list = field(default_factory=list)
+    scheduled: set = field(default_factory=set)
+    preempted: set = field(default_factory=set)  # preempted in this step: not re-admitted in it
+
+    def __post_init__(self) -> None:
+        self.prefill_budget = self.budget
+
+    def token_cost(self, start: int) -> float:
+        return 1.0 if self.context_scale is None else 1.0 + start / self.context_scale
+
+    def prompt_room(self, start: int) -> int:
+        """Prompt tokens a chunk that starts at position `start` may take (at least one while any
+        cost is left, so a prompt deep into its context still progresses)."""
+        room = min(self.budget, self.prefill_budget)
+        if self.cost_left is not None:
+            room = min(room, max(int(self.cost_left / self.token_cost(start)), 1 if self.cost_left > 0 else 0))
+        return room
+
+    def take_prompt(self, num_tokens: int, start: int) -> None:
+        self.budget -= num_tokens
+        self.prefill_budget -= num_tokens
+        if self.cost_left is not None:
+            self.cost_left = max(0.0, self.cost_left - num_tokens * self.token_cost(start))
 
 
 class Scheduler:
@@ -98,60 +160,79 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.limits.max_num_batched_tokens
-        prefill_budget = budget  # capped once a decode is in the step
-        num_decodes = decode_tokens = prefill_tokens = 0
-        capped_at = 0  # num_decodes when prefill_budget was last capped
-        batch: list[ScheduledRequest] = []
-        new_requests: list[NewRequestData] = []
-        scheduled: set[str] = set()
-        preempted_now: set[str] = set()
-        depth = self.limits.pipeline_depth
-        share = -(-len(self.requests) // depth) if depth > 1 else None  # entries a step may take
+        limits = self.limits
+        step = _Step(limits.max_num_batched_tokens, limits.max_prefill_tokens_per_step, limits.prefill_context_scale,
+                     -(-len(self.requests) // limits.pipeline_depth) if limits.pipeline_depth > 1 else None)
+        # Decodes first, then prefills in progress (stable, so oldest first within each).
+        running = sorted(self.running, key=_prefilling)
+        split = next((i for i, r in enumerate(running) if _prefilling(r)), len(running))
+        for request in running[:split]:
+            self._schedule_running(step, request, prefilling=False)
+        if step.num_decodes:
+            step.prefill_budget = self._cap_prefill(step.prefill_budget, step.num_decodes, step.decode_tokens)
+        in_progress = running[split:]
+        if in_progress and self.waiting:
+            # A short arrival goes before prompts in progress (each longer than it), so it is not
+            # held behind a long prompt's chunks. Under a per-step cap its step stays short too:
+            # the prompts in progress take a block's worth in it.
+            shortest = min(r.num_prefill_tokens - r.num_computed_tokens for r in in_progress)
+            reserve = self.kv.block_size
+            if self._admit_waiting(step, shorter_than=shortest, reserve=reserve) and step.cost_left is not None:
+                step.cost_left = min(step.cost_left, reserve)
+        for request in in_progress:
+            self._schedule_running(step, request, prefilling=True)
+        self._admit_waiting(step)
+        batch = step.batch
+        if self._running_loras:
+            # Entries of one adapter side by side: the LoRA kernels then run each adapter's tokens as
+            # one tile (runner/lora_state.py); the order of a step's entries means nothing else.
+            batch.sort(key=lambda e: self._lora_order(self.requests[e.req_id].lora_request))
 
-        # Decodes first, then prefills still in progress (stable, so oldest first within each).
-        for request in sorted(self.running, key=lambda r: r.is_prefilling):
-            if budget == 0:
-                break
-            if request.request_id in preempted_now:
-                continue
-            if share is not None and (request.num_pending or len(batch) >= share):
-                continue  # its token is in flight / this step has its share (pipeline stages)
-            prefilling = request.num_computed_tokens < request.num_prefill_tokens  # its prompt is not done
-            if prefilling and num_decodes > capped_at:
-                prefill_budget, capped_at = self._cap_prefill(prefill_budget, num_decodes, decode_tokens,
-                                                              prefill_tokens), num_decodes
-            num_new, speculative = self._running_tokens(request, prefilling, budget, prefill_budget)
-            if num_new == 0:
-                continue
-            blocks_before = len(request.block_ids)
-            ahead = self._lookahead(request, request.num_computed_tokens + num_new)
-            while not self.kv.allocate(request, num_new, num_lookahead_tokens=ahead):
-                victim = self._pick_victim(scheduled | {request.request_id}) or request
-                self._preempt(victim)
-                preempted_now.add(victim.request_id)
-                if victim is request:
-                    break
-            if request.request_id in preempted_now:
-                continue
-            batch.append(self._entry(request, num_new, request.block_ids[blocks_before:], speculative))
-            scheduled.add(request.request_id)
-            budget -= num_new
-            if prefilling:
-                prefill_budget -= num_new
-                prefill_tokens += num_new
-            else:
-                num_decodes += 1
-                decode_tokens += num_new
+        return SchedulerOutput(batch=batch, new_requests=step.new_requests, freed_req_ids=self.take_freed_ids(),
+                               num_decodes=step.num_decodes)
 
-        if num_decodes > capped_at:
-            prefill_budget = self._cap_prefill(prefill_budget, num_decodes, decode_tokens, prefill_tokens)
+    def _schedule_running(self, step: "_Step", request: Request, prefilling: bool) -> None:
+        """Schedule a running request's next tokens (a decode, or its prompt's next chunk), preempting
+        the most recently admitted requests not yet in the step while KV blocks run out."""
+        if step.budget == 0 or request.request_id in step.preempted:
+            return
+        if step.share is not None and (request.num_pending or len(step.batch) >= step.share):
+            return  # its token is in flight / this step has its share (pipeline stages)
+        start = request.num_computed_tokens
+        num_new, speculative = self._running_tokens(request, prefilling, step.budget, step.prompt_room(start))
+        if num_new == 0:
+            return
+        blocks_before = len(request.block_ids)
+        ahead = self._lookahead(request, request.num_computed_tokens + num_new)
+        while not self.kv.allocate(request, num_new, num_lookahead_tokens=ahead):
+            victim = self._pick_victim(step.scheduled | {request.request_id}) or request
+            self._preempt(victim)
+            step.preempted.add(victim.request_id)
+            if victim is request:
+                return
+        step.batch.append(self._entry(request, num_new, request.block_ids[blocks_before:], speculative))
+        step.scheduled.add(request.request_id)
+        if prefilling:
+            step.take_prompt(num_new, start)
+        else:
+            step.budget -= num_new
+            step.num_decodes += 1
+            step.decode_tokens += num_new
+
+    def _admit_waiting(self, step: "_Step", shorter_than: Optional[int] = None, reserve: int = 0) -> int:
+        """Admit waiting requests in order while the step has room; returns how many. With
+        shorter_than: only while the first one's whole prompt is shorter than that and fits the step
+        with `reserve` prompt tokens to spare (it then completes its prompt in this step)."""
+        admitted = 0
         skipped: list[Request] = []  # waiting requests whose adapter has no slot now (kept in order)
-        while (self.waiting and min(budget, prefill_budget) > 0
-               and len(self.running) < self.limits.max_num_seqs and (share is None or len(batch) < share)):
+        while (self.waiting and step.prompt_room(0) > 0 and len(self.running) < self.limits.max_num_seqs
+               and (step.share is None or len(step.batch) < step.share)):
             request = self.waiting[0]
-            if request.num_pending or request.request_id in preempted_now:
+            if request.num_pending or request.request_id in step.preempted:
                 break  # wait for its in-flight token / don't re-admit what was just preempted
+            if shorter_than is not None and not (request.num_tokens < shorter_than
+                                                 and request.num_tokens + reserve <= step.prompt_room(0)):
+                break
             if not self._lora_slot_free(request):
                 skipped.append(self.waiting.popleft())
                 continue
@@ -159,8 +240,9 @@ class Scheduler:
             # request's blocks still enter the cache).
             cached_blocks, num_cached = (self.kv.find_cached_prefix(request) if request.params.prompt_logprobs is None
                                          else ([], 0))
-            num_new = min(request.num_tokens - num_cached, budget, prefill_budget)
-            if not self.kv.allocate(request, num_new, cached_blocks, self._lookahead(request, num_cached + num_new)):
+            num_new = min(request.num_tokens - num_cached, step.prompt_room(num_cached))
+            if num_new <= 0 or not self.kv.allocate(request, num_new, cached_blocks,
+                                                    self._lookahead(request, num_cached + num_new)):
                 break
             self.waiting.popleft()
             if request.num_preemptions == 0:
@@ -170,18 +252,13 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.num_prefill_tokens = request.num_tokens
             self._add_running(request)
-            new_requests.append(self._new_request_data(request))
-            batch.append(self._entry(request, num_new, []))
-            budget -= num_new
-            prefill_budget -= num_new
+            step.new_requests.append(self._new_request_data(request))
+            step.batch.append(self._entry(request, num_new, []))
+            step.scheduled.add(request.request_id)  # never a victim of a later entry's allocation
+            step.take_prompt(num_new, num_cached)
+            admitted += 1
         self.waiting.extendleft(reversed(skipped))
-        if self._running_loras:
-            # Entries of one adapter side by side: the LoRA kernels then run each adapter's tokens as
-            # one tile (runner/lora_state.py); the order of a step's entries means nothing else.
-            batch.sort(key=lambda e: self._lora_order(self.requests[e.req_id].lora_request))
-
-        return SchedulerOutput(batch=batch, new_requests=new_requests, freed_req_ids=self.take_freed_ids(),
-                               num_decodes=num_decodes)
+        return admitted
 
     def _lora_slot_free(self, request: Request) -> bool:
         """Whether the request's adapter (if any) can run now: it already runs, or fewer than
@@ -208,15 +285,14 @@ class Scheduler:
             if not self._running_loras[lora]:
                 del self._running_loras[lora]
 
-    def _cap_prefill(self, prefill_budget: int, num_decodes: int, decode_tokens: int, prefill_tokens: int) -> int:
-        """The prompt tokens a step with decodes may still take: the step's prompt tokens (those
-        already taken included) stay within max_prefill_tokens_with_decodes and what the step
-        budget fits beside the decodes (counted with one more request: the prefill)."""
+    def _cap_prefill(self, prefill_budget: int, num_decodes: int, decode_tokens: int) -> int:
+        """The prompt tokens a step with decodes may take: within max_prefill_tokens_with_decodes
+        and what the step budget fits beside the decodes (counted with one more request: the prefill)."""
         cap = self.limits.max_prefill_tokens_with_decodes
         if self.step_budget is not None:
             fit = self.step_budget.prefill_cap(decode_tokens, num_decodes + 1)
             cap = fit if cap is None else min(cap, fit)
-        return prefill_budget if cap is None else min(prefill_budget, max(0, cap - prefill_tokens))
+        return prefill_budget if cap is None else min(prefill_budget, cap)
 
     def take_freed_ids(self) -> list[str]:
         """Requests whose runner rows can be released (finished or preempted since the last call)."""
@@ -228,7 +304,7 @@ class Scheduler:
             return 0  # its last token is already on the way
         return min(request.num_tokens_scheduled_ahead - request.num_computed_tokens, budget)
 
-    def _running_tokens(self, request: Request, prefilling: bool, budget: int, prefill_budget: int
+    def _running_tokens(self, request: Request, prefilling: bool, budget: int, prompt_room: int
                         ) -> tuple[int, bool]:
         """Tokens to schedule for a running request, and whether they verify drafts."""
         # A speculating request whose lookups found nothing, with no verify step in flight, knows its
@@ -236,7 +312,7 @@ class Scheduler:
         # one logits row); its step still drafts, so the next may verify.
         if request.speculates and not prefilling and (request.expects_drafts or request.num_uncertain):
             return self._speculative_tokens(request, budget), True
-        return self._tokens_to_schedule(request, min(budget, prefill_budget) if prefilling else budget), False
+        return self._tokens_to_schedule(request, prompt_room if prefilling else budget), False
 
     def _speculative_tokens(self, request: Request, budget: int) -> int:
         """A speculating decode: its last token and up to k drafts, within the budget, the context

@@ -44,7 +44,7 @@ import logging
 import statistics
 import time
 from collections import deque
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -322,18 +322,36 @@ class StepClock:
         return ms
 
 
+# target "auto": the larger of a floor that holds inter-token latency p99 near 30 ms on serve-8b
+# (docs/PERFORMANCE.md) and twice the calibrated decode step, so that prompts still get room beside
+# the decodes of a model whose decode step alone is near the floor.
+AUTO_TARGET_MIN_MS = 22.0
+AUTO_TARGET_DECODE_FACTOR = 2.0
+
+
+def auto_target_ms(model: "StepTimeModel", decode_batch: int) -> float:
+    """The "auto" target for a calibrated model: max(AUTO_TARGET_MIN_MS, AUTO_TARGET_DECODE_FACTOR x
+    the predicted decode step of decode_batch requests)."""
+    decode_ms = model.predict(decode_batch, decode_batch)
+    return max(AUTO_TARGET_MIN_MS, AUTO_TARGET_DECODE_FACTOR * decode_ms)
+
+
 class StepBudget:
     """The prompt tokens a step with decodes may take under a step-time target (milliseconds),
     and the measurements that keep its model current (synchronous: the runner computes each step
     during its launch, as on the CPU; else steps run on a CUDA stream, timed with events).
 
+    target_ms "auto": chosen at calibration (auto_target_ms over a decode of max_reqs requests).
     Before calibration it limits nothing and learns nothing (the engine's own warm-up steps, with
     their compiles, run then)."""
 
-    def __init__(self, target_ms: float, max_tokens: int, min_tokens: int = 16,
+    def __init__(self, target_ms: Union[float, str], max_tokens: int, min_tokens: int = 16,
                  model: Optional[StepTimeModel] = None, synchronous: bool = True):
-        if not target_ms > 0:
-            raise ValueError(f"target_ms must be > 0, got {target_ms}")
+        self.auto = target_ms == "auto"
+        if self.auto:
+            target_ms = AUTO_TARGET_MIN_MS  # until calibrate() chooses it
+        elif isinstance(target_ms, str) or not target_ms > 0:
+            raise ValueError(f"target_ms must be > 0 or 'auto', got {target_ms!r}")
         self.target_ms = float(target_ms)
         self.max_tokens = int(max_tokens)
         self.min_tokens = max(1, min(int(min_tokens), self.max_tokens))
@@ -391,12 +409,16 @@ class StepBudget:
                 times.append((time.perf_counter() - t0) * 1e3)
             samples.append((num_tokens, num_reqs, statistics.median(times)))
         self.model.fit(samples)
+        if self.auto:
+            self.target_ms = auto_target_ms(self.model, max(1, max_reqs))
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("step-time calibration samples (tokens, requests, ms): %s",
                          [(t, r, round(ms, 3)) for t, r, ms in samples])
-        logger.info("step-time target %.1f ms: step time model %s (from %d shapes in %.2f s); a step with "
-                    "decodes takes at least %d prompt tokens", self.target_ms, self.model, len(samples),
-                    time.perf_counter() - started, self.min_tokens)
+        logger.info("step-time target %.1f ms%s: step time model %s (from %d shapes in %.2f s); a step with "
+                    "decodes takes at least %d prompt tokens", self.target_ms,
+                    f" (auto: a decode of {max_reqs} requests predicted at {self.model.predict(max_reqs, max_reqs):.1f}"
+                    " ms)" if self.auto else "", self.model, len(samples), time.perf_counter() - started,
+                    self.min_tokens)
 
     def calibrate_runner(self, runner, max_tokens: int, max_reqs: int) -> None:
         """calibrate() on a model runner's dummy forward passes: on CUDA through the piecewise CUDA

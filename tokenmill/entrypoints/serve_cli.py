@@ -16,6 +16,15 @@ logger = init_logger(__name__)
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
 
+# ---- scheduling defaults of the server (the offline LLM and bench throughput keep the fields' own) ----
+# A step-time target on one CUDA device, chosen at start-up (engine/step_budget.py: auto_target_ms),
+# holds inter-token latency down under load; off on the CPU and with tensor or pipeline parallelism.
+SERVE_ENGINE_DEFAULTS = {
+    "step_time_target_ms": ("auto", "auto: on one CUDA device the larger of 22 ms and twice the calibrated "
+                                    "decode step of max_num_seqs requests; off on the CPU and with tensor or "
+                                    "pipeline parallelism"),
+}
+
 
 def register(subparsers) -> None:
     from tokenmill.entrypoints.cli import add_command, add_engine_args
@@ -97,7 +106,7 @@ def register(subparsers) -> None:
     g.add_argument("--lora-root", action="append", default=None, metavar="DIR",
                    help="a directory run-time loads may read adapters from (repeat for several): a lora_path, "
                         "absolute or relative to it, must resolve (symlinks followed) inside one")
-    add_engine_args(p)
+    add_engine_args(p, defaults=SERVE_ENGINE_DEFAULTS)
     p.set_defaults(func=cmd_serve, log_level_default="INFO")
 
 
