@@ -119,6 +119,8 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         """Capture the graph bank's plan, then a draft's decode graphs (CUDA only, after the KV cache
         exists; nothing with enforce_eager)."""
+        if not self.graphs.plan.sizes:
+            return
         with no_garbage_collection():
             self.graphs.capture(self)
             if self.spec is not None and self.graphs.plan.draft_max_batch:
