@@ -44,7 +44,8 @@ def test_plan_limits_sizes_by_the_step_budget():
     assert p.sizes[(FULL, 4, False)] == (1, 2, 4, 8, 10)  # 40 tokens // 4 per request
     assert p.sizes[(PIECEWISE, 0, False)][-1] == 40
     assert (PIECEWISE, 0, False) not in plan(max_num_tokens=8).sizes  # steps under 16 tokens: none
-    assert plan(verify_query_len=None).draft_max_batch == 0 and (FULL, 4, False) not in plan(verify_query_len=None).sizes
+    plain = plan(verify_query_len=None)  # no speculative decoding: no verify or draft graphs
+    assert plain.draft_max_batch == 0 and (FULL, 4, False) not in plain.sizes
 
 
 def test_plan_with_lora_keys():
