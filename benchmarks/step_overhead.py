@@ -40,8 +40,9 @@ def time_shape(runner, tokens: int, reqs: int, piecewise: bool, repeat: int = 5)
         total.append(1e3 * (t2 - t0))
     host.sort()
     total.sort()
-    size = runner.piecewise.dispatch(tokens) if (piecewise and runner.piecewise is not None) else None
-    return {"tokens": tokens, "requests": reqs, "mode": f"piecewise graphs ({size} tokens)" if size else "eager",
+    key = runner.graphs.dispatch(reqs, tokens, None, False)
+    pieces = piecewise and key.mode.value == "piecewise"
+    return {"tokens": tokens, "requests": reqs, "mode": f"piecewise graphs ({key.size} tokens)" if pieces else "eager",
             "host_ms": host[len(host) // 2], "total_ms": total[len(total) // 2]}
 
 

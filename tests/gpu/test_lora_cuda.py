@@ -11,6 +11,7 @@ from tokenmill import LoRARequest
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.llm import LLM
+from tokenmill.runner.cuda_graphs import GraphMode
 from tokenmill.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -57,7 +58,9 @@ def test_mixed_adapters_equal_peft_fp32(setup, eager):
     one = llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=adapters[1])[0]
     assert one.outputs[0].token_ids == _hf_greedy(refs[2], prompts[0])
     if not eager:
-        assert llm.engine.runner.lora_graphs is not None and llm.engine.runner.graphs is not None
+        lora_keys = {(k.mode, k.query_len) for k in llm.engine.runner.graphs.graphs if k.lora}
+        assert lora_keys == {(GraphMode.FULL, 1), (GraphMode.PIECEWISE, 0)}
+        assert llm.engine.runner.graphs.keys(GraphMode.FULL, query_len=1)
 
 
 def test_bf16_graphs_equal_bf16_eager(setup):

@@ -17,6 +17,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.loader.dummy import initialize_dummy_weights
 from tokenmill.loader.load import LoadedModel, load_model
+from tokenmill.runner.cuda_graphs import GraphMode
 from tokenmill.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -92,13 +93,15 @@ def test_greedy_matches_cpu_fp32(models, overrides):
     linear layers run as fused GEMVs."""
     _, cpu, cpu_outs = models
     llm, gpu_outs = run(to_cuda(cpu, torch.float32), **overrides)
-    runner = llm.engine.runner
+    bank = llm.engine.runner.graphs
     if not overrides or "max_num_batched_tokens" in overrides:
-        assert runner.graphs is not None and runner.graphs.graphs
-        assert runner.piecewise is not None and runner.piecewise.pieces
-        assert len(next(iter(runner.piecewise.pieces.values())).graphs) == cpu.arch.num_layers + 1
+        assert bank.keys(GraphMode.FULL, query_len=1)
+        pieces = bank.keys(GraphMode.PIECEWISE)
+        assert pieces and len(bank.graphs[pieces[0]].graphs) == cpu.arch.num_layers + 1
     if overrides.get("piecewise_cuda_graph_max_tokens") == 0 or overrides.get("enforce_eager"):
-        assert runner.piecewise is None
+        assert not bank.keys(GraphMode.PIECEWISE)
+    if overrides.get("enforce_eager"):
+        assert not bank.graphs
     for ours, ref in zip(gpu_outs, cpu_outs):
         assert ours.token_ids == ref.token_ids
         for a, b in zip(ours.logprobs, ref.logprobs):  # decode-step logits agree too

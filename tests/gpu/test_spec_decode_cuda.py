@@ -17,6 +17,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.loader.load import load_model
+from tokenmill.runner.cuda_graphs import GraphMode
 from tokenmill.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -55,15 +56,16 @@ def smollm_fp32():
     return gpu, prompts, params, ref
 
 
-def _count_replays(manager) -> dict:
+def _count_verify_replays(bank, query_len: int) -> dict:
     seen = {"replays": 0}
-    replay = manager.replay
+    run = bank.run
 
-    def counted(size):
-        seen["replays"] += 1
-        return replay(size)
+    def counted(key, meta):
+        if key.mode is GraphMode.FULL and key.query_len == query_len:
+            seen["replays"] += 1
+        return run(key, meta)
 
-    manager.replay = counted
+    bank.run = counted
     return seen
 
 
@@ -76,7 +78,8 @@ def test_greedy_with_ngram_matches_plain(smollm_fp32, overrides):
               "speculative_config": NGRAM, **overrides}
     engine = LLMEngine(config=EngineConfig(**config), loaded=gpu)
     runner = engine.runner
-    seen = _count_replays(runner.verify_graphs) if runner.verify_graphs is not None else None
+    q = 1 + NGRAM["num_speculative_tokens"]
+    seen = _count_verify_replays(runner.graphs, q)
     llm = LLM.from_engine(engine)
     if overrides.get("max_num_seqs") == 1:  # one request at a time: every decode is a uniform verify step
         out = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
@@ -87,9 +90,9 @@ def test_greedy_with_ngram_matches_plain(smollm_fp32, overrides):
     stats = engine.spec_stats
     assert stats.drafts > 0, "no draft was verified"
     if overrides.get("enforce_eager"):
-        assert runner.verify_graphs is None
+        assert not runner.graphs.keys(GraphMode.FULL, query_len=q)
     else:
-        assert runner.verify_graphs is not None and runner.verify_graphs.graphs
+        assert runner.graphs.keys(GraphMode.FULL, query_len=q)
         if overrides.get("max_num_seqs") == 1:
             assert seen["replays"] > 0, "no verify step replayed a graph"
 

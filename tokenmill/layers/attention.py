@@ -1,5 +1,6 @@
 """Attention over the paged KV cache: prepare q/k (optional q/k norm, rotary), store this step's K/V, attend."""
 
+import enum
 from typing import Optional
 
 import torch
@@ -12,7 +13,20 @@ from tokenmill.layers.batch_invariant import is_batch_invariant
 from tokenmill.layers.forward_context import AttentionMetadata, get_forward_context
 
 
+class CudaGraphSupport(enum.IntEnum):
+    """What an attention backend lets a full CUDA graph hold; weaker is lower, so the runner takes
+    the min over the backends in use. Piecewise graphs keep attention outside, so every level allows them."""
+
+    NEVER = 0  # no full graphs
+    UNIFORM_SINGLE_TOKEN_DECODE = 1  # full graphs of steps where every request computes one token
+    UNIFORM_BATCH = 2  # ... or where every request computes the same number of tokens (verify steps)
+    ALWAYS = 3  # ... or any step
+
+
 class Attention(nn.Module):
+    # The paged Triton kernels pick grid and tiles from the step's query lengths on the host.
+    cuda_graph_support = CudaGraphSupport.UNIFORM_BATCH
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int,
                  sliding_window: Optional[int] = None):
         super().__init__()

@@ -5,7 +5,6 @@ Only what every model needs lives here; request state, input buffers, the sample
 allocation and CUDA graphs each have their own module.
 """
 
-import functools
 from typing import Optional
 
 import numpy as np
@@ -17,7 +16,8 @@ from tokenmill.layers.batch_invariant import runner_numerics
 from tokenmill.layers.forward_context import AttentionMetadata, AttentionSplitter, forward_context
 from tokenmill.logger import init_logger
 from tokenmill.runner.async_output import AsyncOutput
-from tokenmill.runner.cuda_graphs import no_garbage_collection
+from tokenmill.runner.cuda_graphs import (GraphBank, GraphMode, no_garbage_collection, resolve_graph_plan,
+                                          uniform_query_len, weakest_graph_support)
 from tokenmill.step_io import GrammarBitmask, SchedulerOutput
 from tokenmill.runner.dummy_batch import fill_dummy_batch, split_tokens
 from tokenmill.runner.input_buffers import InputBuffers, StepDescriptor
@@ -72,11 +72,12 @@ class ModelRunner:
         self.buffers = InputBuffers(self.max_num_tokens, config.max_num_seqs, max_blocks, device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.kv_caches: list = []  # per layer (k_cache, v_cache)
-        self.graphs = None  # a CudaGraphManager once captured
-        self.verify_graphs = None  # with speculative decoding: one for uniform 1 + k verify steps
-        self.piecewise = None  # a PiecewiseGraphManager once captured
-        self.lora_graphs = None  # with LoRA: decode graphs of steps with adapters (over the slot tables)
-        self.lora_piecewise = None  # with LoRA: piecewise graphs of steps with adapters
+        # Every CUDA graph (runner/cuda_graphs.py), planned from the weakest attention backend in use.
+        self.graphs = GraphBank(resolve_graph_plan(
+            weakest_graph_support(model, draft_model), enabled=device.type == "cuda" and not config.enforce_eager,
+            max_num_seqs=config.max_num_seqs, cuda_graph_max_batch=config.cuda_graph_max_batch,
+            max_num_tokens=self.max_num_tokens, piecewise_max_tokens=config.piecewise_cuda_graph_max_tokens,
+            verify_query_len=1 + spec.num_speculative_tokens if spec else None, lora=self.lora is not None))
         # Pipeline parallelism (executor/pipeline.py): this stage's link to its neighbours, which also
         # gives every stage the last stage's sampled tokens.
         self.pipeline = None
@@ -116,47 +117,14 @@ class ModelRunner:
 
     @runner_numerics  # in the engine's batch_invariant mode (layers/batch_invariant.py), as the steps below
     def capture_cuda_graphs(self) -> None:
-        """Capture decode graphs and piecewise graphs for prefill / mixed steps (CUDA only, after
-        the KV cache exists; skipped with enforce_eager)."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
+        """Capture the graph bank's plan, then a draft's decode graphs (CUDA only, after the KV cache
+        exists; nothing with enforce_eager)."""
+        if not self.graphs.plan.sizes:
             return
         with no_garbage_collection():
-            self._capture_cuda_graphs()
-
-    def _capture_cuda_graphs(self) -> None:
-        from tokenmill.runner.cuda_graphs import CudaGraphManager, default_capture_sizes
-        from tokenmill.runner.piecewise_graphs import PiecewiseGraphManager, piecewise_sizes
-
-        max_piecewise = min(self.config.piecewise_cuda_graph_max_tokens, self.max_num_tokens)
-        largest = min(self.config.max_num_seqs, self.config.cuda_graph_max_batch, self.max_num_tokens)
-        # Steps without adapters replay the same graphs as without LoRA; steps with adapters, a
-        # second set captured over the slot tables (so no adapter change needs a recapture).
-        for lora in (None,) + ((self.lora.context,) if self.lora else ()):
-            forward = self.run_model if lora is None else functools.partial(self.run_model, lora=lora)
-            if max_piecewise >= 16:
-                piecewise = PiecewiseGraphManager(self.attn_spec, self.buffers, self.kv_caches, forward,
-                                                  piecewise_sizes(max_piecewise))
-                piecewise.capture(lambda tokens: self.dummy_run(tokens, 1, lora=lora))
-                if lora is None:
-                    self.piecewise = piecewise
-                else:
-                    self.lora_piecewise = piecewise
-            manager = CudaGraphManager(self.model, self.buffers, forward, default_capture_sizes(largest))
-            manager.capture()
-            if lora is None:
-                self.graphs = manager
-            else:
-                self.lora_graphs = manager
-        if self.spec is not None:  # verify steps: 1 + k tokens per request
-            q = 1 + self.spec.k
-            if largest * q > self.max_num_tokens:
-                largest = self.max_num_tokens // q
-            if largest >= 1:
-                verify = CudaGraphManager(self.model, self.buffers, self.run_model, default_capture_sizes(largest), q)
-                verify.capture()
-                self.verify_graphs = verify
-        if self.spec is not None:  # the draft steps of a draft model or the layer-truncated draft
-            self.spec.capture_cuda_graphs(min(self.config.max_num_seqs, self.config.cuda_graph_max_batch))
+            self.graphs.capture(self)
+            if self.spec is not None and self.graphs.plan.draft_max_batch:
+                self.spec.capture_cuda_graphs(self.graphs.plan.draft_max_batch)
 
     @runner_numerics
     def warm_up(self) -> None:
@@ -228,26 +196,21 @@ class ModelRunner:
         self._req_ids = [e.req_id for e in batch]
         lp_plan = self.prompt_logprobs.plan(self._req_ids, rows, q_lens, start)  # reads every token's hidden
         lora = self.lora.has_adapters(rows) if self.lora is not None else False
-        graphs = self._full_graphs(batch, q_lens, lora) if lp_plan is None else None
-        graph = graphs.dispatch(len(batch)) if graphs is not None else None
-        piecewise = self.lora_piecewise if lora else self.piecewise
-        pieces = piecewise.dispatch(num_tokens) if (piecewise is not None and graph is None) else None
-        padded = graph if graph is not None else len(batch)
-        if graph is not None:
-            padded_tokens = graph * graphs.query_len
-        else:
-            padded_tokens = pieces if pieces is not None else num_tokens
+        # Full graphs need every entry's logits row in token order; prompt logprobs read every token.
+        q = uniform_query_len(q_lens, lambda: all(e.speculative for e in batch)) if lp_plan is None else None
+        key = self.graphs.dispatch(len(batch), num_tokens, q, lora)
+        padded, padded_tokens = key.padded(len(batch), num_tokens)
         step = StepDescriptor(len(batch), num_tokens, padded, padded_tokens,
                               int(q_lens.max()), int((start + q_lens).max()), rows, samples)
         self.buffers.upload(rows, q_lens, start, samples, padded)
         self.buffers.prepare(step, states)
         lora_ctx = self.lora.step_context(rows, q_lens, step.padded_tokens) if lora else None
         self._plan = self.spec.prepare(self.buffers, states, batch, rows, q_lens) if self.spec else None
-        if graph is not None:  # every token's logits, in the order of the step's logits rows
-            self._logits = graphs.replay(graph)[:num_tokens]
+        if key.mode is GraphMode.FULL:  # every token's logits, in the order of the step's logits rows
+            self._logits = self.graphs.run(key, None)[:num_tokens]
         else:
-            if pieces is not None:
-                hidden = piecewise.run(pieces, self.buffers.attention_metadata(step))
+            if key.mode is GraphMode.PIECEWISE:
+                hidden = self.graphs.run(key, self.buffers.attention_metadata(step))
             else:
                 t = step.padded_tokens
                 hidden = self.run_model(self.buffers.attention_metadata(step), self.buffers.input_ids[:t],
@@ -263,19 +226,6 @@ class ModelRunner:
         """Drop the launched step unsampled (a pipeline stage before the last: its tokens come from
         the last stage, executor/pipeline.py)."""
         self._step = self._logits = self._plan = self._prompt_lp = None
-
-    def _full_graphs(self, batch, q_lens: np.ndarray, lora: bool = False):
-        """The graph manager that covers this step whole, if any: decode graphs when every entry
-        computes one token (those with adapters when an entry has one), verify graphs when every
-        entry speculates with 1 + k tokens (steps with adapters: none; they run piecewise)."""
-        if bool((q_lens == 1).all()):
-            return self.lora_graphs if lora else self.graphs
-        if lora:
-            return None
-        verify = self.verify_graphs
-        if verify is not None and bool((q_lens == verify.query_len).all()) and all(e.speculative for e in batch):
-            return verify
-        return None
 
     def run_model(self, meta: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
                   splitter: Optional[AttentionSplitter] = None, lora=None) -> torch.Tensor:
@@ -327,11 +277,11 @@ class ModelRunner:
         num_reqs = max(1, min(num_reqs, num_tokens, self.config.max_num_seqs),
                        -(-num_tokens // self.max_model_len))
         buf = self.buffers
-        size = (self.piecewise.dispatch(num_tokens) if (piecewise and self.piecewise is not None and lora is None)
-                else None)
-        meta = fill_dummy_batch(buf, split_tokens(num_tokens, num_reqs), size or 0)
-        if size is not None:
-            hidden = self.piecewise.run(size, meta)
+        key = self.graphs.dispatch(num_reqs, num_tokens, None, False) if piecewise and lora is None else None
+        pieces = key is not None and key.mode is GraphMode.PIECEWISE
+        meta = fill_dummy_batch(buf, split_tokens(num_tokens, num_reqs), key.size if pieces else 0)
+        if pieces:
+            hidden = self.graphs.run(key, meta)
         else:
             hidden = self.run_model(meta, buf.input_ids[:num_tokens], buf.positions[:num_tokens], lora=lora)
         logits = self.model.compute_logits(hidden[buf.logits_indices[:num_reqs]])
