@@ -383,3 +383,24 @@ def test_configs_as_checkpoints_ship_them():
                                 ) == QuantizationPlan("fp8", True, None)
     with pytest.raises(ModelLoadError, match=r"modules_to_not_convert \['model.layers.0.mlp.gate'\]"):
         resolve_quantization(None, {"quantization_config": {**qwen3, "ignored_layers": ["model.layers.0.mlp.gate"]}})
+
+
+def test_a_dropped_model_is_freed_by_reference_counting(checkpoint):
+    """Weight loaders hold their layer weakly (layers/linear.py LayerLoader): a loaded model, full
+    precision or block-wise FP8, has no reference cycle, so dropping it frees it with the garbage
+    collector off."""
+    import gc
+    import weakref
+
+    from tokenmill.loader import load_model
+
+    root, _ = checkpoint
+    for path in (root / "full", root / "fp8"):
+        loaded = load_model(str(path), device="cpu", dtype="float32")
+        gc.disable()
+        try:
+            model = weakref.ref(loaded.model)
+            del loaded
+            assert model() is None, path.name
+        finally:
+            gc.enable()
