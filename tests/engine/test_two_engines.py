@@ -62,7 +62,8 @@ def test_batch_invariant_and_default_engines_step_in_turn():
     assert default.engine.runner.model is loaded.model and not is_batch_invariant_model(loaded.model)
     copy = invariant.engine.runner.model
     assert is_batch_invariant_model(copy)
-    assert [p.data_ptr() for p in copy.parameters()] == [p.data_ptr() for p in loaded.model.parameters()]
+    tensors = [t.data_ptr() for t in (*copy.parameters(), *copy.buffers())]
+    assert tensors == [t.data_ptr() for t in (*loaded.model.parameters(), *loaded.model.buffers())]
     for _ in range(2):  # in turn: each engine's steps follow the other's
         assert outputs(invariant) == alone[True]
         assert outputs(default) == alone[False]
