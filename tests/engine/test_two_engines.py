@@ -35,3 +35,35 @@ def test_engines_keep_their_own_settings(smollm, chat_prompt_ids):
             assert a == b  # on the CPU the choice changes nothing else
     finally:
         smollm.model.model.layers[0]._forward_pre_hooks.clear()
+
+
+def test_batch_invariant_and_default_engines_step_in_turn():
+    """A batch-invariant engine and a default one over one loaded model, stepped in turn, each give
+    what a lone engine of its mode gives (tokens and logprobs, bit for bit); the modes do differ,
+    and the loaded model keeps its default layers (the batch-invariant engine runs a copy of the
+    modules that shares every weight)."""
+    from tokenmill.layers.invariance import is_batch_invariant_model
+    from tokenmill.loader import load_model
+
+    loaded = load_model("tiny-llama", load_format="dummy", device="cpu", dtype="float32")
+    prompts = [[5, 17, 300, 42, 7, 99, 12], [800, 3, 3, 64, 501]]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
+    config = dict(num_kv_blocks=16, max_num_seqs=2, max_num_batched_tokens=64)
+
+    def outputs(llm):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs])
+                for o in outs]
+
+    alone = {mode: outputs(make_llm(loaded, batch_invariant=mode, **config)) for mode in (True, False)}
+    assert alone[True] != alone[False]  # the comparison below can tell the modes apart
+    invariant = make_llm(loaded, batch_invariant=True, **config)
+    default = make_llm(loaded, batch_invariant=False, **config)
+    assert default.engine.runner.model is loaded.model and not is_batch_invariant_model(loaded.model)
+    copy = invariant.engine.runner.model
+    assert is_batch_invariant_model(copy)
+    tensors = [t.data_ptr() for t in (*copy.parameters(), *copy.buffers())]
+    assert tensors == [t.data_ptr() for t in (*loaded.model.parameters(), *loaded.model.buffers())]
+    for _ in range(2):  # in turn: each engine's steps follow the other's
+        assert outputs(invariant) == alone[True]
+        assert outputs(default) == alone[False]

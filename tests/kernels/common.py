@@ -39,6 +39,7 @@ def nan_empty(monkeypatch):
 def fp8_llama_mlp(device, dtype=torch.bfloat16):
     """Llama-3.1-8B's gate/up and down with seeded FP8 weights (quantized at load as the engine
     does) and the RMSNorm before gate/up: (gate_up, down, norm)."""
+    from tokenmill.layers.fp8_linear import Fp8Config
     from tokenmill.layers.linear import MergedColumnParallelLinear, RowParallelLinear
     from tokenmill.layers.norm import RMSNorm
 
@@ -48,6 +49,7 @@ def fp8_llama_mlp(device, dtype=torch.bfloat16):
     norm = RMSNorm(4096, 1e-5, dtype=dtype, device=device)
     for layer in (gate_up, down):
         layer.weight.data.normal_(0, 0.02)
-        layer.quantize_fp8()
+        layer.set_linear_method(Fp8Config().get_linear_method(layer))  # online: keeps the weights just drawn
+        layer.linear_method.process_weights_after_loading(layer)
     norm.weight.data.uniform_(0.5, 1.5)
     return gate_up, down, norm

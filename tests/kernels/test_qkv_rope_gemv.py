@@ -156,22 +156,22 @@ def test_fused_path_is_taken_up_to_max_rows(monkeypatch):
     (the kernel takes up to MAX_ROWS; here the dispatch limit is raised to that), more take the
     projection and qkv_prep."""
     from tokenmill.layers import linear
-    from tokenmill.layers.linear import LinearBase, QKVParallelLinear
+    from tokenmill.layers.linear import QKVParallelLinear, UnquantizedLinearMethod
 
     assert linear.FUSED_MAX_ROWS == 1  # the H200 default (layers/linear.py)
     monkeypatch.setattr(linear, "FUSED_MAX_ROWS", MAX_ROWS)
 
     layer = QKVParallelLinear(64, 64, 2, 1, dtype=torch.float32)
-    real = LinearBase._use_skinny
+    real = UnquantizedLinearMethod.takes_gemv
 
     class OnCuda:
-        """What _use_skinny reads of a tensor (shape, strides), claiming to be on CUDA."""
+        """What takes_gemv reads of a tensor (shape, strides), claiming to be on CUDA."""
         is_cuda = True
 
         def __init__(self, t):
             self.shape, self.dim, self.stride = t.shape, t.dim, t.stride
 
-    monkeypatch.setattr(LinearBase, "_use_skinny", lambda self, x: real(self, OnCuda(x)))
+    monkeypatch.setattr(UnquantizedLinearMethod, "takes_gemv", lambda self, layer, x: real(self, layer, OnCuda(x)))
     for tokens in range(1, MAX_ROWS + 1):
         assert layer.fuses_rope(torch.zeros(tokens, 64)), tokens
     assert not layer.fuses_rope(torch.zeros(MAX_ROWS + 1, 64))

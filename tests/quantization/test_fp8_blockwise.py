@@ -225,6 +225,7 @@ def test_tensor_parallel_shards_take_their_block_scales(checkpoint, monkeypatch)
     rows and columns of the block scales; converted (the row-parallel scale a max over the ranks),
     the ranks' weights are exactly one process's, split."""
     import tokenmill.layers.linear as linear_mod
+    from tokenmill.layers.fp8_linear import Fp8Config
     from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
     _, stored = checkpoint
@@ -237,7 +238,7 @@ def test_tensor_parallel_shards_take_their_block_scales(checkpoint, monkeypatch)
                       "mlp.gate_up_proj": MergedColumnParallelLinear(hidden, [inter, inter]),
                       "mlp.down_proj": RowParallelLinear(inter, hidden)}
         for fused, m in layers.items():
-            m.expect_fp8_checkpoint((BLOCK, BLOCK))
+            m.set_linear_method(Fp8Config(from_checkpoint=True, block_size=(BLOCK, BLOCK)).get_linear_method(m))
             for shard, p in zip(("q", "k", "v") if "qkv" in fused else (0, 1) if "gate" in fused else (None,),
                                 FUSED[fused]):
                 w_q, scale = stored[f"model.layers.0.{p}.weight"]
@@ -252,7 +253,7 @@ def test_tensor_parallel_shards_take_their_block_scales(checkpoint, monkeypatch)
         full = want[f"model.layers.0.{fused}"]
         for rank, layers in enumerate(ranks):
             part = layers[fused]
-            first, _ = part._scale_block_cols()
+            first, _ = part.linear_method.scale_block_cols(part)
             cols = torch.arange(part._col_offset(), part._col_offset() + part.in_features)
             local = part.weight.float() * part.weight_scale_inv[:, cols // BLOCK - first]
             if fused == "mlp.down_proj":
@@ -270,7 +271,8 @@ def test_tensor_parallel_shards_take_their_block_scales(checkpoint, monkeypatch)
     monkeypatch.setattr(linear_mod, "tp_all_reduce_max", lambda x, state: torch.maximum(x, down_max))
     for layers in [one, *ranks]:
         for m in layers.values():
-            assert m.convert_block_fp8()
+            m.linear_method.process_weights_after_loading(m)
+            assert "weight_scale_inv" not in m._parameters
     down = [r["mlp.down_proj"] for r in ranks]
     assert torch.equal(down[0].weight_scale, one["mlp.down_proj"].weight_scale)
     assert torch.equal(down[1].weight_scale, one["mlp.down_proj"].weight_scale)
@@ -381,3 +383,24 @@ def test_configs_as_checkpoints_ship_them():
                                 ) == QuantizationPlan("fp8", True, None)
     with pytest.raises(ModelLoadError, match=r"modules_to_not_convert \['model.layers.0.mlp.gate'\]"):
         resolve_quantization(None, {"quantization_config": {**qwen3, "ignored_layers": ["model.layers.0.mlp.gate"]}})
+
+
+def test_a_dropped_model_is_freed_by_reference_counting(checkpoint):
+    """Weight loaders hold their layer weakly (layers/linear.py LayerLoader): a loaded model, full
+    precision or block-wise FP8, has no reference cycle, so dropping it frees it with the garbage
+    collector off."""
+    import gc
+    import weakref
+
+    from tokenmill.loader import load_model
+
+    root, _ = checkpoint
+    for path in (root / "full", root / "fp8"):
+        loaded = load_model(str(path), device="cpu", dtype="float32")
+        gc.disable()
+        try:
+            model = weakref.ref(loaded.model)
+            del loaded
+            assert model() is None, path.name
+        finally:
+            gc.enable()

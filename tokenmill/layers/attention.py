@@ -9,7 +9,6 @@ from torch import nn
 from tokenmill.kernels.attention import paged_attention
 from tokenmill.kernels.batch_invariant import paged_attention_invariant
 from tokenmill.kernels.qkv_prep import qkv_prep
-from tokenmill.layers.batch_invariant import is_batch_invariant
 from tokenmill.layers.forward_context import AttentionMetadata, get_forward_context
 
 
@@ -40,6 +39,7 @@ class Attention(nn.Module):
         # self_attn.k_scale / v_scale when it has them (LlamaModel.load_weights), else 1.0.
         # Unused by a cache in the model dtype.
         self.register_buffer("kv_scale", torch.ones(2, dtype=torch.float32), persistent=False)
+        self.batch_invariant = False  # one fixed reduction order for every step (layers/invariance.py sets it)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos_sin_cache: torch.Tensor, q_norm_weight: Optional[torch.Tensor] = None,
@@ -57,7 +57,7 @@ class Attention(nn.Module):
         q = qkv_prep(positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
                      q_norm_weight, k_norm_weight, norm_eps,
                      out=splitter.q_buffer(q.shape[0]) if splitter is not None else None, kv_scale=self.kv_scale,
-                     fixed_grid=is_batch_invariant())
+                     fixed_grid=self.batch_invariant)
         if splitter is not None:  # capturing piecewise graphs: attention runs between the pieces
             out = splitter.split(self)
         else:
@@ -80,7 +80,7 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, meta: AttentionMetadata, kv_caches, out: Optional[torch.Tensor] = None):
         """q [T, Hq, D] (rotated, this step's K/V already cached) attends over this layer's cache."""
         k_cache, v_cache = kv_caches[self.layer_idx]
-        if is_batch_invariant():  # one fixed reduction order for every step (kernels/batch_invariant.py)
+        if self.batch_invariant:  # one fixed reduction order for every step (kernels/batch_invariant.py)
             return paged_attention_invariant(
                 q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale, out,
                 sliding_window=self.sliding_window, kv_scale=self.kv_scale, max_query_len=meta.max_query_len)

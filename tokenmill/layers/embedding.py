@@ -6,7 +6,7 @@ from torch import nn
 
 from tokenmill.distributed import get_tp_state, tp_all_gather, tp_all_reduce
 from tokenmill.kernels.batch_invariant import linear_invariant
-from tokenmill.layers.batch_invariant import is_batch_invariant
+from tokenmill.layers.linear import LayerLoader
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -21,7 +21,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(self.rows_per_rank, hidden_size, dtype=dtype, device=device), requires_grad=False
         )
-        self.weight.weight_loader = self.weight_loader
+        # the layer held weakly: a bound method on its own parameter would be a reference cycle
+        self.weight.weight_loader = LayerLoader(self, type(self).weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if loaded.shape[1] != param.shape[1] or loaded.shape[0] != self.vocab_size:
@@ -46,7 +47,11 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits over the vocabulary; may share its weight with the input embedding."""
 
+    def __init__(self, vocab_size: int, hidden_size: int, dtype=None, device=None):
+        super().__init__(vocab_size, hidden_size, dtype, device)
+        self.batch_invariant = False  # kernels/batch_invariant.py's matmul (layers/invariance.py sets it per model)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear_invariant(hidden, self.weight) if is_batch_invariant() else F.linear(hidden, self.weight)
+        logits = linear_invariant(hidden, self.weight) if self.batch_invariant else F.linear(hidden, self.weight)
         logits = tp_all_gather(logits, dim=-1, state=self.tp)
         return logits[..., : self.vocab_size]

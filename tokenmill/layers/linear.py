@@ -1,11 +1,19 @@
-"""Linear layers split across tensor-parallel ranks.
+"""Linear layers split across tensor-parallel ranks, and the methods that hold and multiply their weights.
+
+Each layer gets one method object when the model is built or loaded (`LinearBase.set_linear_method`):
+`UnquantizedLinearMethod` (weights in the model dtype; one-token steps on CUDA take the fused GEMV,
+the rest cuBLAS), `BatchInvariantLinearMethod` (layers/invariance.py swaps it in per model) and the
+quantized ones (layers/fp8_linear.py). The layer keeps the geometry (how checkpoint tensors split
+over ranks and q/k/v, gate/up shards) and the LoRA hook; the method decides the weights' form and
+the kernels, so the step path reads no mode.
 
 Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that takes the full
 checkpoint tensor and copies this rank's part of it into the right place, so fused layers (q/k/v,
 gate/up) can be loaded from the checkpoint's separate tensors.
 """
 
-from typing import Optional, Sequence
+import weakref
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -16,10 +24,9 @@ from tokenmill.kernels import qkv_rope_gemv, skinny_gemm
 from tokenmill.kernels.activation import silu_and_mul
 from tokenmill.kernels.batch_invariant import linear_invariant
 from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, PLAIN, SILU_MUL
-from tokenmill.layers.batch_invariant import is_batch_invariant
-from tokenmill.layers.forward_context import current_forward_context
-from tokenmill.quantization.fp8 import (FP8_DTYPE, fp8_linear, fp8_linear_after_norm, fp8_linear_after_silu_mul,
-                                        fp8_one_row_takes_w8a8, quantize_weight_fp8, requantize_blockwise_fp8)
+from tokenmill.layers.forward_context import LoRAHook, current_forward_context
+from tokenmill.quantization.base import QuantizationConfig, QuantizeMethodBase
+
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if dst.shape != src.shape:
@@ -33,6 +40,39 @@ def _check_full_shape(loaded: torch.Tensor, expected: tuple, what: str) -> None:
         raise ValueError(f"shape mismatch loading {what}: checkpoint {tuple(loaded.shape)}, model {tuple(expected)}")
 
 
+class LayerLoader:
+    """A parameter's weight_loader: fn(layer, param, loaded[, shard_id]) with the layer held weakly,
+    since a bound method of the layer on its own parameter would be a reference cycle that keeps a
+    deleted model alive until the garbage collector runs."""
+
+    __slots__ = ("_layer", "_fn")
+
+    def __init__(self, layer: nn.Module, fn: Callable):
+        self._layer = weakref.ref(layer)
+        self._fn = fn
+
+    def __call__(self, param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
+        layer = self._layer()
+        if layer is None:
+            raise RuntimeError("the layer that owns this parameter was freed")
+        self._fn(layer, param, loaded, *shard_id)
+
+
+def _layer_weight_loader(layer: "LinearBase", param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
+    layer.weight_loader(param, loaded, *shard_id)  # the layer's own split (q/k/v, gate/up, ranks)
+
+
+def new_parameter(layer: nn.Module, shape, dtype: torch.dtype, device, loader: Optional[Callable] = None,
+                  fill: Optional[float] = None) -> nn.Parameter:
+    """A frozen parameter whose weight_loader is `loader(layer, param, loaded[, shard_id])` (default:
+    the layer's weight_loader), the layer held weakly."""
+    data = torch.empty(shape, dtype=dtype, device=device) if fill is None else \
+        torch.full(shape, fill, dtype=dtype, device=device)
+    param = nn.Parameter(data, requires_grad=False)
+    param.weight_loader = LayerLoader(layer, loader or _layer_weight_loader)
+    return param
+
+
 # The kernels take up to skinny_gemm.MAX_ROWS rows, but at 2 to 8 rows (verify steps, small decode
 # batches) they lose to cuBLAS on the H200 (2026-12-01, kernel_bench --skinny-rows 1,2,4,8 at
 # Llama-3.1-8B shapes: 26-69 % of copy bandwidth against cuBLAS's 72-96 %; a decoder layer at 4 rows
@@ -40,66 +80,129 @@ def _check_full_shape(loaded: torch.Tensor, expected: tuple, what: str) -> None:
 FUSED_MAX_ROWS = 1
 
 
+class LinearMethodBase(QuantizeMethodBase):
+    """A linear layer's method: the weights' form and the kernels of forward_fused (the layer's op
+    before it, the product, the LoRA term)."""
+
+    def takes_gemv(self, layer: "LinearBase", x: torch.Tensor) -> bool:
+        """Whether x goes through the skinny GEMV with the op before the layer fused in."""
+        return False
+
+    def gemv_weight_scale(self, layer: "LinearBase") -> Optional[torch.Tensor]:
+        """The per-row scales the GEMV kernels multiply by (None: weights in the model dtype)."""
+        return None
+
+    def forward_fused(self, layer: "LinearBase", x: torch.Tensor, prologue: int, residual: Optional[torch.Tensor],
+                      norm: Optional[nn.Module], lora: Optional[LoRAHook]
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(layer's product of a(x) before the tensor-parallel reduction, the residual stream or None)."""
+        if self.takes_gemv(layer, x):
+            return gemv_forward(layer, x, prologue, residual, norm, lora, self.gemv_weight_scale(layer))
+        return self.forward_unfused(layer, x, prologue, residual, norm, lora)
+
+    def forward_unfused(self, layer: "LinearBase", x: torch.Tensor, prologue: int, residual: Optional[torch.Tensor],
+                        norm: Optional[nn.Module], lora: Optional[LoRAHook]
+                        ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The op before the layer as its own kernel, then apply(), then the LoRA term."""
+        summed = None
+        if prologue == SILU_MUL:
+            x = silu_and_mul(x)
+        elif prologue == ADD_RMSNORM:
+            x = norm(x, residual)
+            if residual is not None:
+                x, summed = x
+        y = self.apply(layer, x, layer.matmul_bias)
+        if lora is not None:
+            lora.apply(layer, x, PLAIN, None, y)
+        return y, summed
+
+
+def gemv_forward(layer: "LinearBase", x: torch.Tensor, prologue: int, residual: Optional[torch.Tensor],
+                 norm: Optional[nn.Module], lora: Optional[LoRAHook], weight_scale: Optional[torch.Tensor]
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """1 to FUSED_MAX_ROWS tokens through kernels/skinny_gemm.py, the op before the layer fused in.
+    One token with adapters: the shrink first, its term added inside the GEMV (kernels/lora_epilogue.py);
+    more tokens: the term after the product. Either way the adapters apply the layer's prologue."""
+    in_kernel = lora is not None and x.shape[0] == 1
+    term = lora.gemv_term(layer, x, prologue, norm, residual) if in_kernel else None
+    y = skinny_gemm.skinny_linear_triton(x, layer.weight, prologue, residual, None if norm is None else norm.weight,
+                                         1e-6 if norm is None else norm.eps, lora=term, weight_scale=weight_scale)
+    summed = None
+    if isinstance(y, tuple):
+        y, summed = y
+    if lora is not None and not in_kernel:
+        lora.apply(layer, x if summed is None else summed, prologue, norm, y)
+    return y, summed
+
+
+def gemv_fits(layer: "LinearBase", x: torch.Tensor) -> bool:
+    """Steps of 1 to FUSED_MAX_ROWS tokens on CUDA (batch-1 decode) can take the skinny GEMV, unless
+    the step's engine turned that off (its forward context says)."""
+    if not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FUSED_MAX_ROWS and layer.bias is None
+            and x.stride(-1) == 1):
+        return False
+    ctx = current_forward_context()
+    return ctx is None or ctx.small_batch_fusion
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """Weights [N, K] in the model dtype: the skinny GEMV at one-token steps on CUDA, F.linear (cuBLAS) otherwise."""
+
+    def create_weights(self, layer: "LinearBase", dtype: torch.dtype, device: torch.device) -> None:
+        layer.weight = new_parameter(layer, (layer.out_features, layer.in_features), dtype, device)
+
+    def takes_gemv(self, layer: "LinearBase", x: torch.Tensor) -> bool:
+        return gemv_fits(layer, x)
+
+    def apply(self, layer: "LinearBase", x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class BatchInvariantLinearMethod(UnquantizedLinearMethod):
+    """The same weights through kernels/batch_invariant.py's matmul: one reduction order for every
+    step shape; never the GEMV (it reduces in another order than larger steps)."""
+
+    def takes_gemv(self, layer: "LinearBase", x: torch.Tensor) -> bool:
+        return False
+
+    def apply(self, layer: "LinearBase", x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return linear_invariant(x, layer.weight, bias)
+
+
 class LinearBase(nn.Module):
     BIAS_AFTER_REDUCTION = False  # row-parallel layers add the bias after the all-reduce
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype=None, device=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype=None, device=None,
+                 linear_method: Optional[LinearMethodBase] = None):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.params_dtype = dtype if dtype is not None else torch.get_default_dtype()
+        self.linear_method = linear_method or UnquantizedLinearMethod()
+        self.linear_method.create_weights(self, self.params_dtype, device)
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            self.bias = new_parameter(self, (out_features,), self.params_dtype, device)
         else:
             self.register_parameter("bias", None)
-        self.weight_scale: Optional[torch.Tensor] = None  # FP8 weights: per output row (quantize_fp8)
 
-    def quantize_fp8(self) -> None:
-        """Replace the loaded weight by its FP8 (e4m3) form and per-row scales (quantization/fp8.py)."""
-        w_q, scale = quantize_weight_fp8(self.weight.data)
-        self.weight = nn.Parameter(w_q, requires_grad=False)
-        self.weight_scale = scale
+    def set_linear_method(self, method: LinearMethodBase) -> None:
+        """Give the layer another method before its weights are loaded (a quantized checkpoint's): the
+        method creates the weights it loads. The bias stays."""
+        self.linear_method = method
+        method.create_weights(self, self.params_dtype, self.weight.device)
 
-    def expect_fp8_checkpoint(self, block_size: Optional[tuple[int, int]] = None) -> None:
-        """Before loading an FP8 checkpoint: the weight parameter holds e4m3 bytes as stored, and a
-        `weight_scale` parameter [N] takes the checkpoint's scales, per output row or one per
-        tensor (or per q/k/v, gate/up shard), each written to the rows it covers.
+    @property
+    def matmul_bias(self) -> Optional[torch.Tensor]:
+        """The bias the product adds (a row-parallel layer adds its own after the reduction)."""
+        return None if self.BIAS_AFTER_REDUCTION else self.bias
 
-        block_size (bn, bk): the checkpoint has one scale per bn x bk block instead
-        (`weight_scale_inv` [ceil(N / bn), ceil(K / bk)], which multiplies). A parameter
-        `weight_scale_inv` [N, B] takes them, repeated over the rows of each block so that the
-        weight loader's row split (q/k/v, gate/up, tensor-parallel shards, of any size) applies to
-        them as to the weight; B is the number of column blocks this layer's columns touch (all of
-        them, or a row-parallel shard's). convert_block_fp8 then turns them into `weight_scale`."""
-        w = nn.Parameter(torch.empty(self.weight.shape, dtype=FP8_DTYPE, device=self.weight.device),
-                         requires_grad=False)
-        w.weight_loader = self._fp8_weight_loader
-        self.weight = w
-        if block_size is not None:
-            self.fp8_block_size = (int(block_size[0]), int(block_size[1]))
-            first, count = self._scale_block_cols()
-            inv = nn.Parameter(torch.ones(self.out_features, count, dtype=torch.float32, device=w.device),
-                               requires_grad=False)
-            inv.weight_loader = self.block_scale_loader
-            self.register_parameter("weight_scale_inv", inv)  # weight_scale stays None until converted
-            return
-        scale = nn.Parameter(torch.ones(self.out_features, dtype=torch.float32, device=w.device), requires_grad=False)
-        scale.weight_loader = self.scale_loader
-        del self.weight_scale  # the plain attribute becomes the parameter the checkpoint fills
-        self.register_parameter("weight_scale", scale)
+    # ---- geometry: how checkpoint tensors map onto this layer (weight loaders, quantized methods) ----
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _copy_checked(param.data, loaded, type(self).__name__)
 
-    def _fp8_weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        """An FP8 checkpoint's weight must be e4m3 (a wider one would be rounded to e4m3 without a scale)."""
-        if param.dim() == 2 and loaded.dtype != FP8_DTYPE:
-            what = type(self).__name__ if shard_id is None else f"{type(self).__name__} shard {shard_id}"
-            raise ValueError(f"{what}: the FP8 checkpoint stores this weight as {loaded.dtype}, not float8_e4m3fn "
-                             f"(layers left unquantized are not supported)")
-        if shard_id is None:
-            self.weight_loader(param, loaded)
-        else:
-            self.weight_loader(param, loaded, shard_id)
+    def _checkpoint_rows(self, shard_id) -> int:
+        """Output rows of the checkpoint tensor (of one shard) that this layer's rows come from."""
+        return self.out_features
 
     def _checkpoint_cols(self) -> int:
         """Input columns of the checkpoint tensor (all of them; a row-parallel layer holds a slice)."""
@@ -109,72 +212,16 @@ class LinearBase(nn.Module):
         """Where this layer's columns start in the checkpoint tensor."""
         return 0
 
-    def _scale_block_cols(self) -> tuple[int, int]:
-        """(first, count): the column blocks of the checkpoint that this layer's columns fall in."""
-        bk = self.fp8_block_size[1]
-        start = self._col_offset()
-        first, last = start // bk, (start + self.in_features - 1) // bk
-        return first, last - first + 1
+    def _load_row_vector(self, param: nn.Parameter, rows: torch.Tensor, shard_id) -> None:
+        """A per-output-row tensor [rows, ...] (of one shard) goes where the weight's rows go."""
+        self.weight_loader(param, rows, *(() if shard_id is None else (shard_id,)))
 
-    def block_scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        """Block scales [ceil(rows / bn), ceil(cols / bk)] of a checkpoint tensor (of one shard):
-        each block row repeated over its bn weight rows (the last block may be ragged), this
-        layer's column blocks kept, then split over the rows as the weight is."""
-        bn, bk = self.fp8_block_size
-        rows, cols = self._checkpoint_rows(shard_id), self._checkpoint_cols()
-        want = (-(-rows // bn), -(-cols // bk))
-        if tuple(loaded.shape) != want:
-            what = type(self).__name__ if shard_id is None else f"{type(self).__name__} shard {shard_id}"
-            raise ValueError(f"shape mismatch loading weight_scale_inv of {what}: checkpoint {tuple(loaded.shape)}, "
-                             f"expected {want} (one scale per {bn}x{bk} block of the {rows}x{cols} weight)")
-        first, count = self._scale_block_cols()
-        per_row = loaded.float().repeat_interleave(bn, dim=0)[:rows, first:first + count]
-        self._load_scale_rows(param, per_row.contiguous(), shard_id)
+    def _whole_row_max(self, row_max: torch.Tensor) -> torch.Tensor:
+        """Per output row, the max over every rank's slice of the row (a row-parallel layer's ranks
+        each hold some columns); here the layer holds whole rows."""
+        return row_max
 
-    def _row_scale_from_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
-        """The converted per-row scales: each row's largest block scale."""
-        return blocks.amax(dim=1)
-
-    @torch.no_grad()
-    def convert_block_fp8(self) -> bool:
-        """After loading a block-wise FP8 checkpoint: the e4m3 weight and its block scales become an
-        e4m3 weight with one scale per output row, the form the kernels read
-        (quantization/fp8.py's requantize_blockwise_fp8). False if the layer has no block scales."""
-        inv = self._parameters.get("weight_scale_inv")
-        if inv is None:
-            return False
-        blocks = inv.data
-        if not bool(torch.isfinite(blocks).all()) or bool((blocks < 0).any()):
-            raise ValueError(f"{type(self).__name__}: the checkpoint's weight_scale_inv has negative or non-finite "
-                             f"values")
-        first, _ = self._scale_block_cols()
-        cols = torch.arange(self._col_offset(), self._col_offset() + self.in_features, device=blocks.device)
-        block_of_col = cols // self.fp8_block_size[1] - first
-        w_q, scale = requantize_blockwise_fp8(self.weight.data, blocks, block_of_col,
-                                              self._row_scale_from_blocks(blocks))
-        self.weight = nn.Parameter(w_q, requires_grad=False)
-        del self.weight_scale_inv
-        del self.weight_scale  # the plain attribute (None) becomes a parameter, as for the other FP8 checkpoints
-        self.register_parameter("weight_scale", nn.Parameter(scale, requires_grad=False))
-        return True
-
-    def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        rows = loaded.float().reshape(-1)
-        if rows.shape[0] == 1:  # one scale for the tensor (or the shard): every row of it
-            rows = rows.expand(self._checkpoint_rows(shard_id))
-        self._load_scale_rows(param, rows.contiguous(), shard_id)
-
-    def _checkpoint_rows(self, shard_id) -> int:
-        """Output rows of the checkpoint tensor (of one shard) that this layer's rows come from."""
-        return self.out_features
-
-    def _load_scale_rows(self, param: nn.Parameter, rows: torch.Tensor, shard_id) -> None:
-        """Per-row scales [rows] go where the weight's rows go (the weight loader's split)."""
-        self.weight_loader(param, rows, shard_id)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        _copy_checked(param.data, loaded, type(self).__name__)
-
+    # ---- the forward pass ----
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_fused(x)
 
@@ -183,88 +230,46 @@ class LinearBase(nn.Module):
         """self(a(x)), where a is the op before this layer (skinny_gemm's PLAIN, SILU_MUL, or
         ADD_RMSNORM with the RMSNorm module `norm`); with ADD_RMSNORM and a residual, returns
         (y, x + residual) for the next layer's residual stream."""
-        summed = None
         ctx = current_forward_context()
         lora = ctx.lora if ctx is not None else None
-        if self._use_skinny(x):
-            # One token with adapters: the shrink first, its term added inside the GEMV
-            # (kernels/lora_epilogue.py); more tokens: the term after the product. Either way
-            # the adapters apply the layer's prologue to its input.
-            in_kernel = lora is not None and x.shape[0] == 1
-            term = lora.gemv_term(self, x, prologue, norm, residual) if in_kernel else None
-            y = skinny_gemm.skinny_linear_triton(x, self.weight, prologue, residual,
-                                                 None if norm is None else norm.weight,
-                                                 1e-6 if norm is None else norm.eps, lora=term,
-                                                 weight_scale=self.weight_scale)
-            if isinstance(y, tuple):
-                y, summed = y
-            if lora is not None and not in_kernel:
-                lora.apply(self, x if summed is None else summed, prologue, norm, y)
-        else:
-            fused = self._fp8_after_prologue(x, prologue, residual, norm) if lora is None else None
-            if fused is not None:
-                y, summed = fused
-            else:
-                if prologue == SILU_MUL:
-                    x = silu_and_mul(x)
-                elif prologue == ADD_RMSNORM:
-                    x = norm(x, residual)
-                    if residual is not None:
-                        x, summed = x
-                y = self._matmul(x, self.bias)
-                if lora is not None:
-                    lora.apply(self, x, PLAIN, None, y)
+        y, summed = self.linear_method.forward_fused(self, x, prologue, residual, norm, lora)
         y = self._finish(y)
         return y if summed is None else (y, summed)
-
-    def _use_skinny(self, x: torch.Tensor) -> bool:
-        """Steps of 1 to FUSED_MAX_ROWS tokens on CUDA (batch-1 decode) take the skinny GEMV with the
-        op before the layer fused in, unless the step's engine turned that off (its forward context
-        says) or runs batch-invariant (the GEMV reduces in another order than larger steps)."""
-        if not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FUSED_MAX_ROWS and self.bias is None
-                and x.stride(-1) == 1) or is_batch_invariant():
-            return False
-        ctx = current_forward_context()
-        if self.weight_scale is not None and (ctx is None or ctx.lora is None) \
-                and fp8_one_row_takes_w8a8(x, self.weight):
-            return False  # FP8 gate/up: the W8A8 path (quantization/fp8.py)
-        return ctx is None or ctx.small_batch_fusion
-
-    def _fp8_after_prologue(self, x: torch.Tensor, prologue: int, residual: Optional[torch.Tensor],
-                            norm: Optional[nn.Module]):
-        """FP8 weights after an RMSNorm or the SiLU-and-mul: (y, the residual stream or None) with
-        the op and the activation quantization in one launch (quantization/fp8.py), or None where
-        that does not apply."""
-        if self.weight_scale is None or prologue == PLAIN:
-            return None
-        bias = None if self.BIAS_AFTER_REDUCTION else self.bias
-        if prologue == SILU_MUL:
-            y = fp8_linear_after_silu_mul(x, self.weight, self.weight_scale, bias)
-            return None if y is None else (y, None)
-        fused = fp8_linear_after_norm(x, self.weight, self.weight_scale, norm.weight, norm.eps, residual, bias)
-        if fused is None:
-            return None
-        return fused if residual is not None else (fused[0], None)
-
-    def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.weight_scale is not None:
-            return fp8_linear(x, self.weight, self.weight_scale, bias)
-        if is_batch_invariant():
-            return linear_invariant(x, self.weight, bias)
-        return F.linear(x, self.weight, bias)
 
     def _finish(self, y: torch.Tensor) -> torch.Tensor:
         """What follows the product (the tensor-parallel reduction of row-parallel layers)."""
         return y
 
 
+def set_quantization(net: nn.Module, config: QuantizationConfig) -> int:
+    """Give every linear layer of net the config's method (before loading: each creates the weights
+    it loads); returns how many layers took one."""
+    count = 0
+    for m in net.modules():
+        if isinstance(m, LinearBase):
+            method = config.get_linear_method(m)
+            if method is not None:
+                m.set_linear_method(method)
+                count += 1
+    return count
+
+
+@torch.no_grad()
+def process_weights_after_loading(net: nn.Module) -> None:
+    """Every linear layer's method converts its loaded weights (block scales to row scales, online quantization)."""
+    for m in net.modules():
+        if isinstance(m, LinearBase):
+            m.linear_method.process_weights_after_loading(m)
+
+
 class ColumnParallelLinear(LinearBase):
     """y = x W^T with W split by output rows: each rank computes a slice of y."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None, device=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None, device=None,
+                 linear_method: Optional[LinearMethodBase] = None):
         self.tp = get_tp_state()
         self.tp_rank, self.tp_size = self.tp.tp_rank, self.tp.tp_size
-        super().__init__(in_features, divide(out_features, self.tp_size), bias, dtype, device)
+        super().__init__(in_features, divide(out_features, self.tp_size), bias, dtype, device, linear_method)
 
     def weight_loader(self, param, loaded, shard_id=None):
         rows = param.shape[0]
@@ -278,9 +283,10 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs stored as one matrix (gate and up of the MLP)."""
 
-    def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool = False, dtype=None, device=None):
+    def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool = False, dtype=None, device=None,
+                 linear_method: Optional[LinearMethodBase] = None):
         self.output_sizes = list(output_sizes)
-        super().__init__(in_features, sum(output_sizes), bias, dtype, device)
+        super().__init__(in_features, sum(output_sizes), bias, dtype, device, linear_method)
 
     def weight_loader(self, param, loaded, shard_id: int = 0):
         shard_rows = self.output_sizes[shard_id] // self.tp_size
@@ -297,7 +303,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections fused; each rank holds its share of the query and kv heads."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-                 dtype=None, device=None):
+                 dtype=None, device=None, linear_method: Optional[LinearMethodBase] = None):
         tp = get_tp_size()
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp)
@@ -305,7 +311,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads = max(1, num_kv_heads // tp)
         self.kv_replicas = max(1, tp // num_kv_heads)
         total = (num_heads + 2 * self.num_kv_heads * tp) * head_dim
-        super().__init__(hidden_size, total, bias, dtype, device)
+        super().__init__(hidden_size, total, bias, dtype, device, linear_method)
 
     def weight_loader(self, param, loaded, shard_id: str = "q"):
         q_size = self.num_heads * self.head_dim
@@ -332,8 +338,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         ctx = current_forward_context()
         if ctx is not None and (ctx.splitter is not None or (ctx.lora is not None and x.shape[0] != 1)):
             return False
-        return self._use_skinny(x) and qkv_rope_gemv.fusable(self.out_features, self.in_features, self.head_dim,
-                                                             x.dtype, tokens=x.shape[0])
+        return self.linear_method.takes_gemv(self, x) and qkv_rope_gemv.fusable(
+            self.out_features, self.in_features, self.head_dim, x.dtype, tokens=x.shape[0])
 
     def forward_rope_into_cache(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: nn.Module,
                                 positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
@@ -349,17 +355,19 @@ class QKVParallelLinear(ColumnParallelLinear):
         return qkv_rope_gemv.skinny_qkv_rope_triton(x, self.weight, residual, norm.weight, norm.eps, positions,
                                                     cos_sin_cache, slot_mapping, k_cache, v_cache,
                                                     self.num_heads, self.num_kv_heads, lora=term,
-                                                    weight_scale=self.weight_scale, kv_scale=kv_scale)
+                                                    weight_scale=self.linear_method.gemv_weight_scale(self),
+                                                    kv_scale=kv_scale)
 
 
 class RowParallelLinear(LinearBase):
     """y = x W^T with W split by input columns: each rank holds a partial sum, then all-reduce."""
     BIAS_AFTER_REDUCTION = True
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None, device=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None, device=None,
+                 linear_method: Optional[LinearMethodBase] = None):
         self.tp = get_tp_state()
         self.tp_rank, self.tp_size = self.tp.tp_rank, self.tp.tp_size
-        super().__init__(divide(in_features, self.tp_size), out_features, bias, dtype, device)
+        super().__init__(divide(in_features, self.tp_size), out_features, bias, dtype, device, linear_method)
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param.dim() == 1:  # the bias is not split
@@ -369,8 +377,8 @@ class RowParallelLinear(LinearBase):
         _check_full_shape(loaded, (param.shape[0], cols * self.tp_size), type(self).__name__)
         _copy_checked(param.data, loaded.narrow(1, self.tp_rank * cols, cols), type(self).__name__)
 
-    def _load_scale_rows(self, param, rows, shard_id) -> None:
-        _copy_checked(param.data, rows, "weight_scale")  # every rank has every output row
+    def _load_row_vector(self, param, rows, shard_id) -> None:
+        _copy_checked(param.data, rows, "a per-row tensor")  # every rank has every output row
 
     def _checkpoint_cols(self) -> int:
         return self.in_features * self.tp_size
@@ -378,21 +386,9 @@ class RowParallelLinear(LinearBase):
     def _col_offset(self) -> int:
         return self.tp_rank * self.in_features
 
-    def _row_scale_from_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
-        """The largest block scale of each whole row (a max over the ranks' slices), so every rank
-        converts as one process does."""
-        return tp_all_reduce_max(blocks.amax(dim=1).contiguous(), self.tp)
-
-    def quantize_fp8(self) -> None:
-        """Each rank holds a slice of every row: the scales come from the whole rows' largest
-        weights (a max over the ranks), so tensor parallelism quantizes exactly as one process."""
-        amax = tp_all_reduce_max(self.weight.data.float().abs().amax(dim=1), self.tp)
-        w_q, scale = quantize_weight_fp8(self.weight.data, amax)
-        self.weight = nn.Parameter(w_q, requires_grad=False)
-        self.weight_scale = scale
-
-    def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return super()._matmul(x)  # the bias is added once, after the reduction
+    def _whole_row_max(self, row_max: torch.Tensor) -> torch.Tensor:
+        """A max over the ranks' slices, so every rank quantizes (and converts) as one process does."""
+        return tp_all_reduce_max(row_max.contiguous(), self.tp)
 
     def _finish(self, y: torch.Tensor) -> torch.Tensor:
         y = tp_all_reduce(y, self.tp)

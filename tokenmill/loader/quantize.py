@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.layers.linear import LinearBase
+from tokenmill.layers.fp8_linear import Fp8Config
+from tokenmill.layers.linear import LinearBase, process_weights_after_loading, set_quantization
 from tokenmill.logger import init_logger
 from tokenmill.quantization import QUANTIZATION_METHODS
 
@@ -127,9 +128,7 @@ def _check_compressed_tensors(cfg: dict) -> None:
 def expect_fp8_checkpoint(net: torch.nn.Module, block_size: Optional[tuple[int, int]] = None) -> None:
     """Make every linear layer take e4m3 weights and their scales from the checkpoint (block_size:
     one scale per block, `weight_scale_inv`; convert_block_fp8_checkpoint after loading)."""
-    for m in net.modules():
-        if isinstance(m, LinearBase):
-            m.expect_fp8_checkpoint(block_size)
+    set_quantization(net, Fp8Config(from_checkpoint=True, block_size=block_size))
 
 
 @torch.no_grad()
@@ -139,8 +138,11 @@ def convert_block_fp8_checkpoint(net: torch.nn.Module) -> int:
     converted = 0
     for name, m in net.named_modules():
         if isinstance(m, LinearBase):
+            if "weight_scale_inv" not in m._parameters:
+                continue
             try:
-                converted += m.convert_block_fp8()
+                m.linear_method.process_weights_after_loading(m)
+                converted += 1
             except ValueError as e:
                 raise ModelLoadError(f"block-wise FP8 checkpoint, {name}: {e}") from None
     logger.info("fp8: %d linear layers converted from block-wise to per-row scales", converted)
@@ -159,8 +161,8 @@ def quantize_model(net: torch.nn.Module, method: str) -> int:
     assert method == "fp8", method
     layers = [m for m in net.modules() if isinstance(m, LinearBase)]
     before = sum(m.weight.numel() * m.weight.element_size() for m in layers)
-    for m in layers:
-        m.quantize_fp8()
+    set_quantization(net, Fp8Config())  # the layers keep their loaded weights until processed
+    process_weights_after_loading(net)
     after = sum(m.weight.numel() * m.weight.element_size() + m.weight_scale.numel() * 4 for m in layers)
     logger.info("fp8: %d linear layers quantized, %.2f GB -> %.2f GB", len(layers), before / 1e9, after / 1e9)
     return len(layers)

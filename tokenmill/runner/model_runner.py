@@ -12,8 +12,8 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.kernels.input_prep import post_update
-from tokenmill.layers.batch_invariant import runner_numerics
 from tokenmill.layers.forward_context import AttentionMetadata, AttentionSplitter, forward_context
+from tokenmill.layers.invariance import with_batch_invariance
 from tokenmill.logger import init_logger
 from tokenmill.runner.async_output import AsyncOutput
 from tokenmill.runner.cuda_graphs import (GraphBank, GraphMode, no_garbage_collection, resolve_graph_plan,
@@ -38,6 +38,8 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype, draft_model: Optional[torch.nn.Module] = None,
                  lora_registry=None):
         """lora_registry: the engine's LoRARegistry (lora/registry.py) when LoRA is enabled."""
+        # this engine's numerics live on the model's layers (a copy sharing the weights where they differ)
+        model = with_batch_invariance(model, config.batch_invariant)
         self.model = model
         self.config = config
         self.device = device
@@ -115,7 +117,6 @@ class ModelRunner:
         """KV-cache bytes one block takes: the target's, plus a draft model's own cache if any."""
         return self.kv_spec.bytes_per_block + (self.spec.kv_bytes_per_block() if self.spec is not None else 0)
 
-    @runner_numerics  # in the engine's batch_invariant mode (layers/batch_invariant.py), as the steps below
     def capture_cuda_graphs(self) -> None:
         """Capture the graph bank's plan, then a draft's decode graphs (CUDA only, after the KV cache
         exists; nothing with enforce_eager)."""
@@ -126,7 +127,6 @@ class ModelRunner:
             if self.spec is not None and self.graphs.plan.draft_max_batch:
                 self.spec.capture_cuda_graphs(self.graphs.plan.draft_max_batch)
 
-    @runner_numerics
     def warm_up(self) -> None:
         """Compile the kernels of common step shapes and every attention variant before the first
         request (CUDA only): a compile under load stalls every running request."""
@@ -176,7 +176,6 @@ class ModelRunner:
             self.states.remove(req_id)
 
     # ---- the step -------------------------------------------------------------------------
-    @runner_numerics
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> None:
         states = self.states
@@ -236,7 +235,6 @@ class ModelRunner:
                              self.pipeline):
             return self.model(input_ids, positions)
 
-    @runner_numerics
     @torch.inference_mode()
     def sample_tokens(self, grammar_bitmask: Optional[GrammarBitmask] = None) -> AsyncOutput:
         """Sample the step that execute_model() launched; grammar_bitmask: the structured-output masks
@@ -265,7 +263,6 @@ class ModelRunner:
                            prompt_logprobs=prompt_lp)
 
     # ---- dummy runs (profiling, warm-up): never touch request state ------------------------
-    @runner_numerics
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int, num_reqs: int = 1, sample: bool = False,
                   piecewise: bool = False, lora=None) -> torch.Tensor:
