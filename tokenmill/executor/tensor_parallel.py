@@ -337,6 +337,9 @@ class _WorkerProcess:
                 pass
         self.proc.stderr.close()
 
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
     def exit_error(self, when: str) -> Optional[TPWorkerError]:
         """The error that reports this worker's exit, or None while it runs."""
         code = self.proc.poll()
