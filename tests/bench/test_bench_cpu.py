@@ -349,9 +349,10 @@ def test_launched_server_gets_the_engine_flags_changed():
     from tokenmill.bench.serve import server_command
     from tokenmill.bench.workloads import get_workload
     from tokenmill.entrypoints.cli import add_engine_args
+    from tokenmill.entrypoints.serve_cli import SERVE_ENGINE_DEFAULTS
 
     p = argparse.ArgumentParser()
-    add_engine_args(p)
+    add_engine_args(p, defaults=SERVE_ENGINE_DEFAULTS)  # as `bench serve` registers them
     args = p.parse_args(["--piecewise-cuda-graph-max-tokens", "0", "--max-prefill-tokens-with-decodes", "512",
                          "--no-fused-small-batch-linear"])
     args.server_args = "--api-key k"

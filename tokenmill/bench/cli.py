@@ -6,11 +6,13 @@ import argparse
 import functools
 import os
 import sys
+from typing import Optional
 
 from tokenmill.bench.workloads import WORKLOADS
 
 
-def _add_common(p: argparse.ArgumentParser, default_workload: str, default_repeat: int) -> None:
+def _add_common(p: argparse.ArgumentParser, default_workload: str, default_repeat: int,
+                engine_defaults: Optional[dict] = None) -> None:
     from tokenmill.entrypoints.cli import add_engine_args
 
     g = p.add_argument_group("workload and output")
@@ -29,7 +31,8 @@ def _add_common(p: argparse.ArgumentParser, default_workload: str, default_repea
                    help="a label added to the result file name and the summary (default: none)")
     g.add_argument("--no-plot", action="store_true", help="write no PNG")
     # Left unset, these come from the workload (preset, dummy weights, its dtype).
-    add_engine_args(p, defaults={name: (None, "the workload's") for name in ("model", "load_format", "dtype")})
+    add_engine_args(p, defaults={**{name: (None, "the workload's") for name in ("model", "load_format", "dtype")},
+                                 **(engine_defaults or {})})
     from tokenmill.bench.common import probability
     from tokenmill.bench.lora import add_lora_args
 
@@ -72,7 +75,9 @@ def register(subparsers) -> None:
     lat.set_defaults(func=functools.partial(_run, "latency"))
 
     sv = add_command(sub, "serve", help="load the HTTP server with Poisson arrivals; TTFT, ITL, throughput")
-    _add_common(sv, "serve-8b", 1)
+    from tokenmill.entrypoints.serve_cli import SERVE_ENGINE_DEFAULTS
+
+    _add_common(sv, "serve-8b", 1, SERVE_ENGINE_DEFAULTS)  # the launched server's own defaults
     sv.set_defaults(warmup_requests=4)
     sv.add_argument("--launch", action="store_true", help="start `tokenmill serve` as a subprocess")
     sv.add_argument("--base-url", default=None,
