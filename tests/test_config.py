@@ -207,14 +207,12 @@ def test_cpu_default_chunks_long_prompts_beside_decodes():
     assert EngineConfig(step_time_target_ms=50, max_prefill_tokens_with_decodes=64).resolve_prefill_cap("cpu") == 64
 
 
-def test_cpu_defaults_chunk_every_step_and_schedule_synchronously():
-    """On the CPU every step's prompt tokens are capped (a new request waits one chunk at most) and
-    steps are not scheduled ahead (a CPU step computes while it is launched); CUDA keeps both open."""
+def test_cpu_defaults_chunk_every_step():
+    """On the CPU every step's prompt tokens are capped (a new request waits one chunk at most); CUDA
+    keeps the step open."""
     from tokenmill.config import CPU_PREFILL_TOKENS_PER_STEP
 
     config = EngineConfig()
     assert (config.resolve_prefill_step_cap("cpu"), config.resolve_prefill_step_cap("cuda")) == (
         CPU_PREFILL_TOKENS_PER_STEP, None)
-    assert (config.resolve_async_scheduling("cpu"), config.resolve_async_scheduling("cuda")) == (False, True)
     assert EngineConfig(max_prefill_tokens_per_step=64).resolve_prefill_step_cap("cuda") == 64
-    assert EngineConfig(async_scheduling=True).resolve_async_scheduling("cpu") is True

@@ -199,10 +199,7 @@ class EngineConfig:
         None, "CPU: KV-cache size in GiB", default_help="what max_num_seqs full-length requests need, <= 1 GiB")
     enable_prefix_caching: bool = option(
         True, "reuse the KV cache of shared prompt prefixes", aliases=("--no-prefix-caching",))
-    # On the CPU a step computes while it is launched: scheduling ahead would only hold each
-    # step's tokens back until the next step has run.
-    async_scheduling: Optional[bool] = option(
-        None, "schedule step N+1 while step N runs", default_help="on with CUDA, off on the CPU")
+    async_scheduling: bool = option(True, "schedule step N+1 while step N runs")
     enforce_eager: bool = option(False, "CUDA: no CUDA graphs")
     cuda_graph_max_batch: int = option(512, "CUDA: largest decode batch captured as a CUDA graph", minimum=1)
     # runner/piecewise_graphs.py; larger steps, where the device time dominates, run eagerly.
@@ -305,12 +302,6 @@ class EngineConfig:
         if self.max_prefill_tokens_per_step is None and device_type == "cpu":
             return CPU_PREFILL_TOKENS_PER_STEP
         return self.max_prefill_tokens_per_step
-
-    def resolve_async_scheduling(self, device_type: str) -> bool:
-        """async_scheduling on this device: on unless set, or on the CPU (see the field)."""
-        if self.async_scheduling is None:
-            return device_type != "cpu"
-        return self.async_scheduling
 
     def resolve_step_time_target(self, device_type: str) -> Union[float, str, None]:
         """step_time_target_ms on this device: a number, "auto" (on CUDA only; chosen at calibration,

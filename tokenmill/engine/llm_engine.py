@@ -126,7 +126,7 @@ class LLMEngine:
                                    self.kv, self.step_budget)
         # Steps kept in flight beyond the one being completed: one with async scheduling; with
         # pipeline stages pp - 1, so that every stage has a step (executor/pipeline.py).
-        self.async_scheduling = self.config.resolve_async_scheduling(device_type)
+        self.async_scheduling = self.config.async_scheduling
         self.steps_ahead = max(self.config.pipeline_parallel_size - 1, 1 if self.async_scheduling else 0)
         self.max_steps_in_flight = 0  # the most seen at once
         self.outputs = OutputProcessor(self.tokenizer)
