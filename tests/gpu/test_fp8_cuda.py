@@ -158,8 +158,8 @@ def bf16_reference(teacher_forced_reference):
     unquantized = _teacher_forced(plain, seqs)[1]
     gpu = to_cuda(plain, torch.float32)
     quantize_model(gpu.model, "fp8")
-    for p in gpu.model.parameters():
-        if p.dtype == torch.float32:
+    for name, p in gpu.model.named_parameters():
+        if p.dtype == torch.float32 and not name.endswith("weight_scale"):  # the scales stay fp32, as loaded
             p.data = p.data.to(torch.bfloat16)
     gpu.dtype = torch.bfloat16
     return gpu, unquantized
