@@ -246,7 +246,12 @@ def test_ctrl_c_in_generate_exits_quietly_with_130(tmp_path):
     argv = [sys.executable, "-m", "tokenmill.entrypoints.cli", "generate", "Once upon a time", "--raw",
             "--load-format", "dummy", "--model", "smollm2-135m", "--tokenizer", "smollm2-135m-instruct",
             "--max-model-len", "1024", "--num-kv-blocks", "64", "--max-tokens", "1000"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ.copy())
+    def as_from_a_shell():  # an ignored or blocked SIGINT in this test process would be inherited
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ.copy(),
+                            preexec_fn=as_from_a_shell)
     try:
         assert proc.stdout.read(1), "no token before the process ended"
         proc.send_signal(signal.SIGINT)

@@ -47,7 +47,7 @@ def test_every_field_has_help_and_a_flag_with_its_default(field):
         # The workload benches take the model from the workload; fidelity runs any model (the embedded one by default).
         from_workload = name.startswith("bench") and name != "bench fidelity"
         expected = BENCH_DEFAULTS.get(field.name, field_default(field)) if from_workload else field_default(field)
-        if name == "serve" and field.name in SERVE_ENGINE_DEFAULTS:  # the server's own scheduling defaults
+        if name in ("serve", "bench serve") and field.name in SERVE_ENGINE_DEFAULTS:  # the server's own defaults
             expected = SERVE_ENGINE_DEFAULTS[field.name][0]
         assert parser.parse_args(["x"] if name == "generate" else []).__dict__[field.name] == expected
 

@@ -270,7 +270,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if args.engine_process:
         engine = _start_engine_process(args)
-        summary = None  # logged by the engine client once the process was ready: not twice
+        # one engine's client logged its summary when the process was ready: not twice; replicas
+        # logged theirs each, and the whole (with the replica count) is said here
+        summary = engine.summary if args.data_parallel_size > 1 else None
     else:
         from tokenmill.engine.llm_engine import engine_summary
         from tokenmill.entrypoints.cli import engine_from_args
