@@ -20,6 +20,9 @@ pytest.importorskip("prometheus_client")
 # Small engine settings: the embedded model decodes only a few steps per second on a CPU.
 SMALL_ENGINE = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "512", "--max-num-seqs", "64"]
 
+# Servers not yet stopped: a failing test's report carries their logs' tails (a stall shows where).
+LIVE_SERVERS: list["ServerProcess"] = []
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -40,6 +43,7 @@ class ServerProcess:
         full_env = dict(os.environ, **(env or {}))
         full_env.pop("TOKENMILL_API_KEY", None)
         self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=full_env)
+        LIVE_SERVERS.append(self)
 
     @property
     def headers(self) -> dict:
@@ -70,6 +74,8 @@ class ServerProcess:
         return self.proc.wait(timeout=timeout)
 
     def stop(self) -> Optional[int]:
+        if self in LIVE_SERVERS:
+            LIVE_SERVERS.remove(self)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -106,6 +112,14 @@ class ServerProcess:
             if idle or time.monotonic() > deadline:
                 return m
             time.sleep(0.2)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.failed:
+        for server in LIVE_SERVERS:
+            report.sections.append((f"server log, port {server.port} (tail)", server.log()[-6000:]))
 
 
 @pytest.fixture(scope="module")
