@@ -3,10 +3,38 @@
 Expert weights are stacked: `w13` [E, 2 * I, H] holds each expert's gate rows then up rows,
 `w2` [E, H, I] its down projection. A token's output is the sum over its k chosen experts of
 weight * down(silu(gate(x)) * up(x)).
+
+The Triton path (CUDA), in launches whose shapes follow from the inputs' shapes alone (no host
+sync, so a step that runs it can be captured in a CUDA graph):
+
+- routing (moe_route_triton): softmax over the experts in fp32, the k largest, optionally
+  renormalised; a block of tokens per program.
+- the token sort (moe_sort_tokens): the T * k (token, slot) pairs grouped by expert, each
+  expert's run padded to a multiple of the GEMM's tile height BLOCK_M, and the expert of each tile.
+- the grouped GEMM (the grouped path): launch 1 computes the gate and up tiles of the same sorted
+  rows from the two halves of w13 and writes silu(gate) * up into [T * k, I]; launch 2 multiplies
+  those rows by w2, scales them by their routing weight and writes [T * k, H]; a third launch sums
+  each token's k rows in slot order (no atomics, so the result is deterministic).
+- small batches (the GEMV path): no sort; launch 1 is one program per (pair, block of I) reading
+  only the chosen expert's rows, launch 2 one program per (token, block of H) summing its k slots.
+
+Both paths accumulate in fp32 and round where the reference does (gate, up, silu(gate), their
+product, the down projection and its product with the weight are each rounded to the model
+dtype); the k slots are summed in fp32 and rounded once, where the reference adds them in the
+model dtype, so the two agree within that dtype's rounding. Ids outside 0..E-1 (another rank's
+experts under expert parallelism, given as -1) contribute nothing on every path.
 """
+
+import math
+from types import MappingProxyType
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from tokenmill.kernels._dispatch import use_triton
 
 
 def moe_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,3 +64,631 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         y = F.linear(F.silu(gate) * up, w2[e]) * topk_weights[token, slot, None].to(x.dtype)
         out.index_add_(0, token, y)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing
+# ----------------------------------------------------------------------------------------------
+
+MAX_EXPERTS = 512  # one program holds a block of tokens' logits over every expert in registers
+MAX_TOP_K = 16
+
+
+@triton.jit
+def _select_top_k(select, weight_of, experts, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The TOP_K largest of `select` [BLOCK_T, BLOCK_E] per row, largest first (the lowest expert
+    among equals): (their entries of `weight_of` [BLOCK_T, BLOCK_K] fp32, their experts
+    [BLOCK_T, BLOCK_K] int32), columns past TOP_K zero. Selection and weights are separate so
+    that a biased selection (DeepSeek's grouped sigmoid routing) can reuse it."""
+    BLOCK_E: tl.constexpr = select.shape[1]
+    slots = tl.arange(0, BLOCK_K)[None, :]
+    weights = tl.zeros([select.shape[0], BLOCK_K], tl.float32)
+    ids = tl.zeros([select.shape[0], BLOCK_K], tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(select, axis=1)
+        pick = tl.min(tl.where(select == best[:, None], experts[None, :], BLOCK_E), axis=1)
+        hit = experts[None, :] == pick[:, None]
+        w = tl.sum(tl.where(hit, weight_of, 0.0), axis=1)
+        weights = tl.where(slots == j, w[:, None], weights)
+        ids = tl.where(slots == j, pick[:, None], ids)
+        select = tl.where(hit, -float("inf"), select)
+    return weights, ids
+
+
+@triton.jit
+def _route_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_t,
+                          TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid (cdiv(T, BLOCK_T),): moe_route_ref for tokens [pid * BLOCK_T, (pid + 1) * BLOCK_T)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    logits = tl.load(logits_ptr + t.to(tl.int64)[:, None] * stride_t + e[None, :],
+                     mask=t_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)
+    logits = tl.where(e_ok[None, :], logits, -float("inf"))
+    p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
+    # -1 keeps padding experts below every probability, chosen or not
+    weights, ids = _select_top_k(tl.where(e_ok[None, :], p, -1.0), p, e, TOP_K, BLOCK_K)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=1)[:, None]
+    slots = tl.arange(0, BLOCK_K)
+    out = t.to(tl.int64)[:, None] * TOP_K + slots[None, :]
+    mask = t_ok[:, None] & (slots < TOP_K)[None, :]
+    tl.store(weights_ptr + out, weights.to(weights_ptr.dtype.element_ty), mask=mask)
+    tl.store(ids_ptr + out, ids, mask=mask)
+
+
+def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton moe_route_ref: router_logits [T, E] (unit last stride, any row stride), E up to
+    MAX_EXPERTS. The same ids as the reference wherever no two probabilities tie."""
+    T, E = router_logits.shape
+    assert 1 <= top_k <= min(E, MAX_TOP_K) and E <= MAX_EXPERTS and router_logits.stride(-1) == 1
+    weights = torch.empty((T, top_k), dtype=router_logits.dtype, device=router_logits.device)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=router_logits.device)
+    if T == 0:
+        return weights, ids
+    block_e = triton.next_power_of_2(E)
+    block_t = min(64, max(1, 4096 // block_e))  # a [BLOCK_T, BLOCK_E] fp32 tile of 4096 elements
+    _route_softmax_kernel[(triton.cdiv(T, block_t),)](
+        router_logits, weights, ids, T, E, router_logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), num_warps=4)
+    return weights, ids
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights [T, k] in the logits' dtype, topk_ids [T, k] int32): Triton on CUDA."""
+    if use_triton(router_logits):
+        return moe_route_triton(router_logits, top_k, renormalize)
+    return moe_route_ref(router_logits, top_k, renormalize)
+
+
+# ----------------------------------------------------------------------------------------------
+# The token sort
+# ----------------------------------------------------------------------------------------------
+
+SORT_MAX_BLOCKS = 64  # the offsets kernel walks the blocks' counts one block after another
+
+
+def sorted_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Length of moe_sort_tokens' sorted_ids: the pairs plus each expert's largest padding."""
+    return num_pairs + num_experts * (block_m - 1)
+
+
+def moe_sort_tokens_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The token sort in torch (the reference): (sorted_ids, expert_ids, num_tokens_post_padded).
+
+    sorted_ids [sorted_capacity(T * k, E, block_m)] int32: indices into the flattened T * k
+    (token, slot) pairs, grouped by expert in increasing expert order and pair order within an
+    expert, each expert's run padded to a multiple of block_m with the sentinel T * k (which
+    also fills everything past the last run). expert_ids [cdiv(capacity, block_m)] int32: the
+    expert of each block_m tile, -1 past the last run. num_tokens_post_padded [1] int32: the
+    length of the runs. Ids outside 0..E-1 are left out."""
+    flat = topk_ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    capacity = sorted_capacity(num_pairs, num_experts, block_m)
+    sorted_ids = torch.full((capacity,), num_pairs, dtype=torch.int32, device=topk_ids.device)
+    expert_ids = torch.full((triton.cdiv(capacity, block_m),), -1, dtype=torch.int32, device=topk_ids.device)
+    pos = 0
+    for e in range(num_experts):
+        pairs = torch.nonzero(flat == e).flatten()
+        if pairs.numel():
+            sorted_ids[pos:pos + pairs.numel()] = pairs.to(torch.int32)
+            padded = triton.cdiv(pairs.numel(), block_m) * block_m
+            expert_ids[pos // block_m:(pos + padded) // block_m] = e
+            pos += padded
+    return sorted_ids, expert_ids, torch.tensor([pos], dtype=torch.int32, device=topk_ids.device)
+
+
+@triton.jit
+def _sort_count_kernel(ids_ptr, counts_ptr, sorted_ptr, num_pairs, E, per_block, capacity, fill_per_block,
+                       BLOCK_E: tl.constexpr, SUB: tl.constexpr):
+    """Grid (blocks,): counts[b, e] = pairs of expert e among pairs [b * per_block, (b + 1) * per_block);
+    also fills sorted_ids[b * fill_per_block, (b + 1) * fill_per_block) with the sentinel
+    num_pairs, which the padding keeps (the scatter overwrites the rest)."""
+    b = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for s in range(0, per_block, SUB):
+        i = b * per_block + s + tl.arange(0, SUB)
+        ids = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1)
+        counts += tl.histogram(ids, BLOCK_E, mask=(i < num_pairs) & (ids >= 0) & (ids < E))
+    tl.store(counts_ptr + b * E + e, counts, mask=e < E)
+    for s in range(0, fill_per_block, SUB):
+        j = b * fill_per_block + s + tl.arange(0, SUB)
+        tl.store(sorted_ptr + j, tl.full([SUB], 0, tl.int32) + num_pairs, mask=j < capacity)
+
+
+@triton.jit
+def _sort_offsets_kernel(counts_ptr, bases_ptr, starts_ptr, expert_ids_ptr, ntp_ptr, num_blocks, E, num_tiles,
+                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TILES: tl.constexpr):
+    """Grid (1,): bases[b, e] = expert e's pairs in blocks before b; starts[e] = where expert e's
+    padded run begins; expert_ids per tile (-1 past the runs); num_tokens_post_padded."""
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    run = tl.zeros([BLOCK_E], tl.int32)
+    for b in range(num_blocks):
+        c = tl.load(counts_ptr + b * E + e, mask=e_ok, other=0)
+        tl.store(bases_ptr + b * E + e, run, mask=e_ok)
+        run += c
+    padded = (run + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(starts_ptr + e, ends - padded, mask=e_ok)
+    total = tl.sum(padded, axis=0)
+    tl.store(ntp_ptr + tl.arange(0, 1), tl.full([1], 0, tl.int32) + total)
+    for t0 in range(0, num_tiles, BLOCK_TILES):
+        tile = t0 + tl.arange(0, BLOCK_TILES)
+        pos = tile * BLOCK_M
+        # the tile's expert is the number of runs that end at or before it
+        expert = tl.sum(((ends[None, :] <= pos[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + tile, tl.where(pos < total, expert, -1), mask=tile < num_tiles)
+
+
+@triton.jit
+def _sort_scatter_kernel(ids_ptr, bases_ptr, starts_ptr, sorted_ptr, num_pairs, E, per_block,
+                         BLOCK_E: tl.constexpr, SUB: tl.constexpr):
+    """Grid (blocks,): writes each valid pair of block b at its place in sorted_ids (its expert's
+    run start + the expert's pairs before it), SUB pairs a step."""
+    b = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    next_pos = tl.load(bases_ptr + b * E + e, mask=e_ok, other=0) + tl.load(starts_ptr + e, mask=e_ok, other=0)
+    for s in range(0, per_block, SUB):
+        i = b * per_block + s + tl.arange(0, SUB)
+        ids = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1)
+        one_hot = ((ids[:, None] == e[None, :]) & e_ok[None, :]).to(tl.int32)
+        before = tl.cumsum(one_hot, axis=0) - one_hot  # same-expert pairs earlier in this step
+        pos = tl.sum(one_hot * (before + next_pos[None, :]), axis=1)
+        tl.store(sorted_ptr + pos, i, mask=(i < num_pairs) & (ids >= 0) & (ids < E))
+        next_pos += tl.sum(one_hot, axis=0)
+
+
+def moe_sort_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton moe_sort_tokens_ref (the same three tensors, bit for bit): three launches sized by
+    the shapes alone, num_tokens_post_padded left on the device."""
+    assert num_experts <= MAX_EXPERTS and block_m >= 1
+    dev = topk_ids.device
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    num_pairs = ids.numel()
+    capacity = sorted_capacity(num_pairs, num_experts, block_m)
+    num_tiles = triton.cdiv(capacity, block_m)
+    if num_pairs == 0:
+        return moe_sort_tokens_ref(topk_ids, num_experts, block_m)
+    block_e = triton.next_power_of_2(num_experts)
+    sub = max(16, 8192 // block_e)  # pairs a step: keeps the [SUB, BLOCK_E] one-hot tile at 8K elements
+    per_block = sub * triton.cdiv(triton.cdiv(num_pairs, SORT_MAX_BLOCKS), sub)
+    num_blocks = triton.cdiv(num_pairs, per_block)
+    fill_per_block = sub * triton.cdiv(triton.cdiv(capacity, num_blocks), sub)
+    sorted_ids = torch.empty(capacity, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(num_tiles, dtype=torch.int32, device=dev)
+    ntp = torch.empty(1, dtype=torch.int32, device=dev)
+    scratch = torch.empty((3, num_blocks, num_experts), dtype=torch.int32, device=dev)
+    counts, bases, starts = scratch[0], scratch[1], scratch[2, 0]
+    _sort_count_kernel[(num_blocks,)](ids, counts, sorted_ids, num_pairs, num_experts, per_block, capacity,
+                                      fill_per_block, BLOCK_E=block_e, SUB=sub, num_warps=4)
+    _sort_offsets_kernel[(1,)](counts, bases, starts, expert_ids, ntp, num_blocks, num_experts, num_tiles,
+                               BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_TILES=max(16, 4096 // block_e), num_warps=4)
+    _sort_scatter_kernel[(num_blocks,)](ids, bases, starts, sorted_ids, num_pairs, num_experts, per_block,
+                                        BLOCK_E=block_e, SUB=sub, num_warps=8)
+    return sorted_ids, expert_ids, ntp
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch configs
+# ----------------------------------------------------------------------------------------------
+
+# The GEMV path reads an expert's weights once per pair routed to it, the grouped path once per
+# tile: the GEMV (no sort launches) pays while pairs seldom share an expert, up to one per expert.
+GEMV_MAX_PAIRS_PER_EXPERT = 1
+
+# Grouped path: (E, N, K, token bucket) -> (block_m, block_n, block_k, group_m, num_warps, num_stages),
+# where (N, K) is the weight's shape per expert: w13's (2I, H) for launch 1, w2's (H, I) for
+# launch 2; launch 2 takes launch 1's block_m (one sort serves both). The nearest bucket of the
+# shape is used, the fallback rule (_grouped_default) for shapes not listed. Placeholders, not
+# measured: replace them with benchmarks/moe_tune.py's output from the H200.
+GROUPED_TILES = MappingProxyType({
+    # Qwen3-30B-A3B (E=128, H=2048, I=768, k=8)
+    (128, 1536, 2048, 64): (16, 64, 128, 8, 4, 4),
+    (128, 1536, 2048, 512): (32, 64, 128, 8, 4, 4),
+    (128, 1536, 2048, 8192): (128, 128, 64, 8, 8, 3),
+    (128, 2048, 768, 64): (16, 64, 128, 8, 4, 4),
+    (128, 2048, 768, 512): (32, 64, 128, 8, 4, 4),
+    (128, 2048, 768, 8192): (128, 128, 64, 8, 8, 3),
+    # Mixtral-8x7B (E=8, H=4096, I=14336, k=2)
+    (8, 28672, 4096, 8): (16, 64, 128, 8, 4, 4),
+    (8, 28672, 4096, 64): (16, 64, 128, 8, 4, 4),
+    (8, 28672, 4096, 512): (128, 128, 64, 8, 8, 3),
+    (8, 28672, 4096, 8192): (128, 128, 64, 8, 8, 3),
+    (8, 4096, 14336, 8): (16, 64, 128, 8, 4, 4),
+    (8, 4096, 14336, 64): (16, 64, 128, 8, 4, 4),
+    (8, 4096, 14336, 512): (128, 128, 64, 8, 8, 3),
+    (8, 4096, 14336, 8192): (128, 128, 64, 8, 8, 3),
+})
+# GEMV path: (E, N, K, token bucket) -> (block_n, block_k, num_warps, num_stages); placeholders too.
+GEMV_TILES = MappingProxyType({
+    (128, 1536, 2048, 1): (16, 256, 4, 3),
+    (128, 1536, 2048, 8): (16, 256, 4, 3),
+    (128, 2048, 768, 1): (16, 256, 4, 3),
+    (128, 2048, 768, 8): (16, 256, 4, 3),
+    (8, 28672, 4096, 1): (16, 256, 4, 3),
+    (8, 4096, 14336, 1): (16, 256, 4, 3),
+})
+GROUPED_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+GEMV_FIELDS = ("block_n", "block_k", "num_warps", "num_stages")
+# What a grouped tile's load pipeline may take of Hopper's 227 KB of shared memory per block.
+SHARED_MEMORY_BYTES = 200 * 1024
+
+
+def use_gemv_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether fused_moe_triton takes the GEMV path at this size."""
+    return num_tokens * top_k <= GEMV_MAX_PAIRS_PER_EXPERT * num_experts
+
+
+def token_bucket(num_tokens: int) -> int:
+    """The token-count key of the tile tables: the power of two at or above num_tokens."""
+    return triton.next_power_of_2(max(1, num_tokens))
+
+
+def _lookup(table, num_experts: int, n: int, k: int, num_tokens: int) -> Optional[tuple]:
+    """The table's entry for (E, N, K) at the bucket nearest num_tokens (log scale, the larger on a tie)."""
+    buckets = [key[3] for key in table if key[:3] == (num_experts, n, k)]
+    if not buckets:
+        return None
+    want = math.log2(token_bucket(num_tokens))
+    return table[(num_experts, n, k, min(buckets, key=lambda b: (abs(math.log2(b) - want), -b)))]
+
+
+def _grouped_default(num_tokens: int, top_k: int, num_experts: int) -> tuple:
+    """Tile height from the pairs an expert gets on average (16 to 128); wider, shallower tiles
+    and more warps as it grows."""
+    per_expert = num_tokens * top_k / num_experts
+    block_m = min(128, max(16, triton.next_power_of_2(math.ceil(per_expert))))
+    if block_m <= 32:
+        return (block_m, 64, 128, 8, 4, 4)
+    if block_m == 64:
+        return (64, 128, 64, 8, 4, 4)
+    return (128, 128, 64, 8, 8, 3)
+
+
+def _fit_tile(cfg: dict, n_out: int, k: int, elem_bytes: int, b_tiles: int) -> dict:
+    """cfg with block_n / block_k no wider than the problem (at least 16, tl.dot's smallest) and
+    its load pipeline within SHARED_MEMORY_BYTES (fewer stages, then a shorter block_k)."""
+    cfg = dict(cfg)
+    cfg["block_n"] = max(16, min(cfg["block_n"], triton.next_power_of_2(n_out)))
+    cfg["block_k"] = max(16, min(cfg["block_k"], triton.next_power_of_2(k)))
+    if "block_m" in cfg:
+        def need():
+            return (cfg["block_m"] + b_tiles * cfg["block_n"]) * cfg["block_k"] * elem_bytes * cfg["num_stages"]
+        while need() > SHARED_MEMORY_BYTES and cfg["num_stages"] > 2:
+            cfg["num_stages"] -= 1
+        while need() > SHARED_MEMORY_BYTES and cfg["block_k"] > 16:
+            cfg["block_k"] //= 2
+    return cfg
+
+
+def moe_config(num_experts: int, inter: int, hidden: int, num_tokens: int, top_k: int, dtype: torch.dtype,
+               path: Optional[str] = None) -> dict:
+    """fused_moe_triton's launch configs at this shape: {"path": "gemv" or "grouped", "gate_up":
+    {...}, "down": {...}}, from the tables (the fallback rule for shapes they lack). `path`
+    forces one path."""
+    if path is None:
+        path = "gemv" if use_gemv_path(num_tokens, top_k, num_experts) else "grouped"
+    assert path in ("gemv", "grouped"), path
+    esz = torch.empty((), dtype=dtype).element_size()
+    shapes = (("gate_up", 2 * inter, hidden, inter, 2), ("down", hidden, inter, hidden, 1))
+    out = {"path": path}
+    for name, n, k, n_out, b_tiles in shapes:
+        if path == "gemv":
+            entry = _lookup(GEMV_TILES, num_experts, n, k, num_tokens) or (16, 256, 4, 3)
+            cfg = dict(zip(GEMV_FIELDS, entry))
+        else:
+            entry = _lookup(GROUPED_TILES, num_experts, n, k, num_tokens) or _grouped_default(
+                num_tokens, top_k, num_experts)
+            cfg = dict(zip(GROUPED_FIELDS, entry))
+            if name == "down":
+                cfg["block_m"] = out["gate_up"]["block_m"]
+        out[name] = _fit_tile(cfg, n_out, k, esz, b_tiles)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The experts' MLPs
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _silu_mul_rounded(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up in fp32 from fp32 sums, rounded to dtype where the reference's ops round."""
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype)
+
+
+@triton.jit
+def _tile_coords(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program pid, GROUP_M row tiles side by side so that they share
+    the weight tiles they read while those are in L2."""
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
+@triton.jit
+def _grouped_gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ids_ptr, ntp_ptr, num_pairs, I, H, num_m,
+                            stride_we, stride_wn,
+                            TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+    """Grid (num_m * cdiv(I, BLOCK_N),): for BLOCK_M sorted pairs of one expert and BLOCK_N
+    features, gate and up from the two halves of w13 and h[pair] = silu(gate) * up. Tiles past
+    num_tokens_post_padded exit at once."""
+    pid_m, pid_n = _tile_coords(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(ntp_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pair < num_pairs
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    kk = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + (pair // TOP_K).to(tl.int64)[:, None] * H + kk[None, :]
+    g_ptrs = w_ptr + expert * stride_we + n.to(tl.int64)[None, :] * stride_wn + kk[:, None]
+    u_ptrs = g_ptrs + I * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = kk < H - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if WIDEN:
+            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    h = _silu_mul_rounded(acc_g, acc_u, h_ptr.dtype.element_ty)
+    tl.store(h_ptr + pair.to(tl.int64)[:, None] * I + n[None, :], h, mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _grouped_down_kernel(h_ptr, w_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, ntp_ptr, num_pairs, H, I,
+                         num_m, stride_we, stride_wn,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+    """Grid (num_m * cdiv(H, BLOCK_N),): y[pair] = (h[pair] @ w2[expert]^T) * topk_weight[pair]
+    for BLOCK_M sorted pairs of one expert and BLOCK_N features."""
+    pid_m, pid_n = _tile_coords(tl.program_id(0), num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(ntp_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pair < num_pairs
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < H
+    kk = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + pair.to(tl.int64)[:, None] * I + kk[None, :]
+    b_ptrs = w_ptr + expert * stride_we + n.to(tl.int64)[None, :] * stride_wn + kk[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = kk < I - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if WIDEN:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    dtype = y_ptr.dtype.element_ty
+    weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(dtype).to(tl.float32)
+    y = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)
+    tl.store(y_ptr + pair.to(tl.int64)[:, None] * H + n[None, :], y, mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_slots_kernel(y_ptr, ids_ptr, out_ptr, E, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Grid (T, cdiv(H, BLOCK_H)): out[t] = the sum of y[t * TOP_K + j] over the slots j with a
+    valid expert, in slot order, in fp32."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * TOP_K + j)
+        width = tl.where((e >= 0) & (e < E), H, 0)  # a slot of no expert reads nothing
+        acc += tl.load(y_ptr + (t * TOP_K + j) * H + h, mask=h < width, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
+@triton.jit
+def _gemv_gate_up_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, E, I, H, stride_we, stride_wn,
+                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid (T * TOP_K, cdiv(I, BLOCK_N)): h[pair] for BLOCK_N features of one (token, slot)
+    pair, from its expert's gate and up rows only; a pair of no expert writes nothing."""
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if (expert < 0) | (expert >= E):
+        return
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    kk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (pair // TOP_K) * H + kk
+    g_ptrs = w_ptr + expert * stride_we + n.to(tl.int64)[:, None] * stride_wn + kk[None, :]
+    u_ptrs = g_ptrs + I * stride_wn
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = kk < H - k0
+        xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        acc_g += tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * xv
+        acc_u += tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * xv
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    h = _silu_mul_rounded(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), h_ptr.dtype.element_ty)
+    tl.store(h_ptr + pair * I + n, h, mask=n_ok)
+
+
+@triton.jit
+def _gemv_down_kernel(h_ptr, w_ptr, out_ptr, topk_w_ptr, ids_ptr, E, H, I, stride_we, stride_wn,
+                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid (T, cdiv(H, BLOCK_N)): out[t] for BLOCK_N features, the sum over token t's slots of
+    (h[pair] @ w2[expert]^T) * topk_weight[pair], in slot order, skipping slots of no expert."""
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < H
+    kk = tl.arange(0, BLOCK_K)
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = t * TOP_K + j
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        if (expert >= 0) & (expert < E):
+            h_ptrs = h_ptr + pair * I + kk
+            w_ptrs = w_ptr + expert * stride_we + n.to(tl.int64)[:, None] * stride_wn + kk[None, :]
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                k_ok = kk < I - k0
+                hv = tl.load(h_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+                acc += tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * hv
+                h_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
+            weight = tl.load(topk_w_ptr + pair).to(dtype).to(tl.float32)
+            total += (tl.sum(acc, axis=1).to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
+    tl.store(out_ptr + t * H + n, total.to(dtype), mask=n_ok)
+
+
+def _check_moe_args(x, w13, w2, topk_weights, topk_ids) -> tuple[int, int, int, int, int]:
+    """(T, H, E, I, k) after checking the shapes and layouts the kernels take."""
+    T, H = x.shape
+    E, two_i, h13 = w13.shape
+    inter = two_i // 2
+    k = topk_ids.shape[1]
+    assert h13 == H and two_i == 2 * inter and w2.shape == (E, H, inter), (x.shape, w13.shape, w2.shape)
+    assert topk_ids.shape == topk_weights.shape == (T, k), (topk_ids.shape, topk_weights.shape)
+    assert x.is_contiguous() and w13.stride(-1) == 1 and w2.stride(-1) == 1
+    assert w13.dtype == w2.dtype == x.dtype and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return T, H, E, inter, k
+
+
+def _dot_meta(x: torch.Tensor) -> dict:
+    # the interpreter multiplies 16-bit tl.dot operands wrongly: widen them there
+    widen = x.dtype != torch.float32 and not x.is_cuda
+    return dict(DOT_PRECISION="ieee" if x.dtype == torch.float32 or widen else "tf32", WIDEN=widen)
+
+
+def grouped_gate_up(x: torch.Tensor, w13: torch.Tensor, top_k: int, sort: tuple, cfg: dict) -> torch.Tensor:
+    """Launch 1 of the grouped path: h [T * k, I] (rows of pairs of no expert unwritten)."""
+    sorted_ids, expert_ids, ntp = sort
+    num_pairs, inter = x.shape[0] * top_k, w13.shape[1] // 2
+    h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    num_m = expert_ids.numel()
+    grid = (num_m * triton.cdiv(inter, cfg["block_n"]),)
+    _grouped_gate_up_kernel[grid](
+        x, w13, h, sorted_ids, expert_ids, ntp, num_pairs, inter, x.shape[1], num_m, w13.stride(0), w13.stride(1),
+        TOP_K=top_k, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"],
+        **_dot_meta(x), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return h
+
+
+def grouped_down(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, sort: tuple, cfg: dict
+                 ) -> torch.Tensor:
+    """Launch 2 of the grouped path: y [T * k, H], each pair's down projection times its weight."""
+    sorted_ids, expert_ids, ntp = sort
+    num_pairs, inter = h.shape
+    hidden = w2.shape[1]
+    y = torch.empty((num_pairs, hidden), dtype=h.dtype, device=h.device)
+    num_m = expert_ids.numel()
+    grid = (num_m * triton.cdiv(hidden, cfg["block_n"]),)
+    _grouped_down_kernel[grid](
+        h, w2, y, topk_weights, sorted_ids, expert_ids, ntp, num_pairs, hidden, inter, num_m, w2.stride(0),
+        w2.stride(1), BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"],
+        **_dot_meta(h), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return y
+
+
+def sum_slots(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """out [T, H]: each token's rows of y [T * k, H] with a valid expert, summed in slot order."""
+    T, k = topk_ids.shape
+    hidden = y.shape[1]
+    out = torch.empty((T, hidden), dtype=y.dtype, device=y.device)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _sum_slots_kernel[(T, triton.cdiv(hidden, block_h))](y, topk_ids, out, num_experts, hidden, TOP_K=k,
+                                                         BLOCK_H=block_h, num_warps=4)
+    return out
+
+
+def gemv_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """Launch 1 of the GEMV path: h [T * k, I] (rows of pairs of no expert unwritten)."""
+    T, k = topk_ids.shape
+    num_experts, two_i, hidden = w13.shape
+    inter = two_i // 2
+    h = torch.empty((T * k, inter), dtype=x.dtype, device=x.device)
+    _gemv_gate_up_kernel[(T * k, triton.cdiv(inter, cfg["block_n"]))](
+        x, w13, h, topk_ids, num_experts, inter, hidden, w13.stride(0), w13.stride(1), TOP_K=k,
+        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return h
+
+
+def gemv_down(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, cfg: dict
+              ) -> torch.Tensor:
+    """Launch 2 of the GEMV path: out [T, H]."""
+    T, k = topk_ids.shape
+    num_experts, hidden, inter = w2.shape
+    out = torch.empty((T, hidden), dtype=h.dtype, device=h.device)
+    _gemv_down_kernel[(T, triton.cdiv(hidden, cfg["block_n"]))](
+        h, w2, out, topk_weights, topk_ids, num_experts, hidden, inter, w2.stride(0), w2.stride(1), TOP_K=k,
+        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, config: Optional[dict] = None) -> torch.Tensor:
+    """Triton fused_moe_ref: x [T, H] contiguous; w13, w2 with unit last stride; fp32, bf16 or
+    fp16. `config` (moe_config's form) overrides the path and tiles chosen for the shape."""
+    T, H, E, inter, k = _check_moe_args(x, w13, w2, topk_weights, topk_ids)
+    if T == 0:
+        return torch.empty_like(x)
+    cfg = config or moe_config(E, inter, H, T, k, x.dtype)
+    ids = topk_ids.to(torch.int32).contiguous()
+    weights = topk_weights.contiguous()
+    if cfg["path"] == "gemv":
+        return gemv_down(gemv_gate_up(x, w13, ids, cfg["gate_up"]), w2, weights, ids, cfg["down"])
+    assert cfg["gate_up"]["block_m"] == cfg["down"]["block_m"], "one sort serves both launches"
+    sort = moe_sort_tokens(ids, E, cfg["gate_up"]["block_m"])
+    h = grouped_gate_up(x, w13, k, sort, cfg["gate_up"])
+    return sum_slots(grouped_down(h, w2, weights, sort, cfg["down"]), ids, E)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """The experts' MLPs (fused_moe_ref's arguments and result): Triton on CUDA."""
+    if use_triton(x):
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+
+
+def grouped_mm_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor) -> torch.Tensor:
+    """fused_moe_ref through torch._grouped_mm (bf16 on CUDA, where the kernel bench sets it
+    beside fused_moe_triton): the pairs sorted by expert with torch ops, one grouped GEMM for
+    gate/up and one for down, no host sync."""
+    T, H, E, _, k = _check_moe_args(x, w13, w2, topk_weights, topk_ids)
+    flat = topk_ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < E)
+    key = torch.where(valid, flat, E)  # pairs of no expert sort last, past every group
+    order = torch.argsort(key, stable=True)
+    ones = torch.ones_like(key, dtype=torch.int32)
+    counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device).scatter_add_(0, key, ones)
+    offs = counts[:E].cumsum(0, dtype=torch.int32)
+    gate, up = torch._grouped_mm(x[order // k], w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+    y = y * topk_weights.reshape(-1)[order].to(x.dtype)[:, None]
+    y = torch.where(valid[order][:, None], y, 0)  # rows past the last group are never computed
+    pairs = torch.empty_like(y).index_copy_(0, order, y)
+    return pairs.view(T, k, H).sum(dim=1)
