@@ -1,0 +1,347 @@
+"""Mixture-of-experts: the Triton routing, token sort, grouped GEMM and GEMV paths against the torch
+references (kernels/fused_moe.py), the tile tables' rules, and torch._grouped_mm's path."""
+
+import pytest
+import torch
+
+from tokenmill.kernels import fused_moe as fm
+
+from tests.kernels.common import DEVICES, TOL, nan_empty, rel_err  # noqa: F401
+
+PATHS = ["gemv", "grouped"]
+
+
+def _experts(T, H, I, E, dtype, device, seed=0):
+    """x [T, H] and the stacked expert weights w13 [E, 2I, H], w2 [E, H, I], scaled to unit outputs."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(device, dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(device, dtype)
+    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(device, dtype)
+    return x, w13, w2
+
+
+def _routing(T, E, k, device, kind="random", seed=0, dtype=torch.float32):
+    """(topk_weights, topk_ids [T, k] int32): k distinct experts a token ('random'), every token
+    on experts 0..k-1 ('one': all of slot 0 on expert 0), only the even experts ('sparse': the
+    odd ones get no tokens), or 'random' with some slots -1 ('ep': another rank's experts)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "one":
+        ids = torch.arange(k).repeat(T, 1)
+    elif kind == "sparse":
+        ids = torch.stack([torch.randperm((E + 1) // 2, generator=g)[:k] * 2 for _ in range(T)])
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    if kind == "ep":
+        ids[torch.rand(T, k, generator=g) < 0.3] = -1
+        ids[0] = -1  # a token with no expert here: its output is zero
+    weights = torch.rand(T, k, generator=g) + 0.1
+    return weights.to(device, dtype), ids.to(device, torch.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# Routing
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("E, k", [(4, 1), (8, 2), (8, 8), (60, 4), (256, 8)])
+def test_route_matches_ref(device, renormalize, E, k):
+    torch.manual_seed(E + k)
+    for T in (1, 5, 33):
+        logits = torch.randn(T, E, device=device)
+        weights, ids = fm.moe_route_triton(logits, k, renormalize)
+        ref_w, ref_ids = fm.moe_route_ref(logits, k, renormalize)
+        assert ids.dtype == torch.int32 and weights.dtype == logits.dtype
+        assert torch.equal(ids, ref_ids), (T, E, k)
+        torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_route_16bit_logits_and_row_stride(device, dtype):
+    """16-bit logits (distinct per row, so the ranking has no ties) read through a row stride."""
+    T, E, k = 7, 16, 4
+    g = torch.Generator().manual_seed(1)
+    ranks = torch.stack([torch.randperm(E, generator=g) for _ in range(T)]).float()
+    logits = torch.zeros(T, E + 3, device=device, dtype=dtype)
+    logits[:, :E] = (ranks * 0.25 - 2).to(device, dtype)
+    logits = logits[:, :E]
+    for renormalize in (False, True):
+        weights, ids = fm.moe_route_triton(logits, k, renormalize)
+        ref_w, ref_ids = fm.moe_route_ref(logits, k, renormalize)
+        assert torch.equal(ids, ref_ids) and weights.dtype == dtype
+        assert rel_err(weights, ref_w) < TOL[dtype]
+
+
+def test_route_dispatcher_on_cpu_is_the_reference():
+    logits = torch.randn(3, 8)
+    assert all(torch.equal(a, b) for a, b in zip(fm.moe_route(logits, 2, True), fm.moe_route_ref(logits, 2, True)))
+
+
+# --------------------------------------------------------------------------------------------
+# The token sort
+# --------------------------------------------------------------------------------------------
+
+
+def _check_sort_invariants(sort, topk_ids, E, block_m):
+    sorted_ids, expert_ids, ntp = (t.cpu() for t in sort)
+    flat = topk_ids.reshape(-1).cpu().long()
+    num_pairs = flat.numel()
+    valid = torch.nonzero((flat >= 0) & (flat < E)).flatten()
+    assert sorted_ids.numel() == fm.sorted_capacity(num_pairs, E, block_m)
+    assert expert_ids.numel() == -(-sorted_ids.numel() // block_m)
+    n = int(ntp.item())
+    assert n % block_m == 0
+    body = sorted_ids[:n]
+    real = body[body < num_pairs]
+    # Every valid pair once, nothing else (each -1 slot left out).
+    assert torch.equal(real.sort().values.long(), valid)
+    assert (body <= num_pairs).all() and (sorted_ids[n:] == num_pairs).all()
+    tiles = body.view(-1, block_m)
+    for t, row in enumerate(tiles):
+        e = int(expert_ids[t])
+        assert 0 <= e < E
+        pairs = row[row < num_pairs].long()
+        assert pairs.numel() > 0, "a tile of padding only"
+        assert (flat[pairs] == e).all(), "a tile holds one expert's pairs"
+        # Padding only at the tile's end.
+        assert (row[:pairs.numel()] < num_pairs).all() and (row[pairs.numel():] == num_pairs).all()
+    assert (expert_ids[n // block_m:] == -1).all()
+    assert (expert_ids[:n // block_m].diff() >= 0).all(), "one run per expert, in expert order"
+
+
+SORT_CASES = [  # (T, k, E, block_m, routing kind)
+    (1, 2, 8, 16, "random"), (5, 2, 8, 16, "ep"), (33, 8, 8, 16, "random"), (33, 2, 4, 32, "one"),
+    (17, 3, 9, 16, "sparse"), (40, 4, 64, 64, "random"), (33, 1, 4, 128, "ep"), (12, 8, 256, 16, "random"),
+    (1500, 2, 8, 64, "random"),  # several blocks of pairs
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T, k, E, block_m, kind", SORT_CASES)
+def test_sort_matches_ref_and_invariants(device, T, k, E, block_m, kind):
+    _, ids = _routing(T, E, k, device, kind, seed=T)
+    sort = fm.moe_sort_tokens(ids, E, block_m)
+    ref = fm.moe_sort_tokens_ref(ids, E, block_m)
+    for got, want, what in zip(sort, ref, ("sorted_ids", "expert_ids", "num_tokens_post_padded")):
+        assert got.dtype == torch.int32 and got.device == ids.device
+        assert torch.equal(got, want), what
+    _check_sort_invariants(sort, ids, E, block_m)
+
+
+def test_sort_ref_invariants_with_ids_out_of_range():
+    ids = torch.tensor([[0, 5], [9, -1], [2, 0]], dtype=torch.int32)
+    _check_sort_invariants(fm.moe_sort_tokens_ref(ids, 6, 4), ids, 6, 4)
+
+
+# --------------------------------------------------------------------------------------------
+# The experts' MLPs
+# --------------------------------------------------------------------------------------------
+
+MOE_CASES = [  # (T, H, I, E, k, routing kind)
+    (1, 32, 16, 8, 2, "random"),
+    (5, 32, 24, 8, 2, "ep"),  # ids of -1, a token with none
+    (5, 32, 48, 8, 8, "random"),  # k = E: every expert
+    (33, 32, 16, 4, 1, "random"),
+    (33, 32, 40, 4, 2, "one"),  # every token on the same two experts
+    (17, 32, 16, 9, 3, "sparse"),  # experts with no tokens
+]
+
+
+def _moe_case_id(case):
+    return "T{}-H{}-I{}-E{}-k{}-{}".format(*case)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("case", MOE_CASES, ids=_moe_case_id)
+def test_fused_moe_matches_ref(device, path, case, nan_empty):
+    T, H, I, E, k, kind = case
+    if path == "gemv" and T > 17 and device == "cpu":
+        pytest.skip("the interpreter runs a program per pair: decode sizes only")
+    x, w13, w2 = _experts(T, H, I, E, torch.float32, device, seed=T + k)
+    weights, ids = _routing(T, E, k, device, kind, seed=T)
+    out = fm.fused_moe_triton(x, w13, w2, weights, ids, config=fm.moe_config(E, I, H, T, k, x.dtype, path=path))
+    ref = fm.fused_moe_ref(x, w13, w2, weights, ids)
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    assert rel_err(out, ref) < TOL[torch.float32], (path, case)
+    if kind == "ep":
+        assert (out[0] == 0).all(), "a token with no expert on this rank"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_moe_16bit(device, dtype, nan_empty):
+    """Both paths round as the reference does, to the dtype's tolerance; the weights are fp32."""
+    T, H, I, E, k = 5, 32, 32, 8, 2
+    x, w13, w2 = _experts(T, H, I, E, dtype, device, seed=3)
+    weights, ids = _routing(T, E, k, device, "ep", seed=3)
+    ref = fm.fused_moe_ref(x, w13, w2, weights, ids)
+    # Triton's interpreter rounds to bf16 by truncation, which the five roundings compound
+    tol = 4 * TOL[dtype] if device == "cpu" and dtype == torch.bfloat16 else TOL[dtype]
+    for path in PATHS:
+        out = fm.fused_moe_triton(x, w13, w2, weights, ids, config=fm.moe_config(E, I, H, T, k, dtype, path=path))
+        assert out.dtype == dtype
+        assert rel_err(out, ref) < tol, path
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_moe_strided_weights_and_tiles(device, nan_empty):
+    """Weights read through row and expert strides (views into larger stacks), H and I not
+    multiples of the tiles, and every block_m of the grouped path."""
+    T, H, I, E, k = 9, 40, 24, 4, 2
+    x, w13_full, w2_full = _experts(T, H + 8, I + 8, E + 1, torch.float32, device, seed=5)
+    x = x[:, :H].contiguous()
+    w13 = w13_full[1:, 3:3 + 2 * I, :H]
+    w2 = w2_full[1:, :H, 5:5 + I]
+    weights, ids = _routing(T, E, k, device, "random", seed=5)
+    ref = fm.fused_moe_ref(x, w13, w2, weights, ids)
+    gemv = dict(block_n=16, block_k=16, num_warps=4, num_stages=1)
+    out = fm.fused_moe_triton(x, w13, w2, weights, ids, config=dict(path="gemv", gate_up=gemv, down=gemv))
+    assert rel_err(out, ref) < TOL[torch.float32], "gemv"
+    for block_m in (16, 32, 64, 128):
+        tile = dict(block_m=block_m, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=2)
+        out = fm.fused_moe_triton(x, w13, w2, weights, ids, config=dict(path="grouped", gate_up=tile, down=tile))
+        assert rel_err(out, ref) < TOL[torch.float32], block_m
+
+
+def test_fused_moe_dispatcher_on_cpu_is_the_reference():
+    x, w13, w2 = _experts(3, 16, 8, 4, torch.float32, "cpu")
+    weights, ids = _routing(3, 4, 2, "cpu")
+    assert torch.equal(fm.fused_moe(x, w13, w2, weights, ids), fm.fused_moe_ref(x, w13, w2, weights, ids))
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+def test_grouped_mm_moe_matches_ref():
+    """torch._grouped_mm's path (CUDA in the bench; torch also runs it on the CPU), bf16."""
+    T, H, I, E, k = 9, 32, 16, 8, 2
+    x, w13, w2 = _experts(T, H, I, E, torch.bfloat16, "cpu", seed=7)
+    weights, ids = _routing(T, E, k, "cpu", "ep", seed=7)
+    try:
+        out = fm.grouped_mm_moe(x, w13, w2, weights, ids)
+    except (RuntimeError, NotImplementedError) as exc:
+        pytest.skip(f"torch._grouped_mm on the CPU: {exc}")
+    assert rel_err(out, fm.fused_moe_ref(x, w13, w2, weights, ids)) < TOL[torch.bfloat16]
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configs
+# --------------------------------------------------------------------------------------------
+
+
+def test_gemv_threshold_and_path_choice():
+    assert fm.use_gemv_path(1, 8, 128) and fm.use_gemv_path(16, 8, 128) and not fm.use_gemv_path(17, 8, 128)
+    assert fm.use_gemv_path(4, 2, 8) and not fm.use_gemv_path(5, 2, 8)
+    assert fm.moe_config(128, 768, 2048, 1, 8, torch.bfloat16)["path"] == "gemv"
+    assert fm.moe_config(128, 768, 2048, 512, 8, torch.bfloat16)["path"] == "grouped"
+    assert fm.moe_config(128, 768, 2048, 1, 8, torch.bfloat16, path="grouped")["path"] == "grouped"
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 8, 64, 100, 512, 4096, 8192, 65536])
+@pytest.mark.parametrize("shape", [(128, 768, 2048, 8), (8, 14336, 4096, 2), (4, 16, 32, 2), (256, 2048, 7168, 8)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_configs_are_launchable(num_tokens, shape, dtype):
+    """Every config moe_config gives: powers of two of at least 16 (tl.dot's smallest), one
+    block_m for both grouped launches, within the shared-memory budget."""
+    E, inter, hidden, k = shape
+    cfg = fm.moe_config(E, inter, hidden, num_tokens, k, dtype)
+    esz = torch.empty((), dtype=dtype).element_size()
+    for name, b_tiles in (("gate_up", 2), ("down", 1)):
+        c = cfg[name]
+        for field in ("block_n", "block_k") + (("block_m",) if cfg["path"] == "grouped" else ()):
+            assert c[field] >= 16 and c[field] & (c[field] - 1) == 0, (name, field, c)
+        if cfg["path"] == "grouped":
+            assert c["block_m"] in (16, 32, 64, 128)
+            assert (c["block_m"] + b_tiles * c["block_n"]) * c["block_k"] * esz * c["num_stages"] \
+                <= fm.SHARED_MEMORY_BYTES
+    if cfg["path"] == "grouped":
+        assert cfg["gate_up"]["block_m"] == cfg["down"]["block_m"]
+
+
+def test_tile_tables_are_well_formed():
+    """Each grouped entry of w13's shape has w2's at the same bucket with the same block_m (one
+    sort serves both launches), so pasted tuner output stays consistent."""
+    for table, width in ((fm.GROUPED_TILES, len(fm.GROUPED_FIELDS)), (fm.GEMV_TILES, len(fm.GEMV_FIELDS))):
+        for (E, n, k, bucket), entry in table.items():
+            assert len(entry) == width and bucket == fm.token_bucket(bucket)
+    for (E, n, k, bucket), entry in fm.GROUPED_TILES.items():
+        if n % 2 == 0 and (E, k, n // 2, bucket) in fm.GROUPED_TILES:
+            assert fm.GROUPED_TILES[(E, k, n // 2, bucket)][0] == entry[0], (E, n, k, bucket)
+
+
+def test_table_lookup_takes_the_nearest_bucket():
+    table = {(8, 64, 32, 4): ("four",), (8, 64, 32, 64): ("sixty-four",)}
+    assert fm._lookup(table, 8, 64, 32, 1) == ("four",)
+    assert fm._lookup(table, 8, 64, 32, 16) == ("sixty-four",)  # 4 and 64 equally far: the larger
+    assert fm._lookup(table, 8, 64, 32, 7) == ("four",)  # bucket 8
+    assert fm._lookup(table, 8, 64, 32, 100000) == ("sixty-four",)
+    assert fm._lookup(table, 8, 64, 16, 4) is None
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA: real shapes, no host sync, CUDA graphs
+# --------------------------------------------------------------------------------------------
+
+GPU_SHAPES = [  # (H, I, E, k): Qwen3-30B-A3B, Mixtral-8x7B with a narrower I, an odd-sized one
+    (2048, 768, 128, 8), (4096, 2048, 8, 2), (1000, 200, 60, 4),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "H{}-I{}-E{}-k{}".format(*s))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fused_moe_cuda_sweep(shape, dtype, nan_empty):
+    H, I, E, k = shape
+    x_all, w13, w2 = _experts(512, H, I, E, dtype, "cuda", seed=11)
+    for T in (1, 8, 64, 512):
+        x = x_all[:T].contiguous()
+        logits = torch.randn(T, E, device="cuda", dtype=dtype)
+        weights, ids = fm.moe_route(logits, k, renormalize=True)
+        ref = fm.fused_moe_ref(x, w13, w2, weights, ids)
+        for path in (None, "gemv", "grouped"):
+            if path == "gemv" and T > 64:
+                continue
+            cfg = None if path is None else fm.moe_config(E, I, H, T, k, dtype, path=path)
+            out = fm.fused_moe_triton(x, w13, w2, weights, ids, config=cfg)
+            assert rel_err(out, ref) < TOL[dtype], (T, path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [4, 300])  # the GEMV path and the grouped path
+def test_cuda_no_host_sync_and_graph_capture(T):
+    H, I, E, k = 256, 128, 16, 4
+    x, w13, w2 = _experts(T, H, I, E, torch.bfloat16, "cuda", seed=13)
+    logits = torch.randn(T, E, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        weights, ids = fm.moe_route(logits, k, renormalize=True)
+        return fm.fused_moe(x, w13, w2, weights, ids)
+
+    step()  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    logits.copy_(torch.randn_like(logits))
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    weights, ids = fm.moe_route_ref(logits, k, True)
+    assert rel_err(out, fm.fused_moe_ref(x, w13, w2, weights, ids)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_mm_moe_cuda():
+    T, H, I, E, k = 300, 2048, 768, 128, 8
+    x, w13, w2 = _experts(T, H, I, E, torch.bfloat16, "cuda", seed=17)
+    weights, ids = _routing(T, E, k, "cuda", "ep", seed=17)
+    assert rel_err(fm.grouped_mm_moe(x, w13, w2, weights, ids), fm.fused_moe_ref(x, w13, w2, weights, ids)) \
+        < TOL[torch.bfloat16]
