@@ -13,6 +13,11 @@ achieved bandwidth, each row count's time over one row's):
 
     python benchmarks/kernel_bench.py --skip-attention --skip-small-ops --models llama3.1-8b [--skinny-rows 1,4]
 
+The mixture-of-experts MLPs (kernels/fused_moe.py: the Triton paths against torch._grouped_mm) at
+Qwen3-30B-A3B and Mixtral-8x7B shapes, 1 to 8192 tokens:
+
+    python benchmarks/kernel_bench.py --skip-attention --skip-small-ops --skip-skinny [--moe-tokens 1,64]
+
 --out defaults to $OUT/kernel_bench.json when $OUT is set, else ./kernel_bench.json.
 """
 
@@ -34,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from tokenmill.kernels import activation, attention, norm, qkv_prep, qkv_rope_gemv, rotary, skinny_gemm  # noqa: E402
+from tokenmill.kernels import (activation, attention, fused_moe, norm, qkv_prep, qkv_rope_gemv, rotary,  # noqa: E402
+                               skinny_gemm)
 
 DTYPE = torch.bfloat16
 DEVICE = "cuda"  # --smoke switches to "cpu" (Triton interpreter) to check the script itself
@@ -537,10 +543,97 @@ def skinny_layer_totals(rows: list[dict]) -> list[dict]:
     return out
 
 
+# ----------------------------------------------------------------------------------------------
+# Mixture-of-experts
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoeModel:
+    name: str
+    hidden: int
+    intermediate: int
+    num_experts: int
+    top_k: int
+
+
+MOE_MODELS = {
+    "qwen3-30b-a3b": MoeModel("qwen3-30b-a3b", 2048, 768, 128, 8),
+    "mixtral-8x7b": MoeModel("mixtral-8x7b", 4096, 14336, 8, 2),
+}
+MOE_TOKENS = [1, 8, 64, 512, 8192]
+MOE_BOTH_PATHS_UP_TO = 64  # token counts at which both Triton paths are timed (the GEMV threshold's range)
+
+
+def _timed(fn: Callable[[], object]) -> tuple[float, bool]:
+    """(ms, in a CUDA graph): graph_ms, or median_ms where capture fails."""
+    try:
+        return graph_ms(fn), DEVICE == "cuda"
+    except Exception as exc:  # e.g. an op that cannot be captured
+        print(f"moe: graph capture failed ({type(exc).__name__}: {exc}); timing eagerly", file=sys.stderr)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        return median_ms(fn), False
+
+
+def bench_moe(rec: Recorder, m: MoeModel, token_counts: list[int]) -> list[dict]:
+    """The experts' MLPs at T tokens, routed by softmax top-k over random logits: fused_moe_triton
+    at its own path choice (and, up to MOE_BOTH_PATHS_UP_TO tokens, each path forced) against
+    torch._grouped_mm (fused_moe.grouped_mm_moe), plus the routing and the token sort alone.
+    TFLOP/s counts the routed pairs' products (6 H I flops a pair); GB/s the weight bytes of the
+    experts the routing chose, each read once."""
+    E, H, inter, k = m.num_experts, m.hidden, m.intermediate, m.top_k
+    esz = torch.tensor([], dtype=DTYPE).element_size()
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    w13 = torch.randn(E, 2 * inter, H, device=DEVICE, dtype=DTYPE, generator=gen) / H ** 0.5
+    w2 = torch.randn(E, H, inter, device=DEVICE, dtype=DTYPE, generator=gen) / inter ** 0.5
+    summary = []
+    for T in token_counts:
+        x = torch.randn(T, H, device=DEVICE, dtype=DTYPE, generator=gen)
+        logits = torch.randn(T, E, device=DEVICE, dtype=DTYPE, generator=gen)
+        weights, ids = fused_moe.moe_route(logits, k, renormalize=True)
+        experts_read = int(ids.unique().numel())
+        nbytes = experts_read * 3 * inter * H * esz
+        flops = 6.0 * T * k * H * inter
+        shape = f"T={T} E={E} k={k} H={H} I={inter}"
+        ref = fused_moe.fused_moe_ref(x, w13, w2, weights, ids)
+        chosen = fused_moe.moe_config(E, inter, H, T, k, DTYPE)
+        variants = [(f"triton ({chosen['path']})", None)]
+        if T <= MOE_BOTH_PATHS_UP_TO:
+            variants += [(f"triton {p} (forced)", fused_moe.moe_config(E, inter, H, T, k, DTYPE, path=p))
+                         for p in ("gemv", "grouped")]
+        row = dict(model=m.name, tokens=T, path=chosen["path"], experts_read=experts_read, weight_bytes=nbytes)
+        for label, cfg in variants:
+            fn = lambda cfg=cfg: fused_moe.fused_moe_triton(x, w13, w2, weights, ids, config=cfg)  # noqa: E731
+            err = rel_err_of(fn(), ref)
+            ms, graphed = _timed(fn)
+            rec.add("moe", m.name, shape, ms, nbytes=nbytes, flops=flops, config=label, rel_err=float(f"{err:.2e}"),
+                    graph=graphed)
+            row[label] = round(ms, 5)
+        try:
+            fn = lambda: fused_moe.grouped_mm_moe(x, w13, w2, weights, ids)  # noqa: E731
+            err = rel_err_of(fn(), ref)
+            ms, graphed = _timed(fn)
+            rec.add("moe", m.name, shape, ms, nbytes=nbytes, flops=flops, config="torch._grouped_mm",
+                    rel_err=float(f"{err:.2e}"), graph=graphed)
+            row["torch._grouped_mm"] = round(ms, 5)
+        except Exception as exc:  # _grouped_mm takes bf16 on sm90+ only
+            rec.rows.append(dict(op="moe", model=m.name, shape=shape, config="torch._grouped_mm",
+                                 error=f"{type(exc).__name__}: {exc}"[:200]))
+        ms, _ = _timed(lambda: fused_moe.moe_route(logits, k, renormalize=True))
+        rec.add("moe_route", m.name, shape, ms, nbytes=T * E * esz, config="softmax top-k")
+        if chosen["path"] == "grouped":
+            block_m = chosen["gate_up"]["block_m"]
+            ms, _ = _timed(lambda: fused_moe.moe_sort_tokens(ids, E, block_m))
+            rec.add("moe_sort", m.name, shape, ms, nbytes=T * k * 4, config=f"block_m={block_m}")
+        summary.append(row)
+    return summary
+
+
 def _enter_smoke_mode() -> None:
     """Toy shapes on CPU through the Triton interpreter: exercises every code path of this script."""
     global DEVICE, DTYPE, PREFILL_CONFIGS, DECODE_CONFIGS, DECODE_SPLITS, SKINNY_CONFIGS, SKINNY_MULTI_CONFIGS
-    global SKINNY_ROWS, attention_cases
+    global SKINNY_ROWS, attention_cases, MOE_MODELS, MOE_TOKENS
     assert os.environ.get("TRITON_INTERPRET") == "1", "--smoke needs TRITON_INTERPRET=1"
     DEVICE, DTYPE = "cpu", torch.float16
     MODELS["smoke"] = Model("smoke", 64, 96, 4, 2, 32)
@@ -550,6 +643,8 @@ def _enter_smoke_mode() -> None:
     SKINNY_CONFIGS = [(8, 32, 4, 2)]
     SKINNY_MULTI_CONFIGS = [(8, 32, 4, 2)]
     SKINNY_ROWS = [1, 3]
+    MOE_MODELS = {"smoke-moe": MoeModel("smoke-moe", 32, 16, 8, 2)}
+    MOE_TOKENS = [1, 5, 40]
     attention_cases = lambda quick: [  # noqa: E731
         AttnCase("decode B=3", [(1, 40), (1, 7), (1, 33)]),
         AttnCase("prefill 2x24", [(24, 24)] * 2),
@@ -573,6 +668,10 @@ def main() -> None:
     parser.add_argument("--skinny-rows", default=None,
                         help="row counts of the GEMV sweep, comma-separated (default 1,2,4,8; at most "
                              f"{skinny_gemm.MAX_ROWS}); 1 is the batch-1 decode, 4 a verify step of 3 drafts")
+    parser.add_argument("--skip-moe", action="store_true", help="no mixture-of-experts section")
+    parser.add_argument("--moe-models", default=",".join(MOE_MODELS))
+    parser.add_argument("--moe-tokens", default=None,
+                        help=f"token counts of the MoE section, comma-separated (default {','.join(map(str, MOE_TOKENS))})")
     parser.add_argument("--smoke", action="store_true",
                         help="check the script on CPU with TRITON_INTERPRET=1 at toy shapes (numbers meaningless)")
     args = parser.parse_args()
@@ -606,6 +705,13 @@ def main() -> None:
             qkv_rope_rows += bench_qkv_rope(rec, m, rows_list)
         if not args.skip_attention:
             best_rows += bench_attention(rec, m, args.quick)
+    moe_rows: list[dict] = []
+    if not args.skip_moe:
+        moe_tokens = [int(v) for v in args.moe_tokens.split(",")] if args.moe_tokens else MOE_TOKENS
+        for name in MOE_MODELS if args.smoke else args.moe_models.split(","):
+            moe_rows += bench_moe(rec, MOE_MODELS[name], moe_tokens)
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()  # the next model's experts
 
     cuda = DEVICE == "cuda"
     result = dict(
@@ -614,7 +720,7 @@ def main() -> None:
         torch=torch.__version__, triton=triton.__version__, dtype=str(DTYPE),
         copy_bandwidth_gbps=round(rec.copy_gbps, 1), seconds=round(time.time() - t0, 1), cold_l2=COLD_L2,
         results=rec.rows, attention_best=best_rows, skinny_linear=skinny_rows,
-        skinny_layer=skinny_layer_totals(skinny_rows), qkv_rope=qkv_rope_rows,
+        skinny_layer=skinny_layer_totals(skinny_rows), qkv_rope=qkv_rope_rows, moe=moe_rows,
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
@@ -635,6 +741,11 @@ def main() -> None:
               f"  (err {t['rel_err']}{', e4m3 weights' if t['fp8'] else ''})")
         for c, v in t["sweep"].items():
             print(f"      {c:14s} {v['ms']:.4f} ms  {v['pct_of_copy']}% of copy  err {v['rel_err']}")
+    if moe_rows:
+        print("\nmixture of experts (ms, CUDA graphs): Triton at its path choice, each path forced, torch._grouped_mm")
+        for r in moe_rows:
+            times = "  ".join(f"{name} {ms}" for name, ms in r.items() if name.startswith(("triton", "torch")))
+            print(f"  {r['model']:14s} T={r['tokens']:<5d} experts read {r['experts_read']:3d}  {times}")
     print(f"\nwrote {args.out} ({result['seconds']} s)")
 
 
