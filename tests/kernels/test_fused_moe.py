@@ -1,6 +1,10 @@
 """Mixture-of-experts: the Triton routing, token sort, grouped GEMM and GEMV paths against the torch
 references (kernels/fused_moe.py), the tile tables' rules, and torch._grouped_mm's path."""
 
+import ast
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -277,6 +281,25 @@ def test_table_lookup_takes_the_nearest_bucket():
     assert fm._lookup(table, 8, 64, 32, 7) == ("four",)  # bucket 8
     assert fm._lookup(table, 8, 64, 32, 100000) == ("sixty-four",)
     assert fm._lookup(table, 8, 64, 16, 4) is None
+
+
+
+def test_moe_tune_entries_paste_into_the_tables():
+    """benchmarks/moe_tune.py's config spaces hold only configs fused_moe launches unchanged, and
+    the lines it prints parse back as entries of the tables' form."""
+    spec = importlib.util.spec_from_file_location("moe_tune", Path(__file__).parents[2] / "benchmarks" / "moe_tune.py")
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    assert tune.block_m_candidates(8192, 8, 128) == [64, 128] and tune.block_m_candidates(64, 8, 128) == [16, 32]
+    for block_m in tune.BLOCK_MS:
+        configs = tune.grouped_configs(tune.GROUPED_SPACE["full"], block_m, 768, 2048, 2, 2)
+        assert configs and all(fm._fit_tile(c, 768, 2048, 2, 2) == c for c in configs)
+        key = (128, 1536, 2048, 512)
+        line = tune.entry_line(key, configs[-1], fm.GROUPED_FIELDS, "a note")
+        parsed = ast.literal_eval("{" + line.split("#")[0].strip() + "}")
+        assert parsed == {key: tuple(configs[-1][f] for f in fm.GROUPED_FIELDS)}
+    gemv = tune.gemv_configs(tune.GEMV_SPACE["full"], 768, 2048)
+    assert len(gemv) == len({tuple(c.values()) for c in gemv}) and {c["block_n"] for c in gemv} >= {4, 64}
 
 
 # --------------------------------------------------------------------------------------------

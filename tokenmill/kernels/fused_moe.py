@@ -354,11 +354,13 @@ def _grouped_default(num_tokens: int, top_k: int, num_experts: int) -> tuple:
 
 
 def _fit_tile(cfg: dict, n_out: int, k: int, elem_bytes: int, b_tiles: int) -> dict:
-    """cfg with block_n / block_k no wider than the problem (at least 16, tl.dot's smallest) and
-    its load pipeline within SHARED_MEMORY_BYTES (fewer stages, then a shorter block_k)."""
+    """cfg with block_n / block_k no wider than the problem and, for a grouped tile (one with a
+    block_m), at least 16 (tl.dot's smallest) and a load pipeline within SHARED_MEMORY_BYTES
+    (fewer stages, then a shorter block_k)."""
     cfg = dict(cfg)
-    cfg["block_n"] = max(16, min(cfg["block_n"], triton.next_power_of_2(n_out)))
-    cfg["block_k"] = max(16, min(cfg["block_k"], triton.next_power_of_2(k)))
+    least = 16 if "block_m" in cfg else 1
+    cfg["block_n"] = max(least, min(cfg["block_n"], triton.next_power_of_2(n_out)))
+    cfg["block_k"] = max(least, min(cfg["block_k"], triton.next_power_of_2(k)))
     if "block_m" in cfg:
         def need():
             return (cfg["block_m"] + b_tiles * cfg["block_n"]) * cfg["block_k"] * elem_bytes * cfg["num_stages"]
