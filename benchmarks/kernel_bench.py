@@ -671,7 +671,7 @@ def main() -> None:
     parser.add_argument("--skip-moe", action="store_true", help="no mixture-of-experts section")
     parser.add_argument("--moe-models", default=",".join(MOE_MODELS))
     parser.add_argument("--moe-tokens", default=None,
-                        help=f"token counts of the MoE section, comma-separated (default {','.join(map(str, MOE_TOKENS))})")
+                        help="token counts of the MoE section, comma-separated (default 1,8,64,512,8192)")
     parser.add_argument("--smoke", action="store_true",
                         help="check the script on CPU with TRITON_INTERPRET=1 at toy shapes (numbers meaningless)")
     args = parser.parse_args()

@@ -184,7 +184,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     default_out = os.path.join(os.environ["OUT"], "moe_tune.json") if os.environ.get("OUT") else None
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--tokens", default=None, help="token counts, comma-separated (default 1 to 8192 by powers of 2)")
+    parser.add_argument("--tokens", default=None, help="token counts, comma-separated (default 1 to 8192, powers of 2)")
     parser.add_argument("--quick", action="store_true", help="a smaller config space")
     parser.add_argument("--out", default=default_out, help="every timing as JSON")
     parser.add_argument("--smoke", action="store_true",

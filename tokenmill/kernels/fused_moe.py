@@ -280,15 +280,10 @@ def moe_sort_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int
 # Launch configs
 # ----------------------------------------------------------------------------------------------
 
-# The GEMV path reads an expert's weights once per pair routed to it, the grouped path once per
-# tile: the GEMV (no sort launches) pays while pairs seldom share an expert, up to one per expert.
+# The GEMV re-reads an expert's weights for each pair routed to it: it pays while pairs seldom share one.
 GEMV_MAX_PAIRS_PER_EXPERT = 1
 
-# Grouped path: (E, N, K, token bucket) -> (block_m, block_n, block_k, group_m, num_warps, num_stages),
-# where (N, K) is the weight's shape per expert: w13's (2I, H) for launch 1, w2's (H, I) for
-# launch 2; launch 2 takes launch 1's block_m (one sort serves both). The nearest bucket of the
-# shape is used, the fallback rule (_grouped_default) for shapes not listed. Placeholders, not
-# measured: replace them with benchmarks/moe_tune.py's output from the H200.
+# (E, N, K, token bucket) -> GROUPED_FIELDS (moe_config says how); placeholders until moe_tune.py runs on the H200
 GROUPED_TILES = MappingProxyType({
     # Qwen3-30B-A3B (E=128, H=2048, I=768, k=8)
     (128, 1536, 2048, 64): (16, 64, 128, 8, 4, 4),
@@ -307,7 +302,7 @@ GROUPED_TILES = MappingProxyType({
     (8, 4096, 14336, 512): (128, 128, 64, 8, 8, 3),
     (8, 4096, 14336, 8192): (128, 128, 64, 8, 8, 3),
 })
-# GEMV path: (E, N, K, token bucket) -> (block_n, block_k, num_warps, num_stages); placeholders too.
+# (E, N, K, token bucket) -> GEMV_FIELDS; placeholders too
 GEMV_TILES = MappingProxyType({
     (128, 1536, 2048, 1): (16, 256, 4, 3),
     (128, 1536, 2048, 8): (16, 256, 4, 3),
@@ -318,7 +313,7 @@ GEMV_TILES = MappingProxyType({
 })
 GROUPED_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
 GEMV_FIELDS = ("block_n", "block_k", "num_warps", "num_stages")
-# What a grouped tile's load pipeline may take of Hopper's 227 KB of shared memory per block.
+# what a grouped tile's load pipeline may take of Hopper's 227 KB per block, leaving room for the epilogue
 SHARED_MEMORY_BYTES = 200 * 1024
 
 
@@ -374,12 +369,17 @@ def _fit_tile(cfg: dict, n_out: int, k: int, elem_bytes: int, b_tiles: int) -> d
 def moe_config(num_experts: int, inter: int, hidden: int, num_tokens: int, top_k: int, dtype: torch.dtype,
                path: Optional[str] = None) -> dict:
     """fused_moe_triton's launch configs at this shape: {"path": "gemv" or "grouped", "gate_up":
-    {...}, "down": {...}}, from the tables (the fallback rule for shapes they lack). `path`
-    forces one path."""
+    {...}, "down": {...}}; `path` forces one path.
+
+    Each launch's tiles come from GROUPED_TILES or GEMV_TILES, keyed by (E, N, K) = its weight's
+    shape per expert (w13's (2I, H) for gate/up, w2's (H, I) for down) and the entry's token
+    bucket nearest num_tokens; shapes not listed take _grouped_default or a 16 x 256 GEMV tile.
+    The grouped down launch takes gate/up's block_m (one sort serves both). Tiles are then fitted
+    to the problem and the shared-memory budget (_fit_tile)."""
     if path is None:
         path = "gemv" if use_gemv_path(num_tokens, top_k, num_experts) else "grouped"
     assert path in ("gemv", "grouped"), path
-    esz = torch.empty((), dtype=dtype).element_size()
+    esz = dtype.itemsize
     shapes = (("gate_up", 2 * inter, hidden, inter, 2), ("down", hidden, inter, hidden, 1))
     out = {"path": path}
     for name, n, k, n_out, b_tiles in shapes:
