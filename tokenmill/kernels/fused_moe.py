@@ -80,13 +80,12 @@ def _select_top_k(select, weight_of, experts, TOP_K: tl.constexpr, BLOCK_K: tl.c
     among equals): (their entries of `weight_of` [BLOCK_T, BLOCK_K] fp32, their experts
     [BLOCK_T, BLOCK_K] int32), columns past TOP_K zero. Selection and weights are separate so
     that a biased selection (DeepSeek's grouped sigmoid routing) can reuse it."""
-    BLOCK_E: tl.constexpr = select.shape[1]
     slots = tl.arange(0, BLOCK_K)[None, :]
     weights = tl.zeros([select.shape[0], BLOCK_K], tl.float32)
     ids = tl.zeros([select.shape[0], BLOCK_K], tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(select, axis=1)
-        pick = tl.min(tl.where(select == best[:, None], experts[None, :], BLOCK_E), axis=1)
+        pick = tl.min(tl.where(select == best[:, None], experts[None, :], 2147483647), axis=1)
         hit = experts[None, :] == pick[:, None]
         w = tl.sum(tl.where(hit, weight_of, 0.0), axis=1)
         weights = tl.where(slots == j, w[:, None], weights)
