@@ -94,7 +94,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decodes(server):
     print(f"{prompt_tokens} prompt tokens in {prefill:.1f} s; the stream got {during} tokens meanwhile, "
           f"longest gap {gap:.2f} s")
     assert during >= chunks - 1  # one token per shared step at least
-    assert gap < max(3.0, prefill / 3)  # a few chunks' steps at most, never the whole prefill
+    assert gap < max(3.0, prefill / 2)  # a few chunks' steps at most, never the whole prefill
 
 
 def test_tokenizing_a_huge_prompt_does_not_stall_the_engine(server):

@@ -17,14 +17,15 @@ from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, PLAIN, SILU_MUL
 from tokenmill.layers.forward_context import LoRAHook, current_forward_context
 from tokenmill.layers.linear import LinearBase, LinearMethodBase, gemv_fits, new_parameter
 from tokenmill.quantization.base import QuantizationConfig
-from tokenmill.quantization.fp8 import (FP8_DTYPE, fp8_linear, fp8_linear_after_norm, fp8_linear_after_silu_mul,
-                                        fp8_one_row_takes_w8a8, quantize_weight_fp8, requantize_blockwise_fp8)
+from tokenmill.quantization.fp8 import (FP8_DTYPE, dequantize_weight_fp8, fp8_linear, fp8_linear_after_norm,
+                                        fp8_linear_after_silu_mul, fp8_one_row_takes_w8a8, quantize_weight_fp8, requantize_blockwise_fp8)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class Fp8LinearMethod(LinearMethodBase):
     @staticmethod
     def _set_quantized(layer: LinearBase, w_q: torch.Tensor, scale: torch.Tensor) -> None:
         layer.weight = nn.Parameter(w_q, requires_grad=False)
+        layer.__dict__.pop("_fp8_widened", None)
         layer.register_parameter("weight_scale", nn.Parameter(scale, requires_grad=False))
 
     # ---- the forward pass ----
@@ -145,7 +147,18 @@ class Fp8LinearMethod(LinearMethodBase):
         return layer.weight_scale
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return fp8_linear(x, layer.weight, layer.weight_scale, bias)
+        if x.is_cuda:
+            return fp8_linear(x, layer.weight, layer.weight_scale, bias)
+        return F.linear(x, self._widened(layer, x.dtype), bias)
+
+    @staticmethod
+    def _widened(layer: LinearBase, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized weight off CUDA (the reference's values), widened once per layer and dtype
+        rather than at every step: widening e4m3 is most of a CPU step's time."""
+        cache = layer.__dict__.setdefault("_fp8_widened", {})
+        if dtype not in cache:
+            cache[dtype] = dequantize_weight_fp8(layer.weight, layer.weight_scale, dtype)
+        return cache[dtype]
 
     def forward_unfused(self, layer: LinearBase, x: torch.Tensor, prologue: int, residual: Optional[torch.Tensor],
                         norm: Optional[nn.Module], lora: Optional[LoRAHook]

@@ -43,6 +43,15 @@ from tokenmill.kernels.fp8_quant import quantize_per_token_fp8_triton
 from tokenmill.kernels.norm import rms_norm_quant_fp8_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
+# Every e4m3 byte's value: off CUDA a table lookup widens e4m3 about 3x faster than .float().
+_E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+
+
+def e4m3_to_float(t: torch.Tensor) -> torch.Tensor:
+    """An e4m3 tensor widened to float32 (the same values as t.float())."""
+    if t.is_cuda:
+        return t.float()
+    return torch.take(_E4M3_VALUES, t.view(torch.uint8).long())
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _MIN_SCALE = 1e-12  # an all-zero row still gets a finite scale
 
@@ -83,7 +92,7 @@ def requantize_blockwise_fp8(w_q: torch.Tensor, block_scales: torch.Tensor, bloc
     chunk = max(1, (1 << 22) // max(k, 1))
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
-        w = w_q[start:end].float() * ratio[start:end][:, block_of_col]
+        w = e4m3_to_float(w_q[start:end]) * ratio[start:end][:, block_of_col]
         out[start:end] = w.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return out, scale
 
@@ -95,11 +104,11 @@ def dequantize_blockwise_fp8(w_q: torch.Tensor, block_scales: torch.Tensor, bloc
     bn, bk = block_size
     n, k = w_q.shape
     s = block_scales.float().repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
-    return (w_q.float() * s).to(dtype)
+    return (e4m3_to_float(w_q) * s).to(dtype)
 
 
 def dequantize_weight_fp8(w_q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (w_q.float() * scale[:, None]).to(dtype)
+    return (e4m3_to_float(w_q) * scale[:, None]).to(dtype)
 
 
 def quantize_activation_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +125,7 @@ def fp8_linear_ref(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, bias
     token and dequantized (what the _scaled_mm path computes, up to its fp32 accumulation order)."""
     if quantize_input:
         x_q, x_scale = quantize_activation_fp8(x)
-        y = (x_q.float() * x_scale) @ (w_q.float() * scale[:, None]).t()
+        y = (e4m3_to_float(x_q) * x_scale) @ (e4m3_to_float(w_q) * scale[:, None]).t()
         y = y.to(x.dtype)
         return y if bias is None else y + bias
     return F.linear(x, dequantize_weight_fp8(w_q, scale, x.dtype), bias)
