@@ -25,7 +25,8 @@ from tokenmill.layers.forward_context import LoRAHook, current_forward_context
 from tokenmill.layers.linear import LinearBase, LinearMethodBase, gemv_fits, new_parameter
 from tokenmill.quantization.base import QuantizationConfig
 from tokenmill.quantization.fp8 import (FP8_DTYPE, dequantize_weight_fp8, fp8_linear, fp8_linear_after_norm,
-                                        fp8_linear_after_silu_mul, fp8_one_row_takes_w8a8, quantize_weight_fp8, requantize_blockwise_fp8)
+                                        fp8_linear_after_silu_mul, fp8_one_row_takes_w8a8, quantize_weight_fp8,
+                                        requantize_blockwise_fp8)
 
 
 @dataclass(frozen=True)
