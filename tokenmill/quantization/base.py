@@ -12,6 +12,8 @@ from typing import ClassVar, Optional
 import torch
 from torch import nn
 
+from tokenmill.errors import ModelLoadError
+
 
 class QuantizeMethodBase(ABC):
     """How one layer stores its weights and computes with them. A method object holds no reference
@@ -37,3 +39,10 @@ class QuantizationConfig(ABC):
     @abstractmethod
     def get_linear_method(self, layer: nn.Module) -> Optional[QuantizeMethodBase]:
         """The method for this linear layer (None: the layer keeps its unquantized method)."""
+
+    def get_moe_method(self, layer: nn.Module) -> Optional[QuantizeMethodBase]:
+        """The method for a mixture-of-experts layer's experts (layers/fused_moe.py's FusedMoE; None:
+        they keep their unquantized method). By default a format refuses: experts silently left in
+        16 bits would not be the model the user asked for."""
+        raise ModelLoadError(f"quantization {self.name!r} cannot quantize the experts of mixture-of-experts "
+                             f"models yet; load this model without quantization")
