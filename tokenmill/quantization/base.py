@@ -1,5 +1,5 @@
-"""What a weight method and a quantization config are (the layers implement them, layers/linear.py and
-layers/fp8_linear.py).
+"""What a weight method and a quantization config are (the layers implement them, layers/linear.py,
+layers/fp8_linear.py and, for mixture-of-experts layers, layers/fused_moe.py).
 
 A layer holds one method object, chosen when the model is built or loaded; the method creates the
 layer's weight parameters, converts them once every checkpoint tensor is in, and multiplies with
