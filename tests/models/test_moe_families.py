@@ -260,6 +260,32 @@ def test_fp8_refuses_experts(models):
         load_model(str(path), dtype="float32", device="cpu", quantization="fp8")
 
 
+def test_config_fields_read_as_hf_reads_them():
+    """Each family's quirks: where the expert count, expert width and renormalisation live, Qwen2-MoE's
+    qkv_bias field, how each applies sliding_window."""
+    base = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_experts_per_tok=2)
+    qwen3 = arch_config_from_hf(dict(base, architectures=["Qwen3MoeForCausalLM"], num_local_experts=8,
+                                     moe_intermediate_size=32, use_sliding_window=True, sliding_window=64))
+    assert (qwen3.moe.num_experts, qwen3.moe.intermediate_size, qwen3.moe.renormalize, qwen3.sliding_window) == \
+        (8, 32, False, 64)
+    qwen2 = arch_config_from_hf(dict(base, architectures=["Qwen2MoeForCausalLM"], num_experts=4,
+                                     moe_intermediate_size=32, shared_expert_intermediate_size=48, qkv_bias=False,
+                                     norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[1]))
+    assert not qwen2.qkv_bias and qwen2.moe.renormalize and qwen2.moe.shared_expert_intermediate_size == 48
+    assert [qwen2.moe.is_sparse(i) for i in range(4)] == [False, False, False, True]
+    assert arch_config_from_hf(dict(base, architectures=["Qwen2MoeForCausalLM"], num_experts=4,
+                                    moe_intermediate_size=32)).qkv_bias  # HF's default
+    mixtral = arch_config_from_hf(dict(base, architectures=["MixtralForCausalLM"], num_local_experts=4,
+                                       norm_topk_prob=False, sliding_window=32))
+    assert (mixtral.moe.intermediate_size, mixtral.moe.renormalize, mixtral.sliding_window) == (96, True, 32)
+    olmoe = arch_config_from_hf(dict(base, architectures=["OlmoeForCausalLM"], num_experts=8, clip_qkv=8.0,
+                                     sliding_window=32))
+    assert (olmoe.clip_qkv, olmoe.qk_norm_per_head, olmoe.sliding_window) == (8.0, False, None)
+    with pytest.raises(ModelLoadError, match="num_experts"):
+        arch_config_from_hf(dict(base, architectures=["OlmoeForCausalLM"]))
+
+
 def test_preset_parameter_counts():
     """Total and active parameters of the published shapes (Qwen3-30B-A3B: 30.5B / 3.3B; Mixtral
     8x7B: 46.7B / 12.9B)."""

@@ -154,7 +154,8 @@ class ArchitectureSpec:
     # How HF reads the config's `sliding_window` for this architecture: "none" (never used), "all"
     # (every layer, Mistral, Mixtral), "all_if_used" (every layer if `use_sliding_window`, Qwen3-MoE),
     # "layers" (only if `use_sliding_window`, on the layers that `layer_types` or
-    # `max_window_layers` name, Qwen2/Qwen3/Qwen2-MoE).
+    # `max_window_layers` name, Qwen2/Qwen3), "alternate_layers" (the same with Qwen2-MoE's default
+    # layer_types: every other layer below max_window_layers).
     sliding_window: str = "none"
     # A mixture-of-experts family (models/moe.py builds it).
     moe: Optional[MoESpec] = None
@@ -172,7 +173,7 @@ _ARCHITECTURES = {
         ArchitectureSpec("Qwen3MoeForCausalLM", qk_norm=True, sliding_window="all_if_used",
                          moe=MoESpec(sparse_layers=True)),
         ArchitectureSpec("Qwen2MoeForCausalLM", qkv_bias_key="qkv_bias", qkv_bias_default=True,
-                         sliding_window="layers", moe=MoESpec(shared_expert=True, sparse_layers=True)),
+                         sliding_window="alternate_layers", moe=MoESpec(shared_expert=True, sparse_layers=True)),
         ArchitectureSpec("MixtralForCausalLM", sliding_window="all",
                          moe=MoESpec(expert_size_key="intermediate_size", renormalize_key=None),
                          weight_renames=((".block_sparse_moe.", ".mlp."),)),
@@ -225,15 +226,18 @@ def _sliding_window_from_hf(cfg: dict[str, Any], style: str, num_layers: int) ->
     ArchitectureSpec). A window on only some of the layers is refused: the engine runs one window
     for all layers (or none)."""
     window = cfg.get("sliding_window") if style != "none" else None
-    if style in ("layers", "all_if_used") and not cfg.get("use_sliding_window", False):
+    if style in ("layers", "alternate_layers", "all_if_used") and not cfg.get("use_sliding_window", False):
         window = None
     if window is None:
         return None
     if int(window) < 1:
         raise ModelLoadError(f"config.json: sliding_window must be >= 1, got {window!r}")
-    if style == "layers":
-        first = int(cfg.get("max_window_layers", 28))  # HF's default: layers from this one on slide
-        kinds = cfg.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+    if style in ("layers", "alternate_layers"):
+        first = int(cfg.get("max_window_layers", 28))
+        # HF's default layer_types: Qwen2/Qwen3 slide from layer max_window_layers on, Qwen2-MoE on
+        # the even-indexed layers below it.
+        slides = (lambda i: i >= first) if style == "layers" else (lambda i: i % 2 == 0 and i < first)
+        kinds = cfg.get("layer_types") or ["sliding_attention" if slides(i) else "full_attention"
                                            for i in range(num_layers)]
         sliding = sum(kind == "sliding_attention" for kind in kinds)
         if sliding == 0:

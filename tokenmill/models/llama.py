@@ -127,6 +127,7 @@ MLPFactory = Callable[[ModelArchConfig, int, torch.dtype, object], nn.Module]
 
 
 def dense_mlp(cfg: ModelArchConfig, layer_idx: int, dtype, device) -> nn.Module:
+    """Every layer's MLP: gate/up, SiLU-and-mul, down, of the config's intermediate_size."""
     return LlamaMLP(cfg, dtype, device)
 
 
