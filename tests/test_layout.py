@@ -92,3 +92,23 @@ def test_engine_holds_no_process_or_http_code():
             text = p.read_text()
             for word in ("fastapi", "uvicorn", "zmq", "multiprocessing", "subprocess"):
                 assert f"import {word}" not in text and f"from {word}" not in text, f"{m} imports {word}"
+
+
+# models/ modules that are not a model family's own
+_MODEL_INFRA = {"tokenmill.models", "tokenmill.models.config", "tokenmill.models.interface",
+                "tokenmill.models.presets", "tokenmill.models.registry", "tokenmill.models.llama"}
+
+
+def test_model_families_plug_into_the_shared_decoder():
+    """A family's module (models/moe.py, ...) builds on models/llama.py's decoder; the decoder and
+    the config never import a family, and only the registry (besides other families) picks one."""
+    modules = _modules()
+    graph = {m: _imports(m, p, modules) for m, p in modules.items() if m != "tokenmill"}
+    families = {m for m in graph if m.startswith("tokenmill.models.") and m not in _MODEL_INFRA}
+    assert "tokenmill.models.moe" in families
+    for family in families:
+        assert "tokenmill.models.llama" in graph[family], f"{family} does not reuse the shared decoder"
+    for infra in _MODEL_INFRA - {"tokenmill.models.registry"}:
+        assert not graph.get(infra, set()) & families, f"{infra} imports a model family"
+    importers = sorted(m for m, ts in graph.items() if ts & families and m not in families)
+    assert importers == ["tokenmill.models.registry"], importers

@@ -31,6 +31,7 @@ from tokenmill.engine.grammar import StructuredOutputManager
 from tokenmill.engine.engine_snapshot import EngineSnapshot
 from tokenmill.errors import InvalidRequestError, LoRAError
 from tokenmill.loader import LoadedModel, load_model
+from tokenmill.loader.load import read_arch
 from tokenmill.logger import init_logger
 from tokenmill.lora.adapter import model_shapes
 from tokenmill.lora.registry import LoRARegistry
@@ -47,6 +48,18 @@ PromptType = Union[str, list[int]]
 _SEED_MASK = (1 << 63) - 1
 # On the CPU attention (a gather of the context, then SDPA) runs at about half the matmuls' FLOP rate.
 CPU_ATTENTION_SLOWDOWN = 2.0
+
+
+def check_model_options(config: EngineConfig, arch) -> None:
+    """Refuse, naming them, the engine options this model cannot run with yet (ConfigError)."""
+    if arch.moe is None:
+        return
+    if config.enable_lora:
+        raise ConfigError(f"enable_lora: LoRA adapters on a mixture-of-experts model ({arch.architecture}) are not "
+                          "supported yet (the expert weights have no adapter slots)")
+    if config.batch_invariant:
+        raise ConfigError(f"batch_invariant: the mixture-of-experts layers of {arch.architecture} have no "
+                          "batch-invariant kernels yet")
 
 
 @dataclass
@@ -76,6 +89,8 @@ class LLMEngine:
         the draft is the one of speculative method draft_model, else loaded from its config."""
         self.config = config or EngineConfig()
         self.config.validate()
+        if self.config.enable_lora or self.config.batch_invariant:  # refused before anything loads
+            check_model_options(self.config, loaded.arch if loaded is not None else read_arch(model, load_format))
         # tensor_parallel_size > 1: worker processes hold the other shards (executor/); this process is rank 0.
         self.executor = self._start_tensor_parallel(model, dtype, device, load_format, loaded, tokenizer)
         if self.executor is not None:
@@ -158,7 +173,7 @@ class LLMEngine:
         if device_type != "cpu":
             return None
         arch = self.loaded.arch
-        return prefill_context_scale(arch.hidden_size, arch.intermediate_size, arch.q_size, arch.kv_size,
+        return prefill_context_scale(arch.hidden_size, arch.active_intermediate_size(), arch.q_size, arch.kv_size,
                                      CPU_ATTENTION_SLOWDOWN)
 
     def _start_tensor_parallel(self, model, dtype, device, load_format: str, loaded, tokenizer):

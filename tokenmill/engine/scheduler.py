@@ -60,7 +60,7 @@ class SchedulerLimits:
     prefill_context_scale: Optional[float] = None
 
 
-def prefill_context_scale(hidden_size: int, intermediate_size: int, q_size: int, kv_size: int,
+def prefill_context_scale(hidden_size: int, intermediate_size: float, q_size: int, kv_size: int,
                           attention_slowdown: float = 1.0) -> float:
     """The context length at which a prompt token's attention over earlier tokens (4 x context x
     q_size FLOPs a layer) costs as much as its linear layers (2 x their weights), with attention

@@ -100,6 +100,11 @@ def check_tensor_parallel(arch, tp: int) -> None:
                         "then replicated)")
     if arch.intermediate_size % tp:
         problems.append(f"its MLP width {arch.intermediate_size}")
+    moe = arch.moe
+    if moe is not None and moe.intermediate_size % tp:
+        problems.append(f"its experts' width {moe.intermediate_size}")
+    if moe is not None and moe.shared_expert_intermediate_size % tp:
+        problems.append(f"its shared expert's width {moe.shared_expert_intermediate_size}")
     if problems:
         raise ConfigError(f"tensor_parallel_size {tp} does not split {arch.architecture}: {'; '.join(problems)}")
 

@@ -262,6 +262,11 @@ def process_weights_after_loading(net: nn.Module) -> None:
             m.linear_method.process_weights_after_loading(m)
 
 
+class ReplicatedLinear(LinearBase):
+    """y = x W^T with the whole W on every rank (a mixture-of-experts router: every rank routes
+    every token the same way)."""
+
+
 class ColumnParallelLinear(LinearBase):
     """y = x W^T with W split by output rows: each rank computes a slice of y."""
 

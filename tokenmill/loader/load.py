@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.layers.fused_moe import process_moe_weights_after_loading
 from tokenmill.loader.resolve import ModelSource, resolve_model
 from tokenmill.logger import init_logger
 from tokenmill.models.config import ModelArchConfig, arch_config_from_hf
@@ -160,13 +161,15 @@ def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_f
         hf_cfg = _read_config(directory)
     arch = arch_config_from_hf(hf_cfg)
     from tokenmill.loader.quantize import (convert_block_fp8_checkpoint, expect_fp8_checkpoint, quantize_model,
-                                           resolve_quantization)
+                                           resolve_quantization, set_expert_quantization)
 
     plan = resolve_quantization(quantization, hf_cfg)
     torch_dtype = resolve_dtype(dtype, dev, arch.torch_dtype)
     model_cls = get_model_class(arch.architecture)
     with torch.device(dev):
         net = model_cls(arch, max_positions=max_positions, dtype=torch_dtype, device=dev)
+    if plan is not None:
+        set_expert_quantization(net, plan, arch.architecture)  # before any weight is read
     if plan is not None and plan.from_checkpoint:
         if source.kind == "dummy":
             raise ModelLoadError("an FP8 checkpoint's config with dummy weights: use quantization=\"fp8\" on a "
@@ -189,6 +192,7 @@ def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_f
             from tokenmill.loader.tokenizer import load_hf_tokenizer
 
             tokenizer = load_hf_tokenizer(directory)
+    process_moe_weights_after_loading(net)
     if tokenizer_ref is not None:
         tokenizer = load_tokenizer(tokenizer_ref)  # replaces the model's (dummy presets have none)
         if len(tokenizer) > arch.vocab_size:

@@ -21,6 +21,7 @@ import torch
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.layers.fp8_linear import Fp8Config
+from tokenmill.layers.fused_moe import set_moe_quantization
 from tokenmill.layers.linear import LinearBase, process_weights_after_loading, set_quantization
 from tokenmill.logger import init_logger
 from tokenmill.quantization import QUANTIZATION_METHODS
@@ -123,6 +124,16 @@ def _check_compressed_tensors(cfg: dict) -> None:
     if ignored:
         raise ModelLoadError(f"compressed-tensors ignore list {ignored[:3]}: layers left unquantized other than the "
                              f"LM head are not supported")
+
+
+def set_expert_quantization(net: torch.nn.Module, plan: QuantizationPlan, architecture: str) -> int:
+    """Before loading: the experts of a mixture-of-experts model take the plan's method, or the
+    plan's config refuses the model (FP8 experts do not exist yet), naming the architecture."""
+    config = Fp8Config(from_checkpoint=plan.from_checkpoint, block_size=plan.block_size)
+    try:
+        return set_moe_quantization(net, config)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{architecture}: {e}") from None
 
 
 def expect_fp8_checkpoint(net: torch.nn.Module, block_size: Optional[tuple[int, int]] = None) -> None:

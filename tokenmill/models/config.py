@@ -19,6 +19,27 @@ class RopeConfig:
     freq_factors: Optional[list[float]] = None
 
 
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: its experts, routing and which decoder layers have it."""
+
+    num_experts: int
+    top_k: int
+    # Each expert's MLP width (Qwen's moe_intermediate_size; Mixtral's and OLMoE's intermediate_size).
+    intermediate_size: int
+    # The k routing weights are rescaled to sum to 1 (Qwen's and OLMoE's norm_topk_prob; Mixtral always).
+    renormalize: bool
+    # Qwen2-MoE's shared expert (a dense MLP of this width beside the experts, gated by a sigmoid); 0: none.
+    shared_expert_intermediate_size: int = 0
+    # Layer i is sparse when (i + 1) % sparse_step == 0 and i is not in dense_layers (Qwen's
+    # decoder_sparse_step and mlp_only_layers); the others have a dense MLP of the model's intermediate_size.
+    sparse_step: int = 1
+    dense_layers: tuple[int, ...] = ()
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+
 @dataclass
 class ModelArchConfig:
     architecture: str
@@ -34,6 +55,11 @@ class ModelArchConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
+    # True: q and k are normalised per head (Qwen3); False: over all heads at once, before they are
+    # split into heads (OLMoE's q_norm / k_norm of width heads x head_dim).
+    qk_norm_per_head: bool = True
+    # q, k and v are clamped to [-clip_qkv, clip_qkv] after the projection (and q/k norm); OLMoE.
+    clip_qkv: Optional[float] = None
     rope: RopeConfig = field(default_factory=RopeConfig)
     bos_token_id: Optional[int] = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -41,6 +67,8 @@ class ModelArchConfig:
     torch_dtype: Optional[str] = None
     # Every layer attends only to the last `sliding_window` positions (None: full attention).
     sliding_window: Optional[int] = None
+    # Mixture-of-experts MLPs (None: every layer has a dense MLP of intermediate_size).
+    moe: Optional[MoEConfig] = None
 
     @property
     def q_size(self) -> int:
@@ -50,15 +78,63 @@ class ModelArchConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def num_parameters(self) -> int:
-        """Parameter count (embeddings counted once when tied)."""
-        h, i = self.hidden_size, self.intermediate_size
+    def _attention_parameters(self) -> int:
+        """One layer's attention, its q/k norms and its two RMSNorms."""
+        h = self.hidden_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.qkv_bias:
             attn += self.q_size + 2 * self.kv_size
-        per_layer = attn + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + h
+        if self.qk_norm:
+            attn += 2 * self.head_dim if self.qk_norm_per_head else self.q_size + self.kv_size
+        return attn + 2 * h
+
+    def _mlp_parameters(self, layer: int, active: bool) -> int:
+        """Layer `layer`'s MLP: all its weights, or (active) those one token multiplies with."""
+        h, moe = self.hidden_size, self.moe
+        if moe is None or not moe.is_sparse(layer):
+            return 3 * h * self.intermediate_size
+        experts = moe.top_k if active else moe.num_experts
+        shared = 3 * h * moe.shared_expert_intermediate_size + h if moe.shared_expert_intermediate_size else 0
+        return h * moe.num_experts + experts * 3 * h * moe.intermediate_size + shared
+
+    def _parameters(self, active: bool) -> int:
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        layers = sum(self._attention_parameters() + self._mlp_parameters(i, active) for i in range(self.num_layers))
+        return layers + embed + self.hidden_size
+
+    def num_parameters(self) -> int:
+        """Parameter count (embeddings counted once when tied; every expert)."""
+        return self._parameters(active=False)
+
+    def num_active_parameters(self) -> int:
+        """The parameters one token's forward pass uses: num_parameters() with only top_k experts
+        per sparse layer (the router and any shared expert included); equal to it for dense models."""
+        return self._parameters(active=True)
+
+    def active_intermediate_size(self) -> float:
+        """The MLP width one token passes through, averaged over the layers (experts: top_k x their
+        width plus the shared expert's), for cost models written for a dense MLP."""
+        total = 0
+        for i in range(self.num_layers):
+            moe = self.moe
+            if moe is None or not moe.is_sparse(i):
+                total += self.intermediate_size
+            else:
+                total += moe.top_k * moe.intermediate_size + moe.shared_expert_intermediate_size
+        return total / max(1, self.num_layers)
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Where a mixture-of-experts family's config.json keeps its expert fields."""
+    # the field of each expert's width
+    expert_size_key: str = "moe_intermediate_size"
+    # the field that says whether the top-k weights are renormalised (None: always, Mixtral)
+    renormalize_key: Optional[str] = "norm_topk_prob"
+    # Qwen2-MoE: shared_expert_intermediate_size
+    shared_expert: bool = False
+    # Qwen: decoder_sparse_step and mlp_only_layers
+    sparse_layers: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,12 +142,25 @@ class ArchitectureSpec:
     name: str
     # Qwen2 always has biases on q/k/v (its config has no `attention_bias` field).
     force_qkv_bias: bool = False
-    # Qwen3 normalises each head of q and k with an RMSNorm before rotary.
+    # The config field that turns the q/k/v biases on, and its default (Qwen2-MoE: qkv_bias, true).
+    qkv_bias_key: str = "attention_bias"
+    qkv_bias_default: bool = False
+    # Qwen3 normalises each head of q and k with an RMSNorm before rotary; OLMoE all of q and all
+    # of k (qk_norm_per_head False).
     qk_norm: bool = False
+    qk_norm_per_head: bool = True
+    # The config's `clip_qkv` is honoured (OLMoE).
+    clip_qkv: bool = False
     # How HF reads the config's `sliding_window` for this architecture: "none" (never used), "all"
-    # (every layer, Mistral), "layers" (only if `use_sliding_window`, on the layers that
-    # `layer_types` or `max_window_layers` name, Qwen2/Qwen3).
+    # (every layer, Mistral, Mixtral), "all_if_used" (every layer if `use_sliding_window`, Qwen3-MoE),
+    # "layers" (only if `use_sliding_window`, on the layers that `layer_types` or
+    # `max_window_layers` name, Qwen2/Qwen3), "alternate_layers" (the same with Qwen2-MoE's default
+    # layer_types: every other layer below max_window_layers).
     sliding_window: str = "none"
+    # A mixture-of-experts family (models/moe.py builds it).
+    moe: Optional[MoESpec] = None
+    # Checkpoint name pieces the family writes otherwise than the Llama/Qwen layout, and ours.
+    weight_renames: tuple[tuple[str, str], ...] = ()
 
 
 _ARCHITECTURES = {
@@ -81,8 +170,22 @@ _ARCHITECTURES = {
         ArchitectureSpec("MistralForCausalLM", sliding_window="all"),
         ArchitectureSpec("Qwen2ForCausalLM", force_qkv_bias=True, sliding_window="layers"),
         ArchitectureSpec("Qwen3ForCausalLM", qk_norm=True, sliding_window="layers"),
+        ArchitectureSpec("Qwen3MoeForCausalLM", qk_norm=True, sliding_window="all_if_used",
+                         moe=MoESpec(sparse_layers=True)),
+        ArchitectureSpec("Qwen2MoeForCausalLM", qkv_bias_key="qkv_bias", qkv_bias_default=True,
+                         sliding_window="alternate_layers", moe=MoESpec(shared_expert=True, sparse_layers=True)),
+        ArchitectureSpec("MixtralForCausalLM", sliding_window="all",
+                         moe=MoESpec(expert_size_key="intermediate_size", renormalize_key=None),
+                         weight_renames=((".block_sparse_moe.", ".mlp."),)),
+        ArchitectureSpec("OlmoeForCausalLM", qk_norm=True, qk_norm_per_head=False, clip_qkv=True,
+                         moe=MoESpec(expert_size_key="intermediate_size")),
     )
 }
+
+
+def architecture_spec(name: str) -> ArchitectureSpec:
+    """The table's entry of a supported architecture (as ModelArchConfig.architecture names it)."""
+    return resolve_architecture([name])
 
 
 def supported_architectures() -> list[str]:
@@ -123,15 +226,18 @@ def _sliding_window_from_hf(cfg: dict[str, Any], style: str, num_layers: int) ->
     ArchitectureSpec). A window on only some of the layers is refused: the engine runs one window
     for all layers (or none)."""
     window = cfg.get("sliding_window") if style != "none" else None
-    if style == "layers" and not cfg.get("use_sliding_window", False):
+    if style in ("layers", "alternate_layers", "all_if_used") and not cfg.get("use_sliding_window", False):
         window = None
     if window is None:
         return None
     if int(window) < 1:
         raise ModelLoadError(f"config.json: sliding_window must be >= 1, got {window!r}")
-    if style == "layers":
-        first = int(cfg.get("max_window_layers", 28))  # HF's default: layers from this one on slide
-        kinds = cfg.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+    if style in ("layers", "alternate_layers"):
+        first = int(cfg.get("max_window_layers", 28))
+        # HF's default layer_types: Qwen2/Qwen3 slide from layer max_window_layers on, Qwen2-MoE on
+        # the even-indexed layers below it.
+        slides = (lambda i: i >= first) if style == "layers" else (lambda i: i % 2 == 0 and i < first)
+        kinds = cfg.get("layer_types") or ["sliding_attention" if slides(i) else "full_attention"
                                            for i in range(num_layers)]
         sliding = sum(kind == "sliding_attention" for kind in kinds)
         if sliding == 0:
@@ -141,6 +247,28 @@ def _sliding_window_from_hf(cfg: dict[str, Any], style: str, num_layers: int) ->
                 f"config.json: the sliding window ({window}) applies to {sliding} of {len(kinds)} layers "
                 "(layer_types / max_window_layers); tokenmill supports a window on all layers or on none")
     return int(window)
+
+
+def _moe_from_hf(cfg: dict[str, Any], spec: MoESpec) -> MoEConfig:
+    """The experts' fields, read as HF reads them for the family (`spec`)."""
+    # transformers 5 writes num_local_experts for every family (an alias); hub configs of Qwen-MoE
+    # and OLMoE say num_experts, Mixtral's num_local_experts.
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if num_experts is None:
+        raise ModelLoadError("config.json lacks the field 'num_experts' (or 'num_local_experts')")
+    moe = MoEConfig(
+        num_experts=int(num_experts),
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate_size=int(cfg[spec.expert_size_key]),
+        renormalize=True if spec.renormalize_key is None else bool(cfg.get(spec.renormalize_key, False)),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+        if spec.shared_expert else 0,
+        sparse_step=int(cfg.get("decoder_sparse_step") or 1) if spec.sparse_layers else 1,
+        dense_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()) if spec.sparse_layers else (),
+    )
+    if moe.num_experts > 0 and not 1 <= moe.top_k <= moe.num_experts:
+        raise ModelLoadError(f"config.json: num_experts_per_tok {moe.top_k} must be in 1..{moe.num_experts}")
+    return moe
 
 
 def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
@@ -166,13 +294,16 @@ def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=spec.force_qkv_bias or bool(cfg.get("attention_bias", False)),
+            qkv_bias=spec.force_qkv_bias or bool(cfg.get(spec.qkv_bias_key, spec.qkv_bias_default)),
             qk_norm=spec.qk_norm,
+            qk_norm_per_head=spec.qk_norm_per_head,
+            clip_qkv=float(cfg["clip_qkv"]) if spec.clip_qkv and cfg.get("clip_qkv") is not None else None,
             rope=_rope_from_hf(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else (list(eos) if isinstance(eos, list) else [int(eos)]),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             sliding_window=_sliding_window_from_hf(cfg, spec.sliding_window, num_layers),
+            moe=_moe_from_hf(cfg, spec.moe) if spec.moe is not None else None,
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks the field {e.args[0]!r}") from None

@@ -1,10 +1,11 @@
-"""The Llama-family decoder: Llama 2/3/3.1, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm), SmolLM2.
+"""The Llama-family decoder: Llama 2/3/3.1, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm), SmolLM2;
+the mixture-of-experts families (models/moe.py) reuse it with their own MLPs.
 
 Parameter names follow HF's, except that q/k/v and gate/up are fused (`qkv_proj`, `gate_up_proj`);
 `load_weights` maps the checkpoint's separate tensors onto them.
 """
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -15,7 +16,7 @@ from tokenmill.layers.forward_context import current_forward_context
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.layers.linear import (ADD_RMSNORM, SILU_MUL, MergedColumnParallelLinear, QKVParallelLinear,
                                      RowParallelLinear, default_weight_loader)
-from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.norm import RMSNorm, ShardedRMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, rope_inv_freq
 from tokenmill.models.config import ModelArchConfig
 from tokenmill.models.interface import AttentionSpec
@@ -42,11 +43,21 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False, dtype=dtype, device=device)
-        if cfg.qk_norm:
+        qkv = self.qkv_proj
+        self.per_head_norm = cfg.qk_norm and cfg.qk_norm_per_head
+        if self.per_head_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype, device=device)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype, device=device)
+        elif cfg.qk_norm:  # OLMoE: one norm over all of q, one over all of k (split over the ranks like them)
+            self.q_norm = ShardedRMSNorm(self.q_size, qkv.tp_rank, qkv.tp_size, qkv.tp, cfg.rms_norm_eps,
+                                         dtype=dtype, device=device)
+            self.k_norm = ShardedRMSNorm(self.kv_size, qkv.tp_rank // qkv.kv_replicas, qkv.tp_size // qkv.kv_replicas,
+                                         qkv.tp, cfg.rms_norm_eps, dtype=dtype, device=device)
         else:
             self.q_norm = self.k_norm = None
+        self.clip_qkv = cfg.clip_qkv
+        # q/k/v need a step of their own between the projection and attention (OLMoE's norm, clamp)
+        self.prepares_qkv = (cfg.qk_norm and not self.per_head_norm) or cfg.clip_qkv is not None
         self.rotary = rotary
         # A window as long as the rotary table (the longest context) hides no key: off, at no cost.
         window = cfg.sliding_window
@@ -60,7 +71,7 @@ class LlamaAttention(nn.Module):
                 norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(hidden + residual) -> q/k/v -> attention over the cache -> o_proj; returns the
         output and the new residual stream."""
-        if self.q_norm is None and self.qkv_proj.fuses_rope(hidden):
+        if self.q_norm is None and not self.prepares_qkv and self.qkv_proj.fuses_rope(hidden):
             # Batch 1 on CUDA: rotary and the KV-cache write ride in the q/k/v GEMV (one kernel fewer).
             k_cache, v_cache, slots, kv_scale = self.attn.step_cache()
             q, residual = self.qkv_proj.forward_rope_into_cache(hidden, residual, norm, positions,
@@ -70,38 +81,64 @@ class LlamaAttention(nn.Module):
         qkv, residual = _norm_then_project(self.qkv_proj, hidden, residual, norm)
         tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.prepares_qkv:
+            q, k, v = self._prepare_qkv(q, k, v)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        # q/k norm, rotary and the KV-cache write happen inside the attention layer (one fused kernel).
-        if self.q_norm is None:
+        # Per-head q/k norm, rotary and the KV-cache write happen inside the attention layer (one fused kernel).
+        if not self.per_head_norm:
             out = self.attn(positions, q, k, v, self.rotary.cos_sin_cache)
         else:
             out = self.attn(positions, q, k, v, self.rotary.cos_sin_cache,
                             self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         return self.o_proj(out), residual
 
+    def _prepare_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """OLMoE's norm over all heads of q and of k, then the clamp of q, k and v (HF's order)."""
+        if self.q_norm is not None and not self.per_head_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        return q, k, v
+
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, dtype, device):
+    def __init__(self, cfg: ModelArchConfig, dtype, device, intermediate_size: Optional[int] = None):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                                       dtype=dtype, device=device)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device)
+        width = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [width] * 2, dtype=dtype, device=device)
+        self.down_proj = RowParallelLinear(width, cfg.hidden_size, dtype=dtype, device=device)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """down(silu_and_mul(gate_up(norm(hidden + residual)))) and the new residual stream."""
         gate_up, residual = _norm_then_project(self.gate_up_proj, hidden, residual, norm)
         return self.down_proj.forward_fused(gate_up, SILU_MUL), residual
 
+    def forward_normed(self, x: torch.Tensor) -> torch.Tensor:
+        """down(silu_and_mul(gate_up(x))) of an input already normalised (a shared expert's)."""
+        return self.down_proj.forward_fused(self.gate_up_proj(x), SILU_MUL)
+
+
+# What builds decoder layer i's MLP: (config, layer index, dtype, device) -> a module called as
+# mlp(hidden, residual, norm) -> (output, new residual stream).
+MLPFactory = Callable[[ModelArchConfig, int, torch.dtype, object], nn.Module]
+
+
+def dense_mlp(cfg: ModelArchConfig, layer_idx: int, dtype, device) -> nn.Module:
+    """Every layer's MLP: gate/up, SiLU-and-mul, down, of the config's intermediate_size."""
+    return LlamaMLP(cfg, dtype, device)
+
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, layer_idx: int, dtype, device):
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, layer_idx: int, dtype, device,
+                 make_mlp: MLPFactory = dense_mlp):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.self_attn = LlamaAttention(cfg, rotary, layer_idx, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.mlp = LlamaMLP(cfg, dtype, device)
+        self.mlp = make_mlp(cfg, layer_idx, dtype, device)
 
     def forward(self, positions, hidden, residual: Optional[torch.Tensor]):
         # The residual stream is carried separately so each add fuses into the following RMSNorm,
@@ -111,7 +148,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, max_positions: int, dtype, device):
+    def __init__(self, cfg: ModelArchConfig, max_positions: int, dtype, device, make_mlp: MLPFactory = dense_mlp):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         r = cfg.rope
@@ -121,7 +158,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, inv_freq, device=device)
         # A pipeline stage builds only its own layers (the others are empty placeholders).
         self.start, self.end = get_tp_state().layer_range(cfg.num_layers)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, i, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, i, dtype, device, make_mlp)
                                     if self.start <= i < self.end else MissingLayer() for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
 
@@ -162,12 +199,14 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # Builds each decoder layer's MLP (a family with other MLPs gives its own: models/moe.py).
+    make_mlp: MLPFactory = staticmethod(dense_mlp)
 
     def __init__(self, cfg: ModelArchConfig, max_positions: Optional[int] = None,
                  dtype: torch.dtype = torch.float32, device="cpu"):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings, dtype, device)
+        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings, dtype, device, self.make_mlp)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -204,11 +243,7 @@ class LlamaForCausalLM(nn.Module):
                 continue  # some tied checkpoints still store it; the embedding is the source
             if self._load_kv_scale(name, tensor):
                 continue
-            target, shard = name, None
-            for piece, (fused, shard_id) in self.FUSED.items():
-                if f".{piece}." in name:
-                    target, shard = name.replace(f".{piece}.", f".{fused}."), shard_id
-                    break
+            target, shard = self._checkpoint_target(name)
             param = params.get(target)
             if param is None:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
@@ -218,8 +253,19 @@ class LlamaForCausalLM(nn.Module):
                     loader(param, tensor)
                 else:
                     loader(param, tensor, shard)
-            loaded.add(target if shard is None else f"{target}:{shard}")
+            loaded.update(self._loaded_names(target, shard))
         return loaded
+
+    def _checkpoint_target(self, name: str) -> tuple[str, object]:
+        """(our parameter's name, the shard of it the tensor fills or None) for a checkpoint tensor."""
+        for piece, (fused, shard_id) in self.FUSED.items():
+            if f".{piece}." in name:
+                return name.replace(f".{piece}.", f".{fused}."), shard_id
+        return name, None
+
+    def _loaded_names(self, target: str, shard) -> list[str]:
+        """What loading `shard` of `target` counts as, in expected_weights' terms."""
+        return [target if shard is None else f"{target}:{shard}"]
 
     # An FP8 checkpoint's KV-cache scales, per layer: HF's self_attn.{k,v}_scale, or the
     # {k,v}_proj.output_scale of older compressed-tensors checkpoints -> Attention.kv_scale[0 | 1].
@@ -254,10 +300,13 @@ class LlamaForCausalLM(nn.Module):
         for name, _ in self.named_parameters():
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            if ".qkv_proj." in name:
-                names.update(f"{name}:{s}" for s in "qkv")
-            elif ".gate_up_proj." in name:
-                names.update(f"{name}:{s}" for s in (0, 1))
-            else:
-                names.add(name)
+            names.update(self._expected_names(name))
         return names
+
+    def _expected_names(self, name: str) -> list[str]:
+        """The names load_weights returns for a complete checkpoint's tensors of parameter `name`."""
+        if ".qkv_proj." in name:
+            return [f"{name}:{s}" for s in "qkv"]
+        if ".gate_up_proj." in name:
+            return [f"{name}:{s}" for s in (0, 1)]
+        return [name]

@@ -33,6 +33,22 @@ PRESETS: dict[str, dict] = {
         "vocab_size": 49152, "tie_word_embeddings": True, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
         "max_position_embeddings": 8192, "eos_token_id": 2, "bos_token_id": 1, "torch_dtype": "bfloat16",
     },
+    # Mixture-of-experts shapes (for the bench's roofline and dummy-weight runs).
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "attention_bias": False,
+        "eos_token_id": 151645, "bos_token_id": 151643, "torch_dtype": "bfloat16",
+    },
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "vocab_size": 32000, "tie_word_embeddings": False, "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 32768, "sliding_window": None, "eos_token_id": 2,
+        "bos_token_id": 1, "torch_dtype": "bfloat16",
+    },
     # Small shapes for CPU tests and CI.
     "tiny-llama": {
         "architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 256,

@@ -1,5 +1,5 @@
-"""What a weight method and a quantization config are (the layers implement them, layers/linear.py and
-layers/fp8_linear.py).
+"""What a weight method and a quantization config are (the layers implement them, layers/linear.py,
+layers/fp8_linear.py and, for mixture-of-experts layers, layers/fused_moe.py).
 
 A layer holds one method object, chosen when the model is built or loaded; the method creates the
 layer's weight parameters, converts them once every checkpoint tensor is in, and multiplies with
@@ -11,6 +11,8 @@ from typing import ClassVar, Optional
 
 import torch
 from torch import nn
+
+from tokenmill.errors import ModelLoadError
 
 
 class QuantizeMethodBase(ABC):
@@ -37,3 +39,10 @@ class QuantizationConfig(ABC):
     @abstractmethod
     def get_linear_method(self, layer: nn.Module) -> Optional[QuantizeMethodBase]:
         """The method for this linear layer (None: the layer keeps its unquantized method)."""
+
+    def get_moe_method(self, layer: nn.Module) -> Optional[QuantizeMethodBase]:
+        """The method for a mixture-of-experts layer's experts (layers/fused_moe.py's FusedMoE; None:
+        they keep their unquantized method). By default a format refuses: experts silently left in
+        16 bits would not be the model the user asked for."""
+        raise ModelLoadError(f"quantization {self.name!r} cannot quantize the experts of mixture-of-experts "
+                             f"models yet; load this model without quantization")

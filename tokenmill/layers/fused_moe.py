@@ -1,0 +1,178 @@
+"""The experts of a mixture-of-experts MLP as one layer, split across tensor-parallel ranks, and the
+methods that hold and run their weights.
+
+`FusedMoE` stacks every expert this rank holds: `w13_weight` [E_local, 2 * I_local, H] (each
+expert's gate rows, then its up rows) and `w2_weight` [E_local, H, I_local]. Under tensor
+parallelism each expert's intermediate dimension is split over the ranks (gate/up by rows, down by
+columns, as the dense MLP's column- and row-parallel layers split theirs), and the layer's output is
+summed over the ranks, as RowParallelLinear's is. Expert parallelism (a rank holding only some
+experts) has its place, not its implementation: `expert_map` maps a global expert id to this rank's
+index or -1, and the kernel then skips the -1s; today every rank holds every expert (no map).
+
+As linear layers do, the layer holds one method object chosen when the model is built or loaded
+(`UnquantizedFusedMoEMethod`; a quantization config's `get_moe_method`): it creates the weights,
+converts them once loaded, and routes and runs the experts (`apply`). Routing and the experts' MLPs
+are kernels/fused_moe.py's.
+"""
+
+import re
+from abc import abstractmethod
+from typing import Optional
+
+import torch
+from torch import nn
+
+from tokenmill.distributed import divide, get_tp_state, tp_all_reduce
+from tokenmill.kernels.fused_moe import fused_moe_ref, moe_route_ref
+from tokenmill.layers.linear import new_parameter
+from tokenmill.quantization.base import QuantizationConfig, QuantizeMethodBase
+
+# A per-expert shard id: "<global expert id>.<gate|up|down>"; the fused 3D layout's whole tensors
+# are "gate_up" ([E, 2I, H]) and "down" ([E, H, I]).
+_EXPERT_SHARD = re.compile(r"(\d+)\.(gate|up|down)")
+
+
+class FusedMoEMethodBase(QuantizeMethodBase):
+    """A FusedMoE layer's method: the experts' weights' form, and routing plus the experts' MLPs."""
+
+    @abstractmethod
+    def apply(self, layer: "FusedMoE", x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """x [T, H], router_logits [T, E] -> this rank's part of the experts' output [T, H] (before
+        the tensor-parallel sum)."""
+
+
+class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
+    """Expert weights in the model dtype."""
+
+    def create_weights(self, layer: "FusedMoE", dtype: torch.dtype, device: torch.device) -> None:
+        e, i, h = layer.num_local_experts, layer.intermediate_size_per_rank, layer.hidden_size
+        layer.w13_weight = new_parameter(layer, (e, 2 * i, h), dtype, device)
+        layer.w2_weight = new_parameter(layer, (e, h, i), dtype, device)
+
+    def apply(self, layer: "FusedMoE", x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = moe_route_ref(router_logits, layer.top_k, layer.renormalize)
+        if layer.expert_map is not None:  # other ranks' experts become -1, which the kernel skips
+            ids = layer.expert_map[ids.long()]
+        return fused_moe_ref(x, layer.w13_weight, layer.w2_weight, weights, ids)
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one MoE block: top-k routing over `router_logits`, then the chosen
+    experts' SiLU MLPs weighted and summed (the module docstring has the layout)."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
+                 dtype=None, device=None, method: Optional[FusedMoEMethodBase] = None):
+        super().__init__()
+        self.tp = get_tp_state()
+        self.tp_rank, self.tp_size = self.tp.tp_rank, self.tp.tp_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.intermediate_size_per_rank = divide(intermediate_size, self.tp_size)
+        # Global expert id -> this rank's index; every expert here until expert parallelism assigns
+        # ranks their experts (then expert_map [E] int32 holds the index or -1 for the kernel).
+        self.local_expert_ids: list[int] = list(range(num_experts))
+        self.register_buffer("expert_map", None, persistent=False)
+        self.params_dtype = dtype if dtype is not None else torch.get_default_dtype()
+        self.moe_method = method or UnquantizedFusedMoEMethod()
+        self.moe_method.create_weights(self, self.params_dtype, device)
+
+    @property
+    def num_local_experts(self) -> int:
+        return len(self.local_expert_ids)
+
+    def set_moe_method(self, method: FusedMoEMethodBase) -> None:
+        """Give the layer another method before its weights are loaded (it creates the weights it loads)."""
+        self.moe_method = method
+        method.create_weights(self, self.params_dtype, self.w13_weight.device)
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """x [T, H] (the same on every rank), router_logits [T, E] -> the experts' output [T, H]."""
+        return tp_all_reduce(self.moe_method.apply(self, x, router_logits), self.tp)
+
+    # ---- loading: checkpoint tensors into the stacked weights ----
+    def _local_index(self, expert: int) -> Optional[int]:
+        """This rank's index of a global expert id (None: another rank's expert)."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} is out of range: the layer has {self.num_experts} experts")
+        if self.expert_map is None:
+            return expert
+        local = int(self.expert_map[expert])
+        return None if local < 0 else local
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        """Copy this rank's part of a checkpoint tensor into its place: one expert's `gate`, `up`
+        ([I, H]) or `down` ([H, I]) projection (shard "<expert>.<proj>"), or every expert's at once
+        in transformers' fused layout (shard "gate_up": [E, 2I, H], "down": [E, H, I])."""
+        full_i, h = self.intermediate_size, self.hidden_size
+        if shard_id in ("gate_up", "down"):
+            shape = (self.num_experts, 2 * full_i, h) if shard_id == "gate_up" else (self.num_experts, h, full_i)
+            _check_shape(loaded, shape, f"experts' {shard_id}_proj")
+            for expert in range(self.num_experts):
+                if shard_id == "down":
+                    self._load_one(param, loaded[expert], expert, "down")
+                else:
+                    self._load_one(param, loaded[expert, :full_i], expert, "gate")
+                    self._load_one(param, loaded[expert, full_i:], expert, "up")
+            return
+        match = _EXPERT_SHARD.fullmatch(str(shard_id))
+        if match is None:
+            raise ValueError(f"unknown expert shard {shard_id!r}")
+        self._load_one(param, loaded, int(match.group(1)), match.group(2))
+
+    def _load_one(self, param: nn.Parameter, loaded: torch.Tensor, expert: int, proj: str) -> None:
+        local = self._local_index(expert)
+        if local is None:
+            return  # another rank's expert
+        i, full_i, h = self.intermediate_size_per_rank, self.intermediate_size, self.hidden_size
+        what = f"expert {expert} {proj}_proj"
+        if proj == "down":
+            _check_shape(loaded, (h, full_i), what)
+            param.data[local].copy_(loaded.narrow(1, self.tp_rank * i, i))
+            return
+        _check_shape(loaded, (full_i, h), what)
+        offset = 0 if proj == "gate" else i
+        param.data[local].narrow(0, offset, i).copy_(loaded.narrow(0, self.tp_rank * i, i))
+
+    def expected_shards(self, param_name: str) -> list[str]:
+        """The shard ids a complete checkpoint loads into `w13_weight` or `w2_weight` (per expert:
+        the fused layout's whole tensors count as every expert's)."""
+        projs = ("down",) if param_name == "w2_weight" else ("gate", "up")
+        return [f"{e}.{p}" for e in self.local_expert_ids for p in projs]
+
+    def shards_covered(self, param_name: str, shard_id: str) -> list[str]:
+        """The expected_shards that loading `shard_id` into `param_name` fills (a fused tensor: all)."""
+        return self.expected_shards(param_name) if shard_id in ("gate_up", "down") else [shard_id]
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_local_experts}/{self.num_experts}, top_k={self.top_k}, "
+                f"hidden={self.hidden_size}, intermediate={self.intermediate_size_per_rank} per rank, "
+                f"renormalize={self.renormalize}, method={type(self.moe_method).__name__}")
+
+
+def _check_shape(loaded: torch.Tensor, expected: tuple, what: str) -> None:
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"shape mismatch loading {what}: checkpoint {tuple(loaded.shape)}, model {tuple(expected)}")
+
+
+def set_moe_quantization(net: nn.Module, config: QuantizationConfig) -> int:
+    """Give every FusedMoE layer of net the config's MoE method (before loading); the config refuses
+    the model if it cannot quantize experts. Returns how many layers took a method."""
+    count = 0
+    for m in net.modules():
+        if isinstance(m, FusedMoE):
+            method = config.get_moe_method(m)
+            if method is not None:
+                m.set_moe_method(method)
+                count += 1
+    return count
+
+
+@torch.no_grad()
+def process_moe_weights_after_loading(net: nn.Module) -> None:
+    """Every FusedMoE layer's method converts its loaded weights (a no-op for unquantized experts)."""
+    for m in net.modules():
+        if isinstance(m, FusedMoE):
+            m.moe_method.process_weights_after_loading(m)
