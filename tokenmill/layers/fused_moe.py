@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from tokenmill.distributed import divide, get_tp_state, tp_all_reduce
-from tokenmill.kernels.fused_moe import fused_moe_ref, moe_route_ref
+from tokenmill.kernels.fused_moe import fused_moe, moe_route
 from tokenmill.layers.linear import new_parameter
 from tokenmill.quantization.base import QuantizationConfig, QuantizeMethodBase
 
@@ -50,10 +50,10 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         layer.w2_weight = new_parameter(layer, (e, h, i), dtype, device)
 
     def apply(self, layer: "FusedMoE", x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = moe_route_ref(router_logits, layer.top_k, layer.renormalize)
+        weights, ids = moe_route(router_logits, layer.top_k, layer.renormalize)
         if layer.expert_map is not None:  # other ranks' experts become -1, which the kernel skips
             ids = layer.expert_map[ids.long()]
-        return fused_moe_ref(x, layer.w13_weight, layer.w2_weight, weights, ids)
+        return fused_moe(x, layer.w13_weight, layer.w2_weight, weights, ids)
 
 
 class FusedMoE(nn.Module):
