@@ -46,18 +46,20 @@ def engines(smollm):
             make_llm(smollm, batch_invariant=True, max_num_seqs=96, num_kv_blocks=1024, max_num_batched_tokens=64))
 
 
-@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
-def test_alone_together_and_under_load_are_identical(engines, seeded):
+def test_alone_together_and_under_load_are_identical(engines):
+    """Each target prompt once greedy and once seeded-sampled: alone, all together, and among 64
+    other requests with chunked prefill, the tokens and logprobs are identical."""
     whole, chunked = engines
-    params = _params(seeded, len(TARGETS))
-    alone = [_result(whole.generate([p], [sp], use_tqdm=False)[0]) for p, sp in zip(TARGETS, params)]
-    together = [_result(o) for o in whole.generate(TARGETS, params, use_tqdm=False)]
+    targets = TARGETS + TARGETS
+    params = _params(False, len(TARGETS)) + _params(True, len(TARGETS))
+    alone = [_result(whole.generate([p], [sp], use_tqdm=False)[0]) for p, sp in zip(targets, params)]
+    together = [_result(o) for o in whole.generate(targets, params, use_tqdm=False)]
     assert together == alone
     others = _others(64)
     other_params = [SamplingParams(temperature=0.7, seed=i, max_tokens=4 + i % 13) for i in range(64)]
-    prompts = others[:40] + TARGETS + others[40:]
+    prompts = others[:40] + targets + others[40:]
     outs = chunked.generate(prompts, other_params[:40] + params + other_params[40:], use_tqdm=False)
-    assert [_result(o) for o in outs[40:40 + len(TARGETS)]] == alone
+    assert [_result(o) for o in outs[40:40 + len(targets)]] == alone
     assert max(len(chunked.engine.tokenize(p)) for p in others) > 64  # prompts really were chunked
     for llm in engines:
         assert_no_leaks(llm)
