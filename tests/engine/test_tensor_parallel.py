@@ -29,6 +29,30 @@ def _tp_llm(tp: int, model=None, pp: int = 1, **kw) -> LLM:
     return LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, **{**CPU, "num_kv_blocks": 256, **kw})
 
 
+# One regime each (chunked prefill and preemption: its steps are prefills, mixed steps and decodes);
+# the tiny-model tests below run the plain regime.
+@pytest.mark.parametrize("layout", ["tp3", "pp2"])
+@pytest.mark.parametrize("regime", ["chunked+preemption"])
+def test_embedded_model_equals_hf(layout, regime, chat_prompt_ids, hf_greedy):
+    kw = {} if regime == "default" else dict(max_num_batched_tokens=24, num_kv_blocks=14)
+    llm = _tp_llm(3, **kw) if layout == "tp3" else _tp_llm(1, pp=2, **kw)
+    try:
+        outs = llm.generate(chat_prompt_ids, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy
+        engine = llm.engine
+        if regime != "default":
+            assert engine.scheduler.num_preemptions > 0
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks and not engine.runner.states.row_of
+        model = engine.loaded.model.model
+        if layout == "tp3":  # the shards really are shards: rank 0 holds a third of the q/k/v rows
+            assert model.layers[0].self_attn.qkv_proj.weight.shape[0] == (9 + 2 * 3) * 64 // 3
+        else:  # rank 0 is the last stage: it holds the last 15 of the 30 layers only
+            assert (model.start, model.end) == (15, 30) and not list(model.layers[0].parameters())
+            assert engine.max_steps_in_flight == 2  # one step per stage
+    finally:
+        llm.engine.close()
+
+
 # The TP engine runs in a script piped to `python -` with no main guard, as a user would write it.
 _STDIN_SCRIPT = """
 import json, sys
@@ -122,13 +146,12 @@ def test_a_dead_worker_fails_the_engine_clearly(tmp_path):
         llm.engine.close()
 
 
-@pytest.mark.parametrize("layout", ["tp3", "pp2"])
-def test_embedded_model_in_parallel_layouts(layout, smollm, chat_prompt_ids, hf_greedy):
-    """One engine per layout, with chunked prefill and preemption (its steps are prefills, mixed steps
-    and decodes; n-gram speculation at TP = 3, which pipeline stages do not take): HF's fp32 greedy
-    tokens for the chat prompts; then the sampling features of tests/engine/test_features_together.py
-    (grammars, bad words, allowed tokens, n = 2 with prompt logprobs, the prefix cache), each request
-    equal to its run alone on a single-process engine; the shards really are shards; nothing leaks."""
+@pytest.mark.parametrize("layout", ["tp3+ngram", "pp2"])
+def test_features_together_in_parallel_layouts(layout, smollm):
+    """The sampling features of tests/engine/test_features_together.py (grammars, bad words, allowed
+    tokens, n = 2 with prompt logprobs, the prefix cache; n-gram speculation at TP = 3, which pipeline
+    stages do not take) with chunked prefill and preemption: each request's tokens equal its run
+    alone on a single-process engine, and nothing leaks."""
     from tests.engine.conftest import assert_no_leaks, make_llm
     from tests.engine.test_features_together import NUM_KV_BLOCKS, feature_requests
     from tests.engine.test_structured_output import NGRAM
@@ -136,21 +159,9 @@ def test_embedded_model_in_parallel_layouts(layout, smollm, chat_prompt_ids, hf_
     plain = make_llm(smollm)
     requests, _, banned = feature_requests(plain)
     alone = [plain.generate([p], q, use_tqdm=False)[0] for p, q in requests]
-    kw = dict(max_num_batched_tokens=24, num_kv_blocks=NUM_KV_BLOCKS)
-    llm = _tp_llm(3, speculative_config=NGRAM, **kw) if layout == "tp3" else _tp_llm(1, pp=2, **kw)
+    kw = dict(max_num_batched_tokens=48, num_kv_blocks=NUM_KV_BLOCKS)
+    llm = (_tp_llm(3, speculative_config=NGRAM, **kw) if layout == "tp3+ngram" else _tp_llm(1, pp=2, **kw))
     try:
-        engine = llm.engine
-        outs = llm.generate(chat_prompt_ids, GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == hf_greedy
-        preempted = engine.scheduler.num_preemptions
-        assert preempted > 0
-        model = engine.loaded.model.model
-        if layout == "tp3":  # rank 0 holds a third of the q/k/v rows
-            assert model.layers[0].self_attn.qkv_proj.weight.shape[0] == (9 + 2 * 3) * 64 // 3
-        else:  # rank 0 is the last stage: it holds the last 15 of the 30 layers only
-            assert (model.start, model.end) == (15, 30) and not list(model.layers[0].parameters())
-            assert engine.max_steps_in_flight == 2  # one step per stage
-
         together = llm.generate([p for p, _ in requests], [q for _, q in requests], use_tqdm=False)
         for want, got in zip(alone, together):
             assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
@@ -161,8 +172,11 @@ def test_embedded_model_in_parallel_layouts(layout, smollm, chat_prompt_ids, hf_
             assert {t: lp.rank for t, lp in g.items()} == {t: lp.rank for t, lp in w.items()}
             assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 for t in w)
         assert banned not in together[3].outputs[0].token_ids
-        assert engine.scheduler.num_preemptions > preempted
-        if layout == "tp3":
+        engine = llm.engine
+        assert engine.scheduler.num_preemptions > 0
+        if layout == "pp2":
+            assert engine.max_steps_in_flight == 2
+        else:
             assert engine.spec_stats.accepted > 0
         assert_no_leaks(llm)
     finally:
