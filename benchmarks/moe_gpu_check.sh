@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The fused-MoE kernels on the GPU in one call: their GPU tests (sweeps against the torch reference, no
+# host sync, graph capture, torch._grouped_mm), the kernel bench's moe section (Triton against
+# torch._grouped_mm at Qwen3-30B-A3B and Mixtral shapes) and the tile sweep (benchmarks/moe_tune.py).
+#   OUT=/tmp/x bash benchmarks/moe_gpu_check.sh
+#   knobs: PARTS (default "tests kbench tune"), T (seconds a part may take, default 170),
+#   TUNE_ARGS (default --quick)
+# $OUT gets each part's log, status.txt, moe_tests.xml, kernel_bench JSON and moe_tune.json.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:?set OUT}
+PY=${PYTHON:-python3}
+PARTS=${PARTS:-tests kbench tune}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+source benchmarks/_gpu_parts.sh
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/device.txt" 2>&1
+git rev-parse HEAD > "$OUT/git.txt" 2>&1
+
+part tests "$PY" -m pytest -q -rs --maxfail=8 -p no:cacheprovider -m gpu --junitxml "$OUT/moe_tests.xml" \
+    tests/kernels/test_fused_moe.py
+part kbench "$PY" benchmarks/kernel_bench.py --skip-small-ops --skip-skinny --skip-attention --out "$OUT/kernel_bench.json"
+part tune "$PY" benchmarks/moe_tune.py ${TUNE_ARGS:---quick} --out "$OUT/moe_tune.json"
