@@ -137,9 +137,9 @@ class FusedMoE(nn.Module):
         param.data[local].narrow(0, offset, i).copy_(loaded.narrow(0, self.tp_rank * i, i))
 
     def expected_shards(self, param_name: str) -> list[str]:
-        """The shard ids a complete checkpoint loads into `w13_weight` or `w2_weight` (per expert:
-        the fused layout's whole tensors count as every expert's)."""
-        projs = ("down",) if param_name == "w2_weight" else ("gate", "up")
+        """The shard ids a complete checkpoint loads into `w13_weight` or `w2_weight` (or their
+        `*_scale_inv`; per expert: the fused layout's whole tensors count as every expert's)."""
+        projs = ("down",) if param_name.startswith("w2_") else ("gate", "up")
         return [f"{e}.{p}" for e in self.local_expert_ids for p in projs]
 
     def shards_covered(self, param_name: str, shard_id: str) -> list[str]:

@@ -127,8 +127,9 @@ def _check_compressed_tensors(cfg: dict) -> None:
 
 
 def set_expert_quantization(net: torch.nn.Module, plan: QuantizationPlan, architecture: str) -> int:
-    """Before loading: the experts of a mixture-of-experts model take the plan's method, or the
-    plan's config refuses the model (FP8 experts do not exist yet), naming the architecture."""
+    """Before loading: the experts of a mixture-of-experts model take the plan's method
+    (layers/fp8_moe.py), or the plan's config refuses the model (an FP8 checkpoint of experts with
+    per-tensor or per-channel scales), naming the architecture."""
     config = Fp8Config(from_checkpoint=plan.from_checkpoint, block_size=plan.block_size)
     try:
         return set_moe_quantization(net, config)
