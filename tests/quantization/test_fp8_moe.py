@@ -1,0 +1,254 @@
+"""FP8 experts (layers/fp8_moe.py) in whole models, on the CPU in fp32.
+
+Online (`quantization="fp8"`) on tests/models/test_moe_families.py's tiny random Qwen3-MoE: every
+linear layer and every expert is e4m3 with per-row scales; the model computes exactly what the
+full-precision model holding the dequantized weights computes (logits and the engine's greedy
+tokens), and its logits are within ONLINE_HF_TOL of HF's fp32 model (measured: MEASURED below).
+
+Block-wise checkpoint (HF fine-grained FP8, [128, 128] blocks) written here from a Qwen3-MoE of
+hidden 256 and expert width 160 (2 x 2 blocks an expert projection, the last ragged), its block
+scales spread over 1/8..1 as tests/quantization/test_fp8_blockwise.py does: the experts load
+within one e4m3 rounding of the block-dequantized weights (the conversion to per-row scales), the
+model computes exactly what a full-precision model holding the converted weights computes, and its
+logits are within BLOCK_TOL of the model holding the block-dequantized weights.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.engine.conftest import make_llm
+from tests.helpers import full_logits
+from tests.models.test_moe_families import COMMON, VOCAB, _save_byte_tokenizer, _save_random_moe_model
+from tests.quantization.test_fp8_blockwise import QC, _block_quantize
+from tokenmill.errors import ModelLoadError
+from tokenmill.kernels.fused_moe import dequantize_experts_fp8
+from tokenmill.layers.fused_moe import FusedMoE
+from tokenmill.layers.linear import LinearBase
+from tokenmill.loader import load_model
+from tokenmill.quantization.fp8 import (FP8_DTYPE, dequantize_blockwise_fp8, dequantize_weight_fp8,
+                                        quantize_weight_fp8)
+from tokenmill.sampling_params import SamplingParams
+
+# Measured on these models (fp32, CPU): online FP8 against HF fp32, relative Frobenius error of the
+# logits 0.0 (to be filled); block-wise against the block-dequantized model 0.0.
+ONLINE_HF_TOL = 0.05
+BLOCK_TOL = 0.05
+
+
+def _sequences(n=(7, 30, 61), seed=1) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - 1, (length,), generator=gen).tolist() for length in n]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _quantized(name: str, t: torch.Tensor) -> bool:
+    """Whether tokenmill holds this checkpoint tensor in FP8: the linear layers' and experts'
+    matrices (not the embedding, the LM head or the norms)."""
+    return t.dim() == 2 and "embed_tokens" not in name and not name.startswith("lm_head")
+
+
+def _rewrite(src, dst, edit, quantization_config=None) -> None:
+    """A copy of the HF directory src with every FP8-held tensor replaced by edit(name, tensor),
+    which returns {name: tensor} (so it may add a block-scale tensor beside the weight)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    state = load_file(str(src / "model.safetensors"))
+    out = {}
+    for name, t in state.items():
+        out.update(edit(name, t) if _quantized(name, t) else {name: t})
+    save_file(out, str(dst / "model.safetensors"))
+    if quantization_config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg["quantization_config"] = quantization_config
+        (dst / "config.json").write_text(json.dumps(cfg))
+
+
+def _dequantized_from(fp8_model, full_model) -> None:
+    """full_model's weights set to fp8_model's, dequantized (the same architecture, module by module)."""
+    fp8_modules = dict(fp8_model.named_modules())
+    with torch.no_grad():
+        for name, m in full_model.named_modules():
+            q = fp8_modules[name]
+            if isinstance(m, FusedMoE):
+                m.w13_weight.copy_(dequantize_experts_fp8(q.w13_weight, q.w13_weight_scale, torch.float32))
+                m.w2_weight.copy_(dequantize_experts_fp8(q.w2_weight, q.w2_weight_scale, torch.float32))
+            elif isinstance(m, LinearBase) and q.weight.dtype == FP8_DTYPE:
+                m.weight.copy_(dequantize_weight_fp8(q.weight, q.weight_scale, torch.float32))
+
+
+# ----------------------------------------------------------------------------------------------
+# Online quantization
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def online(tmp_path_factory):
+    """(HF fp32 model, tokenmill's FP8 load of it, tokenmill's load of the dequantized checkpoint)."""
+    root = tmp_path_factory.mktemp("fp8_moe")
+    hf = _save_random_moe_model("qwen3_moe", root / "hf")
+
+    def round_trip(name, t):
+        return {name: dequantize_weight_fp8(*quantize_weight_fp8(t), torch.float32)}
+
+    _rewrite(root / "hf", root / "dequantized", round_trip)
+    fp8 = load_model(str(root / "hf"), dtype="float32", device="cpu", quantization="fp8")
+    full = load_model(str(root / "dequantized"), dtype="float32", device="cpu")
+    return hf, fp8, full, root
+
+
+def test_online_experts_are_e4m3_with_row_scales(online):
+    _, fp8, full, _ = online
+    sparse = [layer.mlp.experts for layer in fp8.model.model.layers if hasattr(layer.mlp, "experts")]
+    assert len(sparse) == 2  # layer 1 is dense (mlp_only_layers)
+    ref = {n: p for n, p in full.model.named_parameters()}
+    for name, m in fp8.model.named_modules():
+        if isinstance(m, FusedMoE):
+            assert m.w13_weight.dtype == m.w2_weight.dtype == FP8_DTYPE
+            assert m.w13_weight_scale.shape == (8, 64) and m.w2_weight_scale.shape == (8, 64)
+            # the checkpoint's experts quantized per row, as the round trip above quantizes them
+            assert torch.equal(dequantize_experts_fp8(m.w13_weight, m.w13_weight_scale, torch.float32),
+                               ref[f"{name}.w13_weight"])
+            assert torch.equal(dequantize_experts_fp8(m.w2_weight, m.w2_weight_scale, torch.float32),
+                               ref[f"{name}.w2_weight"])
+
+
+def test_online_logits_are_the_dequantized_models_and_near_hf(online):
+    hf, fp8, full, _ = online
+    seqs = _sequences()
+    ours, deq = full_logits(fp8.model, seqs), full_logits(full.model, seqs)
+    errs = []
+    for seq, a, b in zip(seqs, ours, deq):
+        assert _rel(a, b) < 1e-6
+        with torch.no_grad():
+            ref = hf(torch.tensor([seq])).logits[0].float()
+        errs.append(_rel(a, ref))
+    assert max(errs) < ONLINE_HF_TOL, errs
+
+
+def test_online_engine_greedy_matches_the_dequantized_engine(online):
+    _, fp8, full, _ = online
+    prompts = _sequences((5, 13, 29, 47), seed=2)
+    greedy = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+    got = [o.outputs[0].token_ids for o in make_llm(fp8).generate(prompts, greedy, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in make_llm(full).generate(prompts, greedy, use_tqdm=False)]
+    assert got == want
+
+
+def test_online_dummy_weights_are_the_full_precision_ones_quantized(online):
+    """Dummy weights with quantization="fp8": each expert is the full-precision dummy model's,
+    quantized per row (the scales are drawn from nothing, so every other weight keeps its values)."""
+    _, _, _, root = online
+    fp8 = load_model(str(root / "hf"), load_format="dummy", dtype="float32", device="cpu", quantization="fp8")
+    full = load_model(str(root / "hf"), load_format="dummy", dtype="float32", device="cpu")
+    want = dict(full.model.named_parameters())
+    for name, m in fp8.model.named_modules():
+        if isinstance(m, FusedMoE):
+            for weight in ("w13_weight", "w2_weight"):
+                w = want[f"{name}.{weight}"]
+                for e in range(w.shape[0]):
+                    w_q, s = quantize_weight_fp8(w[e])
+                    assert torch.equal(getattr(m, weight)[e], w_q) and torch.equal(getattr(m, f"{weight}_scale")[e], s)
+    assert torch.equal(fp8.model.model.embed_tokens.weight, full.model.model.embed_tokens.weight)
+
+
+# ----------------------------------------------------------------------------------------------
+# Block-wise FP8 checkpoints
+# ----------------------------------------------------------------------------------------------
+
+
+def _save_wide_qwen3_moe(path, seed: int = 3):
+    """A Qwen3-MoE whose expert projections span several 128 x 128 blocks (hidden 256, expert
+    width 160: 2 x 2 blocks, the last ragged), every layer sparse."""
+    import transformers as tf
+    from transformers import AutoModelForCausalLM
+
+    cfg = tf.Qwen3MoeConfig(**{**COMMON, "hidden_size": 256}, num_hidden_layers=2, head_dim=64,
+                            intermediate_size=320, moe_intermediate_size=160, num_experts=4, num_experts_per_tok=2,
+                            norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.3)
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 1.0)
+            else:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(path, safe_serialization=True)
+    _save_byte_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def block(tmp_path_factory):
+    """(the block-wise FP8 load, {checkpoint weight name: its block-dequantized fp32 value}, root)."""
+    root = tmp_path_factory.mktemp("fp8_moe_block")
+    _save_wide_qwen3_moe(root / "hf")
+    gen = torch.Generator().manual_seed(4)
+    dequantized = {}
+
+    def to_blocks(name, t):
+        w_q, scales = _block_quantize(t, gen)
+        dequantized[name] = dequantize_blockwise_fp8(w_q, scales, (128, 128))
+        return {name: w_q, name.replace(".weight", ".weight_scale_inv"): scales}
+
+    _rewrite(root / "hf", root / "fp8", to_blocks, QC)
+    _rewrite(root / "hf", root / "dequantized", lambda name, t: {name: dequantized[name]})
+    return load_model(str(root / "fp8"), dtype="float32", device="cpu"), dequantized, root
+
+
+def test_block_experts_within_one_rounding_of_the_block_dequantized(block):
+    """Converting to per-row scales rounds an element once more where its block's scale is below
+    its row's largest: within 1/16 of it (e4m3's normal range), or 2^-10 of the row's scale below;
+    the first 128 rows of gate and up (one scale across their column blocks) convert exactly."""
+    fp8, dequantized, _ = block
+    worst = 0.0
+    for index, layer in enumerate(fp8.model.model.layers):
+        m = layer.mlp.experts
+        assert not hasattr(m, "w13_weight_scale_inv") and m.w13_weight_scale.shape == (4, 320)
+        w13 = dequantize_experts_fp8(m.w13_weight, m.w13_weight_scale, torch.float32)
+        w2 = dequantize_experts_fp8(m.w2_weight, m.w2_weight_scale, torch.float32)
+        for e in range(4):
+            prefix = f"model.layers.{index}.mlp.experts.{e}"
+            gate, up, down = (dequantized[f"{prefix}.{p}_proj.weight"] for p in ("gate", "up", "down"))
+            for got, want, scale in ((w13[e, :160], gate, m.w13_weight_scale[e, :160]),
+                                     (w13[e, 160:], up, m.w13_weight_scale[e, 160:]), (w2[e], down, m.w2_weight_scale[e])):
+                bound = torch.maximum(want.abs() / 16, scale[:, None] * 2.0 ** -10) * (1 + 1e-6)
+                assert ((got - want).abs() <= bound).all(), prefix
+                worst = max(worst, _rel(got, want))
+            assert torch.equal(w13[e, :128], gate[:128]) and torch.equal(w13[e, 160:288], up[:128])
+    assert 0 < worst < 0.05, worst  # measured: see the module docstring
+
+
+def test_block_model_computes_with_its_converted_weights(block):
+    fp8, _, root = block
+    seqs = _sequences()
+    full = load_model(str(root / "hf"), dtype="float32", device="cpu")
+    _dequantized_from(fp8.model, full.model)
+    ref = load_model(str(root / "dequantized"), dtype="float32", device="cpu")
+    errs = []
+    for a, b, c in zip(full_logits(fp8.model, seqs), full_logits(full.model, seqs), full_logits(ref.model, seqs)):
+        assert _rel(a, b) < 1e-6  # exactly the converted weights' model
+        errs.append(_rel(a, c))
+    assert max(errs) < BLOCK_TOL, errs
+
+
+def test_per_channel_fp8_experts_refused(block):
+    """An FP8 checkpoint of experts with per-tensor (or per-channel) scales is refused by name."""
+    _, _, root = block
+    per_tensor = root / "per_tensor"
+    shutil.copytree(root / "hf", per_tensor)
+    cfg = json.loads((per_tensor / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (per_tensor / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="Qwen3MoeForCausalLM: FP8 checkpoints of mixture-of-experts.*per-tensor"):
+        load_model(str(per_tensor), dtype="float32", device="cpu")
