@@ -438,11 +438,9 @@ def _e4m3_as(w, dtype: tl.constexpr):
 
 
 @triton.jit
-def _row_scales(scale_ptr, expert, stride_se, n, n_ok, W_FP8: tl.constexpr):
-    """The FP8 weight's scales of rows n of this expert (1.0 for a 16/32-bit weight)."""
-    if W_FP8:
-        return tl.load(scale_ptr + expert * stride_se + n, mask=n_ok, other=0.0)
-    return tl.full(n.shape, 1.0, tl.float32)
+def _row_scales(scale_ptr, expert, stride_se, n, n_ok):
+    """The FP8 weight's fp32 scales of rows n of this expert."""
+    return tl.load(scale_ptr + expert * stride_se + n, mask=n_ok, other=0.0)
 
 
 @triton.jit
@@ -492,9 +490,9 @@ def _grouped_gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ids_ptr, ntp
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    if W_FP8:
-        acc_g *= _row_scales(scale_ptr, expert, stride_se, n, n_ok, W_FP8)[None, :]
-        acc_u *= _row_scales(scale_ptr, expert, stride_se, n + I, n_ok, W_FP8)[None, :]
+    if W_FP8:  # a per-row scale factors out of the dot product
+        acc_g *= _row_scales(scale_ptr, expert, stride_se, n, n_ok)[None, :]
+        acc_u *= _row_scales(scale_ptr, expert, stride_se, n + I, n_ok)[None, :]
     h = _silu_mul_rounded(acc_g, acc_u, h_ptr.dtype.element_ty)
     tl.store(h_ptr + pair.to(tl.int64)[:, None] * I + n[None, :], h, mask=row_ok[:, None] & n_ok[None, :])
 
@@ -530,7 +528,7 @@ def _grouped_down_kernel(h_ptr, w_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ids
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if W_FP8:
-        acc *= _row_scales(scale_ptr, expert, stride_se, n, n_ok, W_FP8)[None, :]
+        acc *= _row_scales(scale_ptr, expert, stride_se, n, n_ok)[None, :]
     dtype = y_ptr.dtype.element_ty
     weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(dtype).to(tl.float32)
     y = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)
@@ -582,8 +580,11 @@ def _gemv_gate_up_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, scale_ptr, E, I, H, strid
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    gate = tl.sum(acc_g, axis=1) * _row_scales(scale_ptr, expert, stride_se, n, n_ok, W_FP8)
-    up = tl.sum(acc_u, axis=1) * _row_scales(scale_ptr, expert, stride_se, n + I, n_ok, W_FP8)
+    gate = tl.sum(acc_g, axis=1)
+    up = tl.sum(acc_u, axis=1)
+    if W_FP8:  # a per-row scale factors out of the dot product
+        gate *= _row_scales(scale_ptr, expert, stride_se, n, n_ok)
+        up *= _row_scales(scale_ptr, expert, stride_se, n + I, n_ok)
     h = _silu_mul_rounded(gate, up, h_ptr.dtype.element_ty)
     tl.store(h_ptr + pair * I + n, h, mask=n_ok)
 
@@ -618,7 +619,9 @@ def _gemv_down_kernel(h_ptr, w_ptr, out_ptr, topk_w_ptr, ids_ptr, scale_ptr, E, 
                 h_ptrs += BLOCK_K
                 w_ptrs += BLOCK_K
             weight = tl.load(topk_w_ptr + pair).to(dtype).to(tl.float32)
-            y = tl.sum(acc, axis=1) * _row_scales(scale_ptr, expert, stride_se, n, n_ok, W_FP8)
+            y = tl.sum(acc, axis=1)
+            if W_FP8:
+                y *= _row_scales(scale_ptr, expert, stride_se, n, n_ok)
             total += (y.to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
     tl.store(out_ptr + t * H + n, total.to(dtype), mask=n_ok)
 
