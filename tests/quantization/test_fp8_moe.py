@@ -252,3 +252,44 @@ def test_per_channel_fp8_experts_refused(block):
     (per_tensor / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="Qwen3MoeForCausalLM: FP8 checkpoints of mixture-of-experts.*per-tensor"):
         load_model(str(per_tensor), dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize("source", ["online", "block"])
+def test_tensor_parallel_ranks_quantize_as_one_process(block, source):
+    """TP = 2 in one process (tests/quantization/test_fp8_blockwise.py's _Rank): each rank holds 80
+    of an expert's 160 intermediate features (rank 1's w2 columns start mid-block); its e4m3 bytes
+    and scales are exactly one process's, split (a w2 row's scale is taken over the whole row)."""
+    from safetensors.torch import load_file
+
+    from tests.quantization.test_fp8_blockwise import _Rank
+    from tokenmill.layers.fp8_linear import Fp8Config
+    from tokenmill.layers.fused_moe import process_moe_weights_after_loading
+
+    _, _, root = block
+    state = load_file(str(root / ("hf" if source == "online" else "fp8") / "model.safetensors"))
+    config = Fp8Config() if source == "online" else Fp8Config(from_checkpoint=True, block_size=(128, 128))
+    prefix = "model.layers.0.mlp.experts"
+
+    def build(rank, size):
+        with _Rank(rank, size):
+            m = FusedMoE(4, 2, 256, 160, True, dtype=torch.float32)
+        m.set_moe_method(config.get_moe_method(m))
+        for e in range(4):
+            for proj in ("gate", "up", "down"):
+                name = f"{prefix}.{e}.{proj}_proj.weight"
+                param = m.w2_weight if proj == "down" else m.w13_weight
+                param.weight_loader(param, state[name], f"{e}.{proj}")
+                if source == "block":
+                    inv = m.w2_weight_scale_inv if proj == "down" else m.w13_weight_scale_inv
+                    inv.weight_loader(inv, state[name + "_scale_inv"], f"{e}.{proj}")
+        process_moe_weights_after_loading(m)
+        return m
+
+    one, ranks = build(0, 1), [build(r, 2) for r in range(2)]
+    assert torch.equal(torch.cat([r.w2_weight.view(torch.uint8) for r in ranks], dim=2), one.w2_weight.view(torch.uint8))
+    for r in ranks:
+        assert torch.equal(r.w2_weight_scale, one.w2_weight_scale)
+    for rank, r in enumerate(ranks):
+        rows = torch.cat([torch.arange(rank * 80, (rank + 1) * 80) + s * 160 for s in (0, 1)])
+        assert torch.equal(r.w13_weight.view(torch.uint8), one.w13_weight[:, rows].view(torch.uint8))
+        assert torch.equal(r.w13_weight_scale, one.w13_weight_scale[:, rows])
