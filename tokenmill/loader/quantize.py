@@ -132,9 +132,13 @@ def set_expert_quantization(net: torch.nn.Module, plan: QuantizationPlan, archit
     per-tensor or per-channel scales), naming the architecture."""
     config = Fp8Config(from_checkpoint=plan.from_checkpoint, block_size=plan.block_size)
     try:
-        return set_moe_quantization(net, config)
+        count = set_moe_quantization(net, config)
     except ModelLoadError as e:
         raise ModelLoadError(f"{architecture}: {e}") from None
+    if count:
+        logger.info("fp8: the experts of %d mixture-of-experts layers are e4m3 (%s)", count,
+                    "quantized as they load" if not plan.from_checkpoint else "from the checkpoint")
+    return count
 
 
 def expect_fp8_checkpoint(net: torch.nn.Module, block_size: Optional[tuple[int, int]] = None) -> None:
