@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The fused-MoE kernels on the GPU in one call: their GPU tests (sweeps against the torch reference, no
-# host sync, graph capture, torch._grouped_mm), the kernel bench's moe section (Triton against
-# torch._grouped_mm at Qwen3-30B-A3B and Mixtral shapes) and the tile sweep (benchmarks/moe_tune.py).
+# The fused-MoE kernels on the GPU in one call: their GPU tests (sweeps against the torch reference with
+# 16-bit and e4m3 experts, no host sync, graph capture, torch._grouped_mm, a tiny FP8 MoE model), the
+# kernel bench's moe section (Triton, bf16 and e4m3 experts, against torch._grouped_mm at Qwen3-30B-A3B
+# and Mixtral shapes) and the tile sweep (benchmarks/moe_tune.py).
 #   OUT=/tmp/x bash benchmarks/moe_gpu_check.sh
 #   knobs: PARTS (default "tests kbench tune"), T (seconds a part may take, default 170),
 #   TUNE_ARGS (default --quick)
@@ -18,6 +19,6 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > 
 git rev-parse HEAD > "$OUT/git.txt" 2>&1
 
 part tests "$PY" -m pytest -q -rs --maxfail=8 -p no:cacheprovider -m gpu --junitxml "$OUT/moe_tests.xml" \
-    tests/kernels/test_fused_moe.py
+    tests/kernels/test_fused_moe.py tests/quantization/test_fp8_moe.py
 part kbench "$PY" benchmarks/kernel_bench.py --skip-small-ops --skip-skinny --skip-attention --out "$OUT/kernel_bench.json"
 part tune "$PY" benchmarks/moe_tune.py ${TUNE_ARGS:---quick} --out "$OUT/moe_tune.json"

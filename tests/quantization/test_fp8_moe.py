@@ -293,3 +293,16 @@ def test_tensor_parallel_ranks_quantize_as_one_process(block, source):
         rows = torch.cat([torch.arange(rank * 80, (rank + 1) * 80) + s * 160 for s in (0, 1)])
         assert torch.equal(r.w13_weight.view(torch.uint8), one.w13_weight[:, rows].view(torch.uint8))
         assert torch.equal(r.w13_weight_scale, one.w13_weight_scale[:, rows])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
+def test_online_on_cuda_matches_the_cpu(online, dtype, tol):
+    """On CUDA the experts run through the Triton kernels on the e4m3 bytes (and, in bf16, the
+    linear layers through the W8A8 paths): the logits stay near the CPU's dequantized model's."""
+    _, _, full, root = online
+    gpu = load_model(str(root / "hf"), dtype=dtype, device="cuda", quantization="fp8")
+    seqs = _sequences()
+    for a, b in zip(full_logits(gpu.model, seqs), full_logits(full.model, seqs)):
+        assert _rel(a.float().cpu(), b) < tol
