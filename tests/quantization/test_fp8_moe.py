@@ -297,7 +297,7 @@ def test_tensor_parallel_ranks_quantize_as_one_process(block, source):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 0.1)])  # bf16: W8A8 dense layers
 def test_online_on_cuda_matches_the_cpu(online, dtype, tol):
     """On CUDA the experts run through the Triton kernels on the e4m3 bytes (and, in bf16, the
     linear layers through the W8A8 paths): the logits stay near the CPU's dequantized model's."""
