@@ -229,20 +229,21 @@ def test_fused_moe_dispatcher_on_cpu_is_the_reference():
     assert torch.equal(fm.fused_moe(x, w13, w2, weights, ids), fm.fused_moe_ref(x, w13, w2, weights, ids))
 
 
-FP8_CASES = [  # (T, H, I, E, k, routing kind): k = 1 and k = 8, -1 slots, experts with no tokens
-    (5, 32, 24, 8, 2, "ep"),
-    (3, 32, 16, 8, 8, "random"),
-    (17, 32, 16, 9, 3, "sparse"),
-    (33, 32, 16, 4, 1, "random"),
+FP8_CASES = [  # (T, H, I, E, k, routing kind, dtype): k = 1 and k = 8, -1 slots, experts with no tokens
+    (5, 32, 24, 8, 2, "ep", torch.float32),
+    (5, 32, 24, 8, 2, "ep", torch.bfloat16),
+    (3, 32, 16, 8, 8, "random", torch.float32),
+    (9, 32, 16, 9, 3, "sparse", torch.float32),
+    (33, 32, 16, 4, 1, "random", torch.float32),
 ]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", FP8_CASES, ids=_moe_case_id)
-def test_fused_moe_fp8_matches_ref(device, dtype, case, nan_empty):
-    """e4m3 experts with per-row scales on both paths against the dequantized reference."""
-    T, H, I, E, k, kind = case
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: _moe_case_id(c[:6]) + "-" + str(c[6])[6:])
+def test_fused_moe_fp8_matches_ref(device, case, nan_empty):
+    """e4m3 experts with per-row scales on both paths against the dequantized reference (the
+    interpreter's cost keeps the cases few: the CUDA sweep below covers real shapes)."""
+    T, H, I, E, k, kind, dtype = case
     x, w13, w2 = _experts(T, H, I, E, torch.float32, device, seed=T + k)
     x = x.to(dtype)
     w13_q, w13_s, w2_q, w2_s = _fp8(w13, w2)
