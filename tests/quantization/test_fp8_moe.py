@@ -3,7 +3,7 @@
 Online (`quantization="fp8"`) on tests/models/test_moe_families.py's tiny random Qwen3-MoE: every
 linear layer and every expert is e4m3 with per-row scales; the model computes exactly what the
 full-precision model holding the dequantized weights computes (logits and the engine's greedy
-tokens), and its logits are within ONLINE_HF_TOL of HF's fp32 model (measured: MEASURED below).
+tokens), and its logits are within ONLINE_HF_TOL of HF's fp32 model.
 
 Block-wise checkpoint (HF fine-grained FP8, [128, 128] blocks) written here from a Qwen3-MoE of
 hidden 256 and expert width 160 (2 x 2 blocks an expert projection, the last ragged), its block
@@ -11,6 +11,14 @@ scales spread over 1/8..1 as tests/quantization/test_fp8_blockwise.py does: the 
 within one e4m3 rounding of the block-dequantized weights (the conversion to per-row scales), the
 model computes exactly what a full-precision model holding the converted weights computes, and its
 logits are within BLOCK_TOL of the model holding the block-dequantized weights.
+
+Measured (fp32, CPU; relative Frobenius errors of the logits per sequence, of the weights per
+tensor): online FP8 against HF fp32, 0.0063 to 0.0090 (the dequantized model's logits: equal, 0.0);
+block-wise, each expert projection converted to per-row scales against its block-dequantized
+weight 0.0068 on average, 0.019 at most (15 % of the experts' elements change by one e4m3
+rounding), and the logits against the block-dequantized model's 0.0016 to 0.0025: what converting
+the block scales to per-row ones costs here, with block scales spread over 1/8..1 of each other
+(wider than a trained checkpoint's neighbouring blocks).
 """
 
 import json
@@ -32,13 +40,11 @@ from tokenmill.quantization.fp8 import (FP8_DTYPE, dequantize_blockwise_fp8, deq
                                         quantize_weight_fp8)
 from tokenmill.sampling_params import SamplingParams
 
-# Measured on these models (fp32, CPU): online FP8 against HF fp32, relative Frobenius error of the
-# logits 0.0 (to be filled); block-wise against the block-dequantized model 0.0.
-ONLINE_HF_TOL = 0.05
-BLOCK_TOL = 0.05
+ONLINE_HF_TOL = 0.02  # measured 0.009 at most (module docstring)
+BLOCK_TOL = 0.01  # measured 0.0025 at most
 
 
-def _sequences(n=(7, 30, 61), seed=1) -> list[list[int]]:
+def _sequences(n=(7, 40), seed=1) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB - 1, (length,), generator=gen).tolist() for length in n]
 
@@ -134,8 +140,8 @@ def test_online_logits_are_the_dequantized_models_and_near_hf(online):
 
 def test_online_engine_greedy_matches_the_dequantized_engine(online):
     _, fp8, full, _ = online
-    prompts = _sequences((5, 13, 29, 47), seed=2)
-    greedy = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+    prompts = _sequences((5, 29), seed=2)
+    greedy = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
     got = [o.outputs[0].token_ids for o in make_llm(fp8).generate(prompts, greedy, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in make_llm(full).generate(prompts, greedy, use_tqdm=False)]
     assert got == want
@@ -226,7 +232,7 @@ def test_block_experts_within_one_rounding_of_the_block_dequantized(block):
                 assert ((got - want).abs() <= bound).all(), prefix
                 worst = max(worst, _rel(got, want))
             assert torch.equal(w13[e, :128], gate[:128]) and torch.equal(w13[e, 160:288], up[:128])
-    assert 0 < worst < 0.05, worst  # measured: see the module docstring
+    assert 0 < worst < 0.03, worst  # measured 0.019 (module docstring)
 
 
 def test_block_model_computes_with_its_converted_weights(block):
