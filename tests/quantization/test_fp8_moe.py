@@ -6,8 +6,10 @@ full-precision model holding the dequantized weights computes (logits and the en
 tokens), and its logits are within ONLINE_HF_TOL of HF's fp32 model.
 
 Block-wise checkpoint (HF fine-grained FP8, [128, 128] blocks) written here from a Qwen3-MoE of
-hidden 256 and expert width 160 (2 x 2 blocks an expert projection, the last ragged), its block
-scales spread over 1/8..1 as tests/quantization/test_fp8_blockwise.py does: the experts load
+hidden 256 and expert width 160 (2 x 2 blocks an expert projection, the last ragged), laid out as
+Qwen3-30B-A3B-FP8 is (per-expert weights and `weight_scale_inv`, the routers in full precision and
+listed in `modules_to_not_convert` with the norms), its block scales spread over 1/8..1 as
+tests/quantization/test_fp8_blockwise.py does: the experts load
 within one e4m3 rounding of the block-dequantized weights (the conversion to per-row scales), the
 model computes exactly what a full-precision model holding the converted weights computes, and its
 logits are within BLOCK_TOL of the model holding the block-dequantized weights.
@@ -53,22 +55,24 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _quantized(name: str, t: torch.Tensor) -> bool:
+def _quantized(name: str, t: torch.Tensor, routers: bool = True) -> bool:
     """Whether tokenmill holds this checkpoint tensor in FP8: the linear layers' and experts'
-    matrices (not the embedding, the LM head or the norms)."""
-    return t.dim() == 2 and "embed_tokens" not in name and not name.startswith("lm_head")
+    matrices (not the embedding, the LM head or the norms; the routers unless `routers` is False)."""
+    return (t.dim() == 2 and "embed_tokens" not in name and not name.startswith("lm_head")
+            and (routers or not name.endswith("mlp.gate.weight")))
 
 
 def _rewrite(src, dst, edit, quantization_config=None) -> None:
     """A copy of the HF directory src with every FP8-held tensor replaced by edit(name, tensor),
-    which returns {name: tensor} (so it may add a block-scale tensor beside the weight)."""
+    which returns {name: tensor} (so it may add a block-scale tensor beside the weight); with a
+    quantization_config (a checkpoint's), the routers stay as they are."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst)
     state = load_file(str(src / "model.safetensors"))
     out = {}
     for name, t in state.items():
-        out.update(edit(name, t) if _quantized(name, t) else {name: t})
+        out.update(edit(name, t) if _quantized(name, t, routers=quantization_config is None) else {name: t})
     save_file(out, str(dst / "model.safetensors"))
     if quantization_config is not None:
         cfg = json.loads((dst / "config.json").read_text())
@@ -207,8 +211,11 @@ def block(tmp_path_factory):
         dequantized[name] = dequantize_blockwise_fp8(w_q, scales, (128, 128))
         return {name: w_q, name.replace(".weight", ".weight_scale_inv"): scales}
 
-    _rewrite(root / "hf", root / "fp8", to_blocks, QC)
-    _rewrite(root / "hf", root / "dequantized", lambda name, t: {name: dequantized[name]})
+    layers = range(2)
+    qc = {**QC, "modules_to_not_convert": ["lm_head"] + [f"model.layers.{i}.{m}" for i in layers for m in (
+        "input_layernorm", "mlp.gate", "post_attention_layernorm")]}
+    _rewrite(root / "hf", root / "fp8", to_blocks, qc)
+    _rewrite(root / "hf", root / "dequantized", lambda name, t: {name: dequantized.get(name, t)})
     return load_model(str(root / "fp8"), dtype="float32", device="cpu"), dequantized, root
 
 
@@ -221,6 +228,7 @@ def test_block_experts_within_one_rounding_of_the_block_dequantized(block):
     for index, layer in enumerate(fp8.model.model.layers):
         m = layer.mlp.experts
         assert not hasattr(m, "w13_weight_scale_inv") and m.w13_weight_scale.shape == (4, 320)
+        assert layer.mlp.gate.weight.dtype == torch.float32  # the router, as the checkpoint keeps it
         w13 = dequantize_experts_fp8(m.w13_weight, m.w13_weight_scale, torch.float32)
         w2 = dequantize_experts_fp8(m.w2_weight, m.w2_weight_scale, torch.float32)
         for e in range(4):

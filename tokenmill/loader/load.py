@@ -174,7 +174,7 @@ def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_f
         if source.kind == "dummy":
             raise ModelLoadError("an FP8 checkpoint's config with dummy weights: use quantization=\"fp8\" on a "
                                  "full-precision model instead")
-        expect_fp8_checkpoint(net, plan.block_size)
+        expect_fp8_checkpoint(net, plan.block_size, plan.unquantized)
     tokenizer_ref, tokenizer = tokenizer, None
     if source.kind == "dummy":
         from tokenmill.loader.dummy import initialize_dummy_weights
