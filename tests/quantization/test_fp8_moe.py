@@ -168,6 +168,21 @@ def test_online_dummy_weights_are_the_full_precision_ones_quantized(online):
     assert torch.equal(fp8.model.model.embed_tokens.weight, full.model.model.embed_tokens.weight)
 
 
+def test_experts_are_never_allocated_in_the_model_dtype(online, monkeypatch):
+    """The FP8 method is the layers' from their construction (loader/quantize.expert_quantization):
+    no [E, 2I, H] stack in the model dtype exists first, so peak memory is the FP8 model's."""
+    from tokenmill.layers.fused_moe import UnquantizedFusedMoEMethod
+
+    def refuse(*args):
+        raise AssertionError("full-precision experts allocated")
+
+    monkeypatch.setattr(UnquantizedFusedMoEMethod, "create_weights", refuse)
+    _, _, _, root = online
+    load_model(str(root / "hf"), dtype="float32", device="cpu", quantization="fp8")
+    with pytest.raises(AssertionError, match="full-precision experts"):
+        load_model(str(root / "hf"), dtype="float32", device="cpu")
+
+
 # ----------------------------------------------------------------------------------------------
 # Block-wise FP8 checkpoints
 # ----------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ Mixture-of-experts checkpoints (Qwen3-30B-A3B-FP8) store their experts the same 
 listed in `modules_to_not_convert` with the norms: those routers keep their unquantized method.
 """
 
+import contextlib
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -26,7 +27,8 @@ import torch
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.layers.fp8_linear import Fp8Config
-from tokenmill.layers.fused_moe import set_moe_quantization
+from tokenmill.layers.fp8_moe import Fp8MoEMethod
+from tokenmill.layers.fused_moe import FusedMoE, moe_quantization
 from tokenmill.layers.linear import LinearBase, process_weights_after_loading, set_quantization
 from tokenmill.logger import init_logger
 from tokenmill.quantization import QUANTIZATION_METHODS
@@ -137,19 +139,27 @@ def _check_compressed_tensors(cfg: dict) -> None:
                              f"LM head are not supported")
 
 
-def set_expert_quantization(net: torch.nn.Module, plan: QuantizationPlan, architecture: str) -> int:
-    """Before loading: the experts of a mixture-of-experts model take the plan's method
-    (layers/fp8_moe.py), or the plan's config refuses the model (an FP8 checkpoint of experts with
+@contextlib.contextmanager
+def expert_quantization(plan: Optional[QuantizationPlan], architecture: str):
+    """Around the model's construction: the experts of a mixture-of-experts model take the plan's
+    method (layers/fp8_moe.py) as they are built, so that no expert stack is allocated in the model
+    dtype first, or the plan's config refuses the model (an FP8 checkpoint of experts with
     per-tensor or per-channel scales), naming the architecture."""
-    config = Fp8Config(from_checkpoint=plan.from_checkpoint, block_size=plan.block_size)
+    if plan is None:
+        yield
+        return
     try:
-        count = set_moe_quantization(net, config)
+        with moe_quantization(Fp8Config(from_checkpoint=plan.from_checkpoint, block_size=plan.block_size)):
+            yield
     except ModelLoadError as e:
         raise ModelLoadError(f"{architecture}: {e}") from None
+
+
+def log_expert_quantization(net: torch.nn.Module, plan: Optional[QuantizationPlan]) -> None:
+    count = sum(isinstance(m, FusedMoE) and isinstance(m.moe_method, Fp8MoEMethod) for m in net.modules())
     if count:
         logger.info("fp8: the experts of %d mixture-of-experts layers are e4m3 (%s)", count,
                     "quantized as they load" if not plan.from_checkpoint else "from the checkpoint")
-    return count
 
 
 def expect_fp8_checkpoint(net: torch.nn.Module, block_size: Optional[tuple[int, int]] = None,
