@@ -18,8 +18,10 @@ layers' form). Two sources:
   K block; the cost is one more e4m3 rounding of the elements whose block scale is below their
   row's largest (within 1/16 of the element; tests/quantization/test_fp8_moe.py measures it).
 
-On CUDA the kernels read the e4m3 bytes (weight-only: the activations stay in the model dtype).
-Elsewhere the experts are dequantized once per dtype and run through the reference, as
+On CUDA the kernels read the e4m3 bytes (weight-only: the activations stay in the model dtype;
+decode steps, where the experts' weight bytes are the cost, gain as much as W8A8 would, and the
+16-bit activations keep the routed rows exact; an e4m3 x e4m3 grouped GEMM for large prefills is
+not written yet). Elsewhere the experts are dequantized once per dtype and run through the reference, as
 Fp8LinearMethod does on the CPU. FP8 checkpoints of MoE models with per-tensor or per-channel
 scales are refused (get_moe_method).
 """
