@@ -250,7 +250,8 @@ def test_block_experts_within_one_rounding_of_the_block_dequantized(block):
             prefix = f"model.layers.{index}.mlp.experts.{e}"
             gate, up, down = (dequantized[f"{prefix}.{p}_proj.weight"] for p in ("gate", "up", "down"))
             for got, want, scale in ((w13[e, :160], gate, m.w13_weight_scale[e, :160]),
-                                     (w13[e, 160:], up, m.w13_weight_scale[e, 160:]), (w2[e], down, m.w2_weight_scale[e])):
+                                     (w13[e, 160:], up, m.w13_weight_scale[e, 160:]),
+                                     (w2[e], down, m.w2_weight_scale[e])):
                 bound = torch.maximum(want.abs() / 16, scale[:, None] * 2.0 ** -10) * (1 + 1e-6)
                 assert ((got - want).abs() <= bound).all(), prefix
                 worst = max(worst, _rel(got, want))
@@ -315,7 +316,8 @@ def test_tensor_parallel_ranks_quantize_as_one_process(block, source):
         return m
 
     one, ranks = build(0, 1), [build(r, 2) for r in range(2)]
-    assert torch.equal(torch.cat([r.w2_weight.view(torch.uint8) for r in ranks], dim=2), one.w2_weight.view(torch.uint8))
+    w2_bytes = torch.cat([r.w2_weight.view(torch.uint8) for r in ranks], dim=2)
+    assert torch.equal(w2_bytes, one.w2_weight.view(torch.uint8))
     for r in ranks:
         assert torch.equal(r.w2_weight_scale, one.w2_weight_scale)
     for rank, r in enumerate(ranks):

@@ -20,9 +20,9 @@ layers' form). Two sources:
 
 On CUDA the kernels read the e4m3 bytes (weight-only: the activations stay in the model dtype;
 decode steps, where the experts' weight bytes are the cost, gain as much as W8A8 would, and the
-activations take no quantization error; an e4m3 x e4m3 grouped GEMM for large prefills is
-not written yet). Elsewhere the experts are dequantized once per dtype and run through the reference, as
-Fp8LinearMethod does on the CPU. FP8 checkpoints of MoE models with per-tensor or per-channel
+activations take no quantization error; an e4m3 x e4m3 grouped GEMM for large prefills is not
+written yet). Elsewhere the experts are dequantized once per dtype and run through the reference,
+as Fp8LinearMethod does on the CPU. FP8 checkpoints of MoE models with per-tensor or per-channel
 scales are refused (get_moe_method).
 """
 
