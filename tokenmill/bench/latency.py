@@ -138,6 +138,7 @@ def run(args, log=None) -> dict:
         "dtype": str(engine.loaded.dtype).replace("torch.", ""), "device": str(device),
         "device_name": ceilings.device_name, "ceilings": ceilings.to_dict(), "repeat": args.repeat,
         "engine": {"config": vars(engine.config).copy(), "num_parameters": arch.num_parameters(),
+                   "num_active_parameters": arch.num_active_parameters(),
                    "loras": {"count": len(adapters), "rank": args.lora_rank} if adapters else None},
         "results": {"runs": runs, "median_run": mid,
                     "tpot_ms_median": statistics.median(r["tpot_ms"] for r in runs),
