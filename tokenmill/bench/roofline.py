@@ -168,7 +168,7 @@ def measure_ceilings(device, *, copy_bytes: Optional[int] = None, matmul_n: Opti
         y = torch.empty_like(x)
         ms = _do_bench_median_ms(lambda: y.copy_(x))
         copy_bw = 2 * n / (ms * 1e-3)
-        del x, y
+        x = y = None  # released (a del would leave the timed lambda a dangling name)
         a = torch.randn(mm, mm, dtype=torch.bfloat16, device=dev)
         b = torch.randn(mm, mm, dtype=torch.bfloat16, device=dev)
         c = torch.empty(mm, mm, dtype=torch.bfloat16, device=dev)
@@ -196,7 +196,7 @@ def measure_ceilings(device, *, copy_bytes: Optional[int] = None, matmul_n: Opti
     y = torch.empty_like(x)
     s = _median_seconds(lambda: y.copy_(x), repeats)
     copy_bw = 2 * n / s
-    del x, y
+    x = y = None  # released (a del would leave the timed lambda a dangling name)
     a = torch.randn(mm, mm, dtype=torch.float32)
     b = torch.randn(mm, mm, dtype=torch.float32)
     c = torch.empty(mm, mm, dtype=torch.float32)
