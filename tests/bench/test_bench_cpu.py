@@ -247,11 +247,13 @@ def test_hf_config_of_the_moe_presets():
             qwen.hidden_size, qwen.num_hidden_layers, qwen.mlp_only_layers) == (128, 8, 768, True, 2048, 48, [])
     assert type(hf_config("qwen3-235b-a22b")).__name__ == "Qwen3MoeConfig"
     mixtral = hf_config("mixtral-8x7b")
-    assert type(mixtral).__name__ == "MixtralConfig" and (mixtral.num_local_experts, mixtral.num_experts_per_tok) == (8, 2)
+    assert type(mixtral).__name__ == "MixtralConfig"
+    assert (mixtral.num_local_experts, mixtral.num_experts_per_tok) == (8, 2)
     # The tiny preset's HF model has exactly the parameters tokenmill counts (same architecture).
     tiny = AutoModelForCausalLM.from_config(hf_config("tiny-qwen3-moe"))
     assert type(tiny).__name__ == "Qwen3MoeForCausalLM"
-    assert sum(p.numel() for p in tiny.parameters()) == arch_config_from_hf(get_preset("tiny-qwen3-moe")).num_parameters()
+    ours = arch_config_from_hf(get_preset("tiny-qwen3-moe"))
+    assert sum(p.numel() for p in tiny.parameters()) == ours.num_parameters()
 
 
 def test_moe_throughput_tiny_with_transformers(tmp_path):

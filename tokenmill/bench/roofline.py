@@ -272,8 +272,9 @@ def step_floor(shape, arch: ModelArchConfig, dtype_bytes: int, ceilings: Ceiling
                kv_dtype_bytes: Optional[int] = None) -> StepFloor:
     """(bytes, FLOPs, seconds) of the floor of one step; `shape` is a StepShape (query_lens, seq_lens).
     dense_bytes: bytes per non-embedding parameter read (of MoE experts, those selected) when the
-    linear layers are stored otherwise than in the model dtype (FP8 weights: 1; their per-row scales, about 0.1 %, are not counted;
-    their FLOPs then go at the FP8 matmul rate when the ceilings have one). kv_dtype_bytes: the
+    linear layers are stored otherwise than in the model dtype (FP8 weights: 1; their per-row
+    scales, about 0.1 %, are not counted; their FLOPs then go at the FP8 matmul rate when the
+    ceilings have one). kv_dtype_bytes: the
     KV cache's bytes per value when not the model dtype's (FP8: 1)."""
     q = np.asarray(shape.query_lens, dtype=np.int64)
     s = np.asarray(shape.seq_lens, dtype=np.int64)

@@ -159,7 +159,8 @@ def run(args, log=None) -> dict:
         log(f"running transformers continuous batching on the same {len(requests)} requests ...")
         peer = run_hf_peer(w.model, requests, warm[:2], device, dtype, temperature=w.temperature,
                            repeat=args.compare_repeat, attn_implementation=args.hf_attn,
-                           cb_overrides={"num_blocks": args.hf_num_blocks, "max_batch_tokens": args.hf_max_batch_tokens},
+                           cb_overrides={"num_blocks": args.hf_num_blocks,
+                                         "max_batch_tokens": args.hf_max_batch_tokens},
                            seed=int(result["engine"]["config"].get("seed") or 0))
         peer["ratio"] = summary["output_tok_per_s"] / peer["output_tok_per_s"]
         result["peer"] = peer
