@@ -410,3 +410,23 @@ def test_preset_parameter_counts():
     assert 46.6e9 < mixtral.num_parameters() < 46.8e9 and 12.8e9 < mixtral.num_active_parameters() < 13.0e9
     dense = arch_config_from_hf(get_preset("llama-3.1-8b"))
     assert dense.num_active_parameters() == dense.num_parameters()
+
+
+def test_draft_speculation_on_a_moe_target():
+    """The draft-based methods on a MoE target (the tiny-qwen3-moe preset): the layer-truncated
+    self-draft (its first layer) and a draft model (the target itself, so every draft is accepted)
+    leave greedy tokens as without speculation."""
+    from tokenmill.entrypoints.llm import LLM
+
+    loaded = load_model("tiny-qwen3-moe", load_format="dummy", device="cpu", seed=0)
+    prompts = [[(7 * i + 3 * j) % 1000 for j in range(n)] for i, n in enumerate((5, 17, 30))]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in make_llm(loaded).generate(prompts, greedy, use_tqdm=False)]
+    for spec, draft in (({"method": "layer_truncated", "num_draft_layers": 1, "num_speculative_tokens": 2}, None),
+                        ({"method": "draft_model", "model": "tiny-qwen3-moe", "num_speculative_tokens": 3}, loaded)):
+        config = EngineConfig(num_kv_blocks=64, max_num_seqs=8, speculative_config=spec)
+        llm = LLM.from_engine(LLMEngine(config=config, loaded=loaded, draft_loaded=draft))
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain, spec
+        assert llm.engine.spec_stats.drafts > 0
+        assert_no_leaks(llm)
+    assert llm.engine.spec_stats.acceptance_rate == 1.0  # the draft model was the target itself
