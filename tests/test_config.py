@@ -77,6 +77,7 @@ def test_llm_keywords_reach_the_configs(monkeypatch):
                    enable_prefix_caching=False, async_scheduling=False, enforce_eager=True, cuda_graph_max_batch=8,
                    piecewise_cuda_graph_max_tokens=0, fused_small_batch_linear=False, seed=7,
                    tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=3,
+                   enable_expert_parallel=True, enable_microbatching=True,
                    enable_lora=True, max_loras=3, max_lora_rank=8, max_cpu_loras=5, quantization="fp8", kv_cache_dtype="fp8",
                    batch_invariant=False,  # True refuses LoRA, FP8 and parallelism (checked below)
                    speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "prompt_lookup_max": 3,

@@ -34,3 +34,15 @@ def test_dummy_weights_are_deterministic():
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
     assert not torch.equal(pa["model.embed_tokens.weight"], pc["model.embed_tokens.weight"])
     assert a.tokenizer is None
+
+
+def test_moe_preset_shapes():
+    """Qwen3-235B-A22B: 235B parameters, 22B active (8 of 128 experts on each of 94 layers)."""
+    big = arch_config_from_hf(get_preset("qwen3-235b-a22b"))
+    assert (big.hidden_size, big.num_layers, big.num_heads, big.num_kv_heads, big.head_dim, big.vocab_size,
+            big.qk_norm, big.tie_word_embeddings, big.rope.theta) == (4096, 94, 64, 4, 128, 151936, True, False, 1e6)
+    assert (big.moe.num_experts, big.moe.top_k, big.moe.intermediate_size, big.moe.renormalize) == (128, 8, 1536, True)
+    assert all(big.moe.is_sparse(i) for i in range(94))
+    assert 234.5e9 < big.num_parameters() < 235.5e9 and 21.8e9 < big.num_active_parameters() < 22.4e9
+    tiny = arch_config_from_hf(get_preset("tiny-qwen3-moe"))
+    assert (tiny.moe.num_experts, tiny.moe.top_k, tiny.num_layers) == (8, 2, 2)

@@ -234,6 +234,15 @@ class EngineConfig:
     data_parallel_size: int = option(1, "tokenmill serve: independent engine replicas behind one server "
                                         "(each with tensor_parallel_size x pipeline_parallel_size ranks)",
                                      aliases=("-dp",), minimum=1)
+    # layers/moe_dispatch.py, engine/dp_lockstep.py
+    enable_expert_parallel: bool = option(
+        False, "mixture-of-experts layers place whole experts on the tensor_parallel_size x data_parallel_size "
+               "ranks (instead of splitting each expert over the tensor-parallel ranks); with "
+               "data_parallel_size > 1 the replicas step together, each rank's tokens going to every "
+               "rank's experts", aliases=("-ep",))
+    enable_microbatching: bool = option(
+        False, "with expert parallelism over several ranks: each MoE layer runs its tokens as two "
+               "micro-batches, one's exchange between the ranks overlapping the other's experts")
     # lora/: adapters in GPU slots, chosen per request (LoRARequest).
     enable_lora: bool = option(False, "serve LoRA adapters (PEFT directories) on top of the model, one per request")
     max_loras: int = option(1, "LoRA adapters resident on the device at once (and distinct adapters in one batch)",
@@ -274,6 +283,9 @@ class EngineConfig:
             raise ConfigError(f"step_time_target_ms must be > 0, auto or off, got {target!r}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.enable_microbatching and not self.enable_expert_parallel:
+            raise ConfigError("enable_microbatching splits the exchange of expert parallelism: it needs "
+                              "enable_expert_parallel")
         if self.batch_invariant:
             self._check_batch_invariant()
 

@@ -25,6 +25,23 @@ class ParallelState:
     group: object = None  # the torch.distributed group of the tensor-parallel ranks (None: the default)
     pp_rank: int = 0  # pipeline stage (0 runs the embedding and the first layers)
     pp_size: int = 1
+    # Data parallelism with expert parallelism (engine/dp_lockstep.py): this engine's DP rank, and
+    # the group of the DP ranks that the MoE layers gather their tokens over (None with dp_size 1).
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_group: object = None
+    # enable_expert_parallel: MoE layers place whole experts on the tp_size x dp_size ranks
+    # instead of splitting every expert's intermediate dimension over the tensor-parallel ranks.
+    expert_parallel: bool = False
+    microbatching: bool = False  # MoE layers run two micro-batches, one's exchange under the other's experts
+
+    @property
+    def ep_size(self) -> int:
+        return self.tp_size * self.dp_size if self.expert_parallel else 1
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank * self.tp_size + self.tp_rank if self.expert_parallel else 0
 
     def layer_range(self, num_layers: int) -> tuple[int, int]:
         """The decoder layers [start, end) of this pipeline stage (an even split)."""
@@ -38,7 +55,7 @@ _BUILDING: contextvars.ContextVar[ParallelState] = contextvars.ContextVar("token
 @contextlib.contextmanager
 def tensor_parallel(state: ParallelState):
     """Layers built inside take this rank and group (the process group must exist when tp_size > 1)."""
-    if state.tp_size > 1 and not dist.is_initialized():
+    if (state.tp_size > 1 or state.dp_size > 1) and not dist.is_initialized():
         raise RuntimeError("tensor parallelism needs torch.distributed to be initialised first")
     token = _BUILDING.set(state)
     try:

@@ -8,11 +8,12 @@ import threading
 import numpy as np
 import pytest
 
-from tokenmill.bench.roofline import Ceilings, attention_context_sum, run_roofline, step_floor, step_kind
+from tokenmill.bench.roofline import (Ceilings, attention_context_sum, embedding_parameters, run_roofline, step_floor,
+                                      step_kind)
 from tokenmill.bench.workloads import WORKLOADS, generate_requests, get_workload, parse_range, summarize
 from tokenmill.engine.llm_engine import StepShape
 from tokenmill.entrypoints.cli import main
-from tokenmill.models.config import ModelArchConfig
+from tokenmill.models.config import ModelArchConfig, MoEConfig
 
 
 # ---- workloads ----------------------------------------------------------------------------------
@@ -26,6 +27,19 @@ def test_standard_workload_totals():
     assert summarize(generate_requests(get_workload("offline-70b"))) == big
     assert [r.prompt_token_ids for r in generate_requests(get_workload("latency-70b"))] == \
         [r.prompt_token_ids for r in generate_requests(get_workload("latency-8b"))]
+
+
+def test_moe_workloads_send_the_8b_requests():
+    """latency-moe and offline-moe are latency-8b's and offline-8b's requests on the Qwen3-30B-A3B
+    preset, and every workload with an expected output total generates exactly that many."""
+    for moe, dense in (("latency-moe", "latency-8b"), ("offline-moe", "offline-8b")):
+        assert get_workload(moe).model == "qwen3-30b-a3b"
+        assert generate_requests(get_workload(moe)) == generate_requests(get_workload(dense))
+    assert get_workload("latency-moe").expected_output_tokens == 256
+    assert get_workload("offline-moe").expected_output_tokens == 37_032
+    for w in WORKLOADS.values():
+        if w.expected_output_tokens is not None:
+            assert summarize(generate_requests(w))["output_tokens"] == w.expected_output_tokens, w.name
 
 
 def test_generator_is_the_nano_vllm_one():
@@ -114,6 +128,60 @@ def test_run_roofline_sums_steps():
     assert r["by_kind"]["decode"]["measured_s"] == pytest.approx(2 * floor)
 
 
+# 2 layers, each sparse: 4 experts of width 4, top 2.
+MOE_ARCH = ModelArchConfig(architecture="Qwen3MoeForCausalLM", vocab_size=100, hidden_size=8, intermediate_size=16,
+                           num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, tie_word_embeddings=False,
+                           moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=4, renormalize=True))
+
+
+def test_moe_step_floor_by_hand():
+    """Experts' bytes: the expected distinct experts the step's tokens select; their FLOPs: top_k per token."""
+    from tokenmill.bench.roofline import expected_distinct_experts, linear_parameters
+
+    # Per layer: attention 192 + norms 16 + router 8*4 = 32 + 4 experts of 3*8*4 = 96 each -> 624;
+    # 2 layers + 2 tables of 800 + final norm 8 = 2856; non-embedding 1256, of which 488 outside the experts.
+    assert MOE_ARCH.num_parameters() == 2856
+    assert expected_distinct_experts(4, 2, 0) == 0 and expected_distinct_experts(4, 2, 1) == 2
+    assert expected_distinct_experts(4, 2, 4) == pytest.approx(4 * (1 - 0.5 ** 4))  # 3.75
+    assert expected_distinct_experts(128, 8, 10 ** 6) == pytest.approx(128)
+    # Batch-1 decode at context 10: exactly top_k = 2 experts a layer, read = 488 + 2*2*96 = 872 = per token.
+    assert linear_parameters(MOE_ARCH, 1) == (872, 872)
+    # bytes: (2856 - (1256 - 872) + 8 - 800 gathered input table) * 2 + KV 10*32 + 32 = 3712;
+    # FLOPs: 2*872 + LM head 2*800 + attention 4*2*2*4*10 = 3984.
+    b, f, _ = step_floor(StepShape(np.array([1]), np.array([10])), MOE_ARCH, 2, _ceil(1000, 1000))
+    assert (b, f) == (3712, 3984)
+    # 4 new tokens (a 3-token prefill and a decode): 3.75 experts a layer read, 2 per token computed.
+    # read 488 + 2*3.75*96 = 1208 -> bytes (2856 - 48 + 32 - 800)*2 + 416 + 128 = 4624;
+    # FLOPs 2*872*4 + 2*800*2 + 1024 = 11200 (all experts would give 2*1256*4 = 10048 in the linear part alone).
+    shape = StepShape(np.array([3, 1]), np.array([3, 10]))
+    b, f, _ = step_floor(shape, MOE_ARCH, 2, _ceil(1000, 1000))
+    assert (b, f) == (pytest.approx(4624), 11200)
+    # spec: the whole input table and the LM head for all 4 tokens: (2808*2 + 544, 6976 + 6400 + 1024).
+    b, f, _ = step_floor(shape, MOE_ARCH, 2, _ceil(1000, 1000), "spec")
+    assert (b, f) == (pytest.approx(6160), 14400)
+    # FP8 weights: the 1208 linear parameters read at 1 byte instead of 2.
+    assert step_floor(shape, MOE_ARCH, 2, _ceil(1000, 1000), dense_bytes=1.0).bytes == pytest.approx(4624 - 1208)
+
+
+def test_moe_roofline_reports_its_routing_rule():
+    from tokenmill.bench.roofline import format_roofline
+    from tokenmill.models.config import arch_config_from_hf
+    from tokenmill.models.presets import get_preset
+
+    steps = [StepShape(np.array([1]), np.array([10])), StepShape(np.array([3, 1]), np.array([3, 11]))]
+    r = run_roofline(steps, MOE_ARCH, 2, _ceil(1000, 1000), measured_s=100.0)
+    assert r["moe"]["mean_distinct_experts_per_step"] == pytest.approx((2 + 3.75) / 2)
+    assert (r["moe"]["num_experts"], r["moe"]["top_k"], r["moe"]["sparse_layers"]) == (4, 2, 2)
+    assert "E*(1-(1-k/E)^T)" in r["moe"]["experts_read"] and "uniform routing" in format_roofline(r)
+    assert run_roofline(steps, ARCH, 2, _ceil(1000, 1000), measured_s=100.0)["moe"] is None
+    # Qwen3-30B-A3B at batch 1 reads its 8 experts a layer: about 6 GB a token (BENCHMARKS.md).
+    qwen = arch_config_from_hf(get_preset("qwen3-30b-a3b"))
+    decode = step_floor(StepShape(np.array([1]), np.array([128])), qwen, 2, _ceil(4.28e12, 700e12))
+    gathered = qwen.num_active_parameters() - embedding_parameters(qwen) + qwen.hidden_size
+    assert decode.bytes == pytest.approx(2 * gathered + 129 * 2 * 48 * 4 * 128 * 2)
+    assert 5.9e9 < decode.bytes < 6.2e9 and 1.35e-3 < decode.seconds < 1.45e-3
+
+
 def test_ceilings_of_a_parallel_run_sum_its_gpus():
     """A run over N GPUs (tensor x pipeline x data parallel) is measured against N devices' rates:
     the floor of a bandwidth-bound step is 1/N of one device's, and the JSON says how many."""
@@ -162,6 +230,48 @@ def test_throughput_tiny_with_transformers(tmp_path):
     assert peer["runs"][0]["output_tokens"] == s["output_tokens"] and peer["runs"][0]["num_errors"] == 0
     assert peer["output_tok_per_s"] > 0 and s["peer_ratio"] == pytest.approx(s["output_tok_per_s"] / peer["output_tok_per_s"])
     assert (out / "throughput-tiny+custom.png").exists()
+
+
+def test_hf_config_of_the_moe_presets():
+    """--compare transformers builds HF's MoE classes from the presets, with their expert fields."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.bench.hf_peer import hf_config
+    from tokenmill.models.config import arch_config_from_hf
+    from tokenmill.models.presets import get_preset
+
+    qwen = hf_config("qwen3-30b-a3b")
+    assert type(qwen).__name__ == "Qwen3MoeConfig"
+    assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size, qwen.norm_topk_prob,
+            qwen.hidden_size, qwen.num_hidden_layers, qwen.mlp_only_layers) == (128, 8, 768, True, 2048, 48, [])
+    assert type(hf_config("qwen3-235b-a22b")).__name__ == "Qwen3MoeConfig"
+    mixtral = hf_config("mixtral-8x7b")
+    assert type(mixtral).__name__ == "MixtralConfig"
+    assert (mixtral.num_local_experts, mixtral.num_experts_per_tok) == (8, 2)
+    # The tiny preset's HF model has exactly the parameters tokenmill counts (same architecture).
+    tiny = AutoModelForCausalLM.from_config(hf_config("tiny-qwen3-moe"))
+    assert type(tiny).__name__ == "Qwen3MoeForCausalLM"
+    ours = arch_config_from_hf(get_preset("tiny-qwen3-moe"))
+    assert sum(p.numel() for p in tiny.parameters()) == ours.num_parameters()
+
+
+def test_moe_throughput_tiny_with_transformers(tmp_path):
+    """The MoE bench path end to end: tokenmill on the tiny Qwen3-MoE preset with its roofline's
+    expert accounting, then HF's Qwen3MoeForCausalLM on the same requests."""
+    out = tmp_path / "res"
+    rc = main(["bench", "throughput", "--workload", "tiny-moe", "--device", "cpu", "--out", str(out), "--no-plot",
+               "--num-prompts", "3", "--output-len", "4:8", "--warmup-requests", "1",
+               "--compare", "transformers", "--hf-num-blocks", "32", "--hf-max-batch-tokens", "256"])
+    assert rc == 0
+    r = _load(out / "throughput-tiny-moe+custom.json")
+    assert r["engine"]["arch"]["architecture"] == "Qwen3MoeForCausalLM"
+    moe = r["roofline"]["moe"]
+    assert (moe["num_experts"], moe["top_k"], moe["sparse_layers"]) == (8, 2, 2)
+    assert 2 <= moe["mean_distinct_experts_per_step"] <= 8
+    assert 0 < r["roofline"]["roofline_pct"] <= 100
+    run = r["peer"]["runs"][0]
+    assert run["output_tokens"] == r["summary"]["output_tokens"] and run["num_errors"] == 0
 
 
 def test_latency_tiny(tmp_path):

@@ -224,6 +224,121 @@ def test_tensor_parallel_matches_hf(models, hf_greedy):
         llm.engine.close()
 
 
+def test_expert_parallel_tp2_matches_hf(models, hf_greedy):
+    """enable_expert_parallel over TP = 2 (gloo) with micro-batching: each rank holds 4 of Qwen3-MoE's
+    8 whole experts, runs them on both halves of the tokens and sums over the ranks (the first
+    half's all-reduce under the second half's experts); greedy tokens are still HF's."""
+    from tokenmill.entrypoints.llm import LLM
+
+    _, _, path = models["qwen3_moe"]
+    refs, _ = hf_greedy["qwen3_moe"]
+    llm = LLM(str(path), tensor_parallel_size=2, enable_expert_parallel=True, enable_microbatching=True,
+              dtype="float32", device="cpu", num_kv_blocks=64, max_num_seqs=8)
+    try:
+        outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS),
+                            use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == refs
+        experts = llm.engine.loaded.model.model.layers[0].mlp.experts
+        assert tuple(experts.w13_weight.shape) == (4, 64, 64) and experts.local_expert_ids == [0, 1, 2, 3]
+        assert experts.expert_map.tolist() == [0, 1, 2, 3, -1, -1, -1, -1]
+    finally:
+        llm.engine.close()
+
+
+# Data parallelism with expert parallelism: rank 0 runs four prompts, rank 1 one prompt of 3 tokens,
+# after which it has no requests and runs dummy steps while rank 0 goes on.
+DP_WORK = {0: [(0, NEW_TOKENS), (1, NEW_TOKENS), (2, NEW_TOKENS), (3, NEW_TOKENS)], 1: [(4, 3)]}
+
+
+def _dp_rank_main(rank: int, path: str, port: int, microbatching: bool, out_dir: str) -> None:
+    import json
+
+    from tokenmill.engine.dp_lockstep import DataParallelRank
+
+    torch.set_num_threads(1)
+    config = EngineConfig(data_parallel_size=2, enable_expert_parallel=True, enable_microbatching=microbatching,
+                          max_num_seqs=8, **BUSY)
+    engine = LLMEngine(path, config, dtype="float32", device="cpu",
+                       data_parallel=DataParallelRank(rank, 2, f"tcp://127.0.0.1:{port}"))
+    prompts = _prompts()
+    for index, tokens in DP_WORK[rank]:
+        engine.add_request(prompts[index], SamplingParams(temperature=0, max_tokens=tokens, min_tokens=tokens),
+                           request_id=str(index))
+    done, steps = {}, 0
+    while True:
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+        if not engine.dp_busy:  # the same agreement on both ranks: they leave the loop together
+            break
+    experts = engine.loaded.model.model.layers[0].mlp.experts
+    record = dict(tokens=done, steps=steps, dummy_steps=engine.lockstep.dummy_steps,
+                  agreements=engine.lockstep.steps, local_experts=experts.local_expert_ids,
+                  preemptions=engine.scheduler.num_preemptions)
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(record, f)
+    torch.distributed.destroy_process_group()
+
+
+def test_data_parallel_expert_parallel_matches_hf(models, hf_greedy, tmp_path):
+    """DP = 2 with EP and micro-batching (two engines in two processes, gloo): each replica has its
+    own scheduler and KV cache, the experts are split over both, every step is agreed (dp_lockstep),
+    a replica without requests runs dummy steps of the agreed size and each MoE layer gathers and
+    combines its tokens in two halves; greedy tokens on both are HF's."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tests.engine.test_dp_lockstep import free_port
+
+    _, _, path = models["qwen3_moe"]
+    refs, _ = hf_greedy["qwen3_moe"]
+    mp.start_processes(_dp_rank_main, args=(str(path), free_port(), True, str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank, record in enumerate(records):
+        for index, tokens in DP_WORK[rank]:
+            assert record["tokens"][str(index)] == refs[index][:tokens], f"rank {rank} prompt {index}"
+    assert records[0]["local_experts"] == [0, 1, 2, 3] and records[1]["local_experts"] == [4, 5, 6, 7]
+    assert records[0]["agreements"] == records[1]["agreements"] == records[0]["steps"]
+    assert records[1]["dummy_steps"] > 0 and records[0]["dummy_steps"] == 0
+    assert records[0]["preemptions"] > 0
+
+
+def test_served_data_parallel_expert_parallel(models, hf_greedy):
+    """`tokenmill serve --data-parallel-size 2 --enable-expert-parallel`: two replica processes that
+    step together; one request at a time leaves the other replica idle (dummy steps), the tokens are
+    HF's, and SIGTERM stops both replicas together."""
+    import openai
+
+    from tests.server.conftest import ServerProcess
+
+    _, _, path = models["mixtral"]
+    refs, _ = hf_greedy["mixtral"]
+    server = ServerProcess([str(path), "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "64",
+                            "--data-parallel-size", "2", "--enable-expert-parallel"])
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+        for i in (0, 3):
+            r = client.completions.create(model=str(path), prompt=_prompts()[i], max_tokens=8, temperature=0,
+                                          extra_body={"min_tokens": 8})
+            assert r.usage.completion_tokens == 8
+            # (the byte tokenizer's text holds back a trailing incomplete UTF-8 sequence)
+            assert r.choices[0].text.rstrip("\ufffd") == _decode(path, refs[i][:8]).rstrip("\ufffd")
+        assert server.stop() == 0
+        assert "joined (experts over 2 ranks)" in server.log()
+    finally:
+        server.stop()
+
+
+def _decode(path, ids: list[int]) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path)).decode(ids)
+
+
 def test_fused_expert_layout_loads(models, tmp_path):
     """transformers 5 holds experts fused ([E, 2I, H] gate_up_proj, [E, H, I] down_proj); a checkpoint
     in that layout (its in-memory state dict, with Mixtral's names as it holds them) loads into the
@@ -289,3 +404,23 @@ def test_preset_parameter_counts():
     assert 46.6e9 < mixtral.num_parameters() < 46.8e9 and 12.8e9 < mixtral.num_active_parameters() < 13.0e9
     dense = arch_config_from_hf(get_preset("llama-3.1-8b"))
     assert dense.num_active_parameters() == dense.num_parameters()
+
+
+def test_draft_speculation_on_a_moe_target():
+    """The draft-based methods on a MoE target (the tiny-qwen3-moe preset): the layer-truncated
+    self-draft (its first layer) and a draft model (the target itself, so every draft is accepted)
+    leave greedy tokens as without speculation."""
+    from tokenmill.entrypoints.llm import LLM
+
+    loaded = load_model("tiny-qwen3-moe", load_format="dummy", device="cpu", seed=0)
+    prompts = [[(7 * i + 3 * j) % 1000 for j in range(n)] for i, n in enumerate((5, 17, 30))]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in make_llm(loaded).generate(prompts, greedy, use_tqdm=False)]
+    for spec, draft in (({"method": "layer_truncated", "num_draft_layers": 1, "num_speculative_tokens": 2}, None),
+                        ({"method": "draft_model", "model": "tiny-qwen3-moe", "num_speculative_tokens": 3}, loaded)):
+        config = EngineConfig(num_kv_blocks=64, max_num_seqs=8, speculative_config=spec)
+        llm = LLM.from_engine(LLMEngine(config=config, loaded=loaded, draft_loaded=draft))
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain, spec
+        assert llm.engine.spec_stats.drafts > 0
+        assert_no_leaks(llm)
+    assert llm.engine.spec_stats.acceptance_rate == 1.0  # the draft model was the target itself

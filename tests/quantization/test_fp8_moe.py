@@ -286,12 +286,13 @@ def test_per_channel_fp8_experts_refused(block):
 
 @pytest.mark.parametrize("source", ["online", "block"])
 def test_tensor_parallel_ranks_quantize_as_one_process(block, source):
-    """TP = 2 in one process (tests/quantization/test_fp8_blockwise.py's _Rank): each rank holds 80
-    of an expert's 160 intermediate features (rank 1's w2 columns start mid-block); its e4m3 bytes
-    and scales are exactly one process's, split (a w2 row's scale is taken over the whole row)."""
+    """TP = 2 in one process (each rank's layer built apart): each rank holds 80 of an
+    expert's 160 intermediate features (rank 1's w2 columns start mid-block); its e4m3 bytes
+    and scales are exactly one process's, split (a w2 row's scale is taken over the whole row).
+    With expert parallelism each rank holds two whole experts, exactly one process's."""
     from safetensors.torch import load_file
 
-    from tests.quantization.test_fp8_blockwise import _Rank
+    from tokenmill.distributed import _BUILDING, ParallelState
     from tokenmill.layers.fp8_linear import Fp8Config
     from tokenmill.layers.fused_moe import process_moe_weights_after_loading
 
@@ -300,9 +301,13 @@ def test_tensor_parallel_ranks_quantize_as_one_process(block, source):
     config = Fp8Config() if source == "online" else Fp8Config(from_checkpoint=True, block_size=(128, 128))
     prefix = "model.layers.0.mlp.experts"
 
-    def build(rank, size):
-        with _Rank(rank, size):
+    def build(rank, size, expert_parallel=False):
+        # layers built as this rank (no process group: the loaders need none)
+        token = _BUILDING.set(ParallelState(tp_rank=rank, tp_size=size, expert_parallel=expert_parallel))
+        try:
             m = FusedMoE(4, 2, 256, 160, True, dtype=torch.float32)
+        finally:
+            _BUILDING.reset(token)
         m.set_moe_method(config.get_moe_method(m))
         for e in range(4):
             for proj in ("gate", "up", "down"):
@@ -324,6 +329,12 @@ def test_tensor_parallel_ranks_quantize_as_one_process(block, source):
         rows = torch.cat([torch.arange(rank * 80, (rank + 1) * 80) + s * 160 for s in (0, 1)])
         assert torch.equal(r.w13_weight.view(torch.uint8), one.w13_weight[:, rows].view(torch.uint8))
         assert torch.equal(r.w13_weight_scale, one.w13_weight_scale[:, rows])
+    for rank in range(2):
+        ep = build(rank, 2, expert_parallel=True)
+        mine = slice(2 * rank, 2 * rank + 2)
+        for name in ("w13_weight", "w2_weight"):
+            assert torch.equal(getattr(ep, name).view(torch.uint8), getattr(one, name)[mine].view(torch.uint8))
+            assert torch.equal(getattr(ep, f"{name}_scale"), getattr(one, f"{name}_scale")[mine])
 
 
 @pytest.mark.gpu

@@ -24,8 +24,11 @@ from typing import Optional, Sequence
 
 from tokenmill.bench.workloads import BenchRequest
 
+# transformers' model_type for each architecture a preset names (its MoE classes, e.g. Qwen3MoeConfig,
+# read the preset's expert fields under the same names).
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2",
-                "MistralForCausalLM": "mistral"}
+                "MistralForCausalLM": "mistral", "Qwen3MoeForCausalLM": "qwen3_moe",
+                "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe"}
 
 
 def hf_config(model: str):
@@ -201,12 +204,14 @@ class HFPeer:
 
 def run_hf_peer(model: str, requests: Sequence[BenchRequest], warmup: Sequence[BenchRequest], device, dtype, *,
                 temperature: float, repeat: int = 1, attn_implementation: Optional[str] = None,
-                cb_overrides: Optional[dict] = None) -> dict:
+                cb_overrides: Optional[dict] = None, seed: int = 0) -> dict:
+    """`seed`: the torch seed the random weights are drawn with (the bench passes tokenmill's engine
+    seed; the two initialisations differ, so the weights do not match, only the seeding does)."""
     import transformers
 
     peer = HFPeer(model, device, dtype, temperature=temperature,
                   max_new_tokens=max(r.max_tokens for r in list(requests) + list(warmup)),
-                  attn_implementation=attn_implementation, cb_overrides=cb_overrides, hints_from=requests)
+                  attn_implementation=attn_implementation, cb_overrides=cb_overrides, hints_from=requests, seed=seed)
     try:
         if warmup:
             peer.run(warmup)
@@ -225,5 +230,5 @@ def run_hf_peer(model: str, requests: Sequence[BenchRequest], warmup: Sequence[B
     return {"peer": f"transformers {transformers.__version__} continuous batching",
             "transformers_version": transformers.__version__, "attn_implementation_requested":
             attn_implementation or default_attn_implementation(), "attn_implementation": attn,
-            "per_request_budget": per_request, "cb_overrides": cb_overrides or {}, "build_s": build_s,
+            "per_request_budget": per_request, "cb_overrides": cb_overrides or {}, "seed": seed, "build_s": build_s,
             "manager_warmup_s": warmup_s, "runs": runs, "output_tok_per_s": rates[(len(rates) - 1) // 2]}

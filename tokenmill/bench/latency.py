@@ -9,8 +9,9 @@ speculation a verify step emits 1 + its accepted drafts (`tokens_per_decode_step
 `decode_step_ms` of two runs, with and without speculation, gives the cost of a verify step against
 a one-token decode step. The tokens of one step arrive together, so `itl_ms` then holds zeros.
 
-The bandwidth fraction is the decode bytes per token (weights + KV read and written, summed over
-the decode steps, over the tokens they emitted) over TPOT, against the measured copy bandwidth; the
+The bandwidth fraction is the decode bytes per token (weights, of a mixture of experts only the
+experts a step selects, + KV read and written, summed over the decode steps, over the tokens they
+emitted) over TPOT, against the measured copy bandwidth; the
 roofline % over all steps is reported as for throughput. With speculation the result's `speculative`
 (and each run's) holds the acceptance figures of the timed request (bench/common.py: spec_summary).
 """
@@ -138,6 +139,7 @@ def run(args, log=None) -> dict:
         "dtype": str(engine.loaded.dtype).replace("torch.", ""), "device": str(device),
         "device_name": ceilings.device_name, "ceilings": ceilings.to_dict(), "repeat": args.repeat,
         "engine": {"config": vars(engine.config).copy(), "num_parameters": arch.num_parameters(),
+                   "num_active_parameters": arch.num_active_parameters(),
                    "loras": {"count": len(adapters), "rank": args.lora_rank} if adapters else None},
         "results": {"runs": runs, "median_run": mid,
                     "tpot_ms_median": statistics.median(r["tpot_ms"] for r in runs),

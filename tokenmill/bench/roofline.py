@@ -13,6 +13,18 @@ For one step (per batch entry: q new tokens, context length s after the step):
           to (for an entry with q new tokens ending at s: sum_{i=1..q} (s - q + i))
   floor = max(bytes / copy bandwidth, FLOPs / matmul rate)
 
+Mixture-of-experts models: of each sparse layer's experts the weight bytes count only those the
+step's tokens select, and the FLOPs only each token's top_k (tokens x top_k x 3 x hidden x
+expert width x 2 per layer); the router, attention and any shared expert count as dense layers do.
+Routing depends on the data and the engine does not report it (counting it would cost a device
+sync per step), so a step of T new tokens is taken to read the expected number of distinct experts
+under uniform, independent routing, per sparse layer:
+
+  distinct = E x (1 - (1 - k/E)^T)      (E experts, top k; exactly k at T = 1, batch-1 decode)
+
+Skewed routing touches fewer experts than this on average, so with it the true floor is lower.
+The report says so (its `moe` entry) and gives the mean distinct experts per step.
+
 With FP8 linear weights the weight bytes count 1 per linear-layer parameter, and the linear
 layers' FLOPs (2 x non-embedding parameters x new tokens, run as FP8 matmuls) go at the measured
 FP8 matmul rate, the LM head and attention at the 16-bit one:
@@ -27,7 +39,7 @@ Two conventions are computed (both are reported; "as-run" is the headline number
 * ``spec``: the literal formula of the project brief: all parameters x dtype bytes (embeddings
   once when tied), and the LM head counted for every new token. This floor is higher (so its
   percentage is higher) for prefill-heavy steps (LM-head FLOPs) and for untied models (the input
-  embedding table, 6.5% of Llama-3.1-8B's bytes).
+  embedding table, 6.5% of Llama-3.1-8B's bytes). Both count a MoE model's experts as above.
 
 Activations are ignored in both: the floor is a lower bound on the step's time.
 """
@@ -156,7 +168,7 @@ def measure_ceilings(device, *, copy_bytes: Optional[int] = None, matmul_n: Opti
         y = torch.empty_like(x)
         ms = _do_bench_median_ms(lambda: y.copy_(x))
         copy_bw = 2 * n / (ms * 1e-3)
-        del x, y
+        x = y = None  # released (a del would leave the timed lambda a dangling name)
         a = torch.randn(mm, mm, dtype=torch.bfloat16, device=dev)
         b = torch.randn(mm, mm, dtype=torch.bfloat16, device=dev)
         c = torch.empty(mm, mm, dtype=torch.bfloat16, device=dev)
@@ -184,7 +196,7 @@ def measure_ceilings(device, *, copy_bytes: Optional[int] = None, matmul_n: Opti
     y = torch.empty_like(x)
     s = _median_seconds(lambda: y.copy_(x), repeats)
     copy_bw = 2 * n / s
-    del x, y
+    x = y = None  # released (a del would leave the timed lambda a dangling name)
     a = torch.randn(mm, mm, dtype=torch.float32)
     b = torch.randn(mm, mm, dtype=torch.float32)
     c = torch.empty(mm, mm, dtype=torch.float32)
@@ -217,6 +229,37 @@ def non_embedding_parameters(arch: ModelArchConfig) -> int:
     return arch.num_parameters() - tables * embedding_parameters(arch)
 
 
+def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """The expected number of distinct experts T tokens select, each its top_k, under uniform and
+    independent routing: E x (1 - (1 - k/E)^T); exactly k for one token, 0 for none."""
+    if tokens <= 1:
+        return float(top_k * max(tokens, 0))
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def routed_expert_parameters(arch: ModelArchConfig) -> tuple[int, int]:
+    """(sparse layers, parameters of one routed expert: gate, up and down); (0, 0) for dense models."""
+    moe = arch.moe
+    if moe is None or moe.num_experts == 0:
+        return 0, 0
+    layers = sum(moe.is_sparse(i) for i in range(arch.num_layers))
+    return layers, 3 * arch.hidden_size * moe.intermediate_size
+
+
+def linear_parameters(arch: ModelArchConfig, new_tokens: int) -> tuple[float, int]:
+    """(parameters a step of new_tokens reads, parameters each token multiplies with), embedding
+    tables left out. Dense models: both are the non-embedding parameters. MoE: the routed experts
+    count as the expected distinct experts the step selects (read) and as top_k (per token)."""
+    dense = non_embedding_parameters(arch)
+    layers, per_expert = routed_expert_parameters(arch)
+    if layers == 0:
+        return dense, dense
+    moe = arch.moe
+    always = dense - layers * moe.num_experts * per_expert  # attention, router, shared expert, norms
+    read = always + layers * expected_distinct_experts(moe.num_experts, moe.top_k, new_tokens) * per_expert
+    return read, always + layers * moe.top_k * per_expert
+
+
 def attention_context_sum(query_lens: np.ndarray, seq_lens: np.ndarray) -> int:
     """Sum over new tokens of the number of positions each attends to (causal, itself included)."""
     q = np.asarray(query_lens, dtype=np.int64)
@@ -228,9 +271,10 @@ def step_floor(shape, arch: ModelArchConfig, dtype_bytes: int, ceilings: Ceiling
                convention: str = "as-run", dense_bytes: Optional[float] = None,
                kv_dtype_bytes: Optional[int] = None) -> StepFloor:
     """(bytes, FLOPs, seconds) of the floor of one step; `shape` is a StepShape (query_lens, seq_lens).
-    dense_bytes: bytes per non-embedding parameter when the linear layers are stored otherwise
-    than in the model dtype (FP8 weights: 1; their per-row scales, about 0.1 %, are not counted;
-    their FLOPs then go at the FP8 matmul rate when the ceilings have one). kv_dtype_bytes: the
+    dense_bytes: bytes per non-embedding parameter read (of MoE experts, those selected) when the
+    linear layers are stored otherwise than in the model dtype (FP8 weights: 1; their per-row
+    scales, about 0.1 %, are not counted; their FLOPs then go at the FP8 matmul rate when the
+    ceilings have one). kv_dtype_bytes: the
     KV cache's bytes per value when not the model dtype's (FP8: 1)."""
     q = np.asarray(shape.query_lens, dtype=np.int64)
     s = np.asarray(shape.seq_lens, dtype=np.int64)
@@ -238,12 +282,14 @@ def step_floor(shape, arch: ModelArchConfig, dtype_bytes: int, ceilings: Ceiling
     entries = int(q.size)
     emb = embedding_parameters(arch)
     dense = non_embedding_parameters(arch)
+    read, per_token = linear_parameters(arch, new_tokens)  # MoE: the experts this step selects
     kv_tok = kv_bytes_per_token(arch, kv_dtype_bytes or dtype_bytes)
+    all_read = arch.num_parameters() - (dense - read)  # of the routed experts, only those selected
     if convention == "spec":
-        weight_params = arch.num_parameters()
+        weight_params = all_read
         lm_head_rows = new_tokens
     elif convention == "as-run":
-        weight_params = arch.num_parameters()
+        weight_params = all_read
         if not arch.tie_word_embeddings:  # the input table is gathered, not streamed
             weight_params += min(new_tokens, arch.vocab_size) * arch.hidden_size - emb
         lm_head_rows = entries
@@ -251,9 +297,9 @@ def step_floor(shape, arch: ModelArchConfig, dtype_bytes: int, ceilings: Ceiling
         raise ValueError(f"unknown roofline convention {convention!r} (as-run or spec)")
     nbytes = weight_params * dtype_bytes + int(s.sum()) * kv_tok + new_tokens * kv_tok
     if dense_bytes is not None:
-        nbytes += dense * (dense_bytes - dtype_bytes)
+        nbytes += read * (dense_bytes - dtype_bytes)
     attn = 4 * arch.num_layers * arch.num_heads * arch.head_dim * attention_context_sum(q, s)
-    linear_flops = 2 * dense * new_tokens
+    linear_flops = 2 * per_token * new_tokens
     flops = linear_flops + 2 * emb * lm_head_rows + attn
     compute_s = flops / ceilings.matmul_flops_per_s
     if dense_bytes == 1.0 and ceilings.fp8_matmul_flops_per_s:
@@ -333,8 +379,23 @@ def run_roofline(step_log: Sequence, arch: ModelArchConfig, dtype_bytes: int, ce
         "memory_bound_steps": total["memory_bound_steps"],
         "per_step_time_source": "host-side step intervals (approximate)" if step_seconds is not None else None,
         "by_kind": by_kind,
+        "moe": moe_routing_summary(step_log, arch),
         "ceilings": ceilings.to_dict(),
     }
+
+
+def moe_routing_summary(step_log: Sequence, arch: ModelArchConfig) -> Optional[dict]:
+    """How the floor counted a mixture-of-experts model's experts (None for dense models)."""
+    layers, per_expert = routed_expert_parameters(arch)
+    if layers == 0:
+        return None
+    moe = arch.moe
+    distinct = [expected_distinct_experts(moe.num_experts, moe.top_k, int(np.sum(s.query_lens))) for s in step_log]
+    return {"num_experts": moe.num_experts, "top_k": moe.top_k, "sparse_layers": layers,
+            "expert_parameters": per_expert,
+            "experts_read": "expected distinct experts under uniform routing, E*(1-(1-k/E)^T) per sparse layer for "
+                            "a step of T new tokens (exactly top_k at T = 1); not the engine's actual routing",
+            "mean_distinct_experts_per_step": float(np.mean(distinct)) if distinct else None}
 
 
 def format_roofline(r: dict) -> str:
@@ -343,6 +404,12 @@ def format_roofline(r: dict) -> str:
              f"measured; spec formula {r['roofline_pct_spec']:.1f}%) over {r['num_steps']} steps; ceilings: copy "
              f"{c['copy_bytes_per_s'] / 1e9:.1f} GB/s, matmul {c['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s "
              f"({c['matmul_dtype']})"]
+    moe = r.get("moe")
+    if moe:
+        mean = moe["mean_distinct_experts_per_step"]
+        lines.append(f"  experts: {moe['num_experts']}, top {moe['top_k']}, on {moe['sparse_layers']} layers; bytes "
+                     f"count the expected distinct experts per step under uniform routing, E*(1-(1-k/E)^T) "
+                     f"(mean {0.0 if mean is None else mean:.1f} per layer), FLOPs the top {moe['top_k']} per token")
     for k in KINDS:
         d = r["by_kind"][k]
         if not d["steps"]:

@@ -102,7 +102,8 @@ def _run_tokenmill(args, w, log) -> dict:
                    "arch": {"architecture": arch.architecture, "num_parameters": arch.num_parameters(),
                             "layers": arch.num_layers, "hidden": arch.hidden_size, "heads": arch.num_heads,
                             "kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "vocab": arch.vocab_size,
-                            "tied_embeddings": arch.tie_word_embeddings},
+                            "tied_embeddings": arch.tie_word_embeddings,
+                            "num_active_parameters": arch.num_active_parameters()},
                    "load_s": loaded.load_seconds, "warmup_s": warmup_s,
                    "loras": {"count": len(adapters), "rank": args.lora_rank} if adapters else None}
     return {"device": str(device), "dtype": str(loaded.dtype).replace("torch.", ""), "requests": requests,
@@ -158,7 +159,9 @@ def run(args, log=None) -> dict:
         log(f"running transformers continuous batching on the same {len(requests)} requests ...")
         peer = run_hf_peer(w.model, requests, warm[:2], device, dtype, temperature=w.temperature,
                            repeat=args.compare_repeat, attn_implementation=args.hf_attn,
-                           cb_overrides={"num_blocks": args.hf_num_blocks, "max_batch_tokens": args.hf_max_batch_tokens})
+                           cb_overrides={"num_blocks": args.hf_num_blocks,
+                                         "max_batch_tokens": args.hf_max_batch_tokens},
+                           seed=int(result["engine"]["config"].get("seed") or 0))
         peer["ratio"] = summary["output_tok_per_s"] / peer["output_tok_per_s"]
         result["peer"] = peer
         summary["peer_output_tok_per_s"] = peer["output_tok_per_s"]

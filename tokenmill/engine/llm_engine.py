@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import numpy as np
+import torch
 
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
@@ -27,6 +28,8 @@ from tokenmill.engine.scheduler import Scheduler, SchedulerLimits, prefill_conte
 from tokenmill.engine.spec_stats import SpecDecodeStats
 from tokenmill.engine.step_budget import StepBudget
 from tokenmill.engine.request_validator import RequestValidator
+from tokenmill.distributed import ParallelState, tensor_parallel
+from tokenmill.engine.dp_lockstep import DataParallelRank, DPLockstep
 from tokenmill.engine.grammar import StructuredOutputManager
 from tokenmill.engine.engine_snapshot import EngineSnapshot
 from tokenmill.errors import InvalidRequestError, LoRAError
@@ -53,6 +56,8 @@ CPU_ATTENTION_SLOWDOWN = 2.0
 def check_model_options(config: EngineConfig, arch) -> None:
     """Refuse, naming them, the engine options this model cannot run with yet (ConfigError)."""
     if arch.moe is None:
+        if config.enable_expert_parallel:
+            raise ConfigError(f"enable_expert_parallel: {arch.architecture} has no mixture-of-experts layers")
         return
     if config.enable_lora:
         raise ConfigError(f"enable_lora: LoRA adapters on a mixture-of-experts model ({arch.architecture}) are not "
@@ -60,6 +65,42 @@ def check_model_options(config: EngineConfig, arch) -> None:
     if config.batch_invariant:
         raise ConfigError(f"batch_invariant: the mixture-of-experts layers of {arch.architecture} have no "
                           "batch-invariant kernels yet")
+    ep_size = config.tensor_parallel_size * config.data_parallel_size
+    if config.enable_expert_parallel and ep_size > arch.moe.num_experts:
+        raise ConfigError(f"enable_expert_parallel over {ep_size} ranks: {arch.architecture} has only "
+                          f"{arch.moe.num_experts} experts per layer")
+
+
+def join_data_parallel(config: EngineConfig, dp: DataParallelRank, device, loaded) -> tuple[ParallelState, DPLockstep]:
+    """Join the process group of the replicas that step together: the MoE layers' group (NCCL on
+    CUDA, gloo on the CPU) and the lockstep agreement's (gloo); returns the parallel state the model
+    is built in and the lockstep."""
+    if not config.enable_expert_parallel:
+        raise ConfigError("data-parallel replicas step together only with enable_expert_parallel (without it "
+                          "they are independent: tokenmill serve --data-parallel-size)")
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        raise ConfigError("data_parallel_size > 1 with enable_expert_parallel takes tensor_parallel_size and "
+                          "pipeline_parallel_size 1 for now")
+    spec = config.speculative_config
+    if spec is not None and spec.method != "ngram":
+        raise ConfigError(f"speculative method {spec.method} with data parallelism and expert parallelism is not "
+                          "supported yet (its draft passes are not agreed between the ranks; ngram is)")
+    if loaded is not None:
+        raise ConfigError("data_parallel_size > 1 builds the model in every rank: pass the model by name, not loaded")
+    if not 0 <= dp.rank < dp.size:
+        raise ConfigError(f"data-parallel rank {dp.rank} is outside 0..{dp.size - 1}")
+    import datetime
+
+    import torch.distributed as dist
+
+    on_cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
+    dist.init_process_group("nccl" if on_cuda else "gloo", init_method=dp.init_method, rank=dp.rank,
+                            world_size=dp.size, timeout=datetime.timedelta(minutes=10))
+    control = dist.new_group(backend="gloo")
+    state = ParallelState(dp_rank=dp.rank, dp_size=dp.size, dp_group=dist.group.WORLD, expert_parallel=True,
+                          microbatching=config.enable_microbatching)
+    logger.info("data-parallel rank %d of %d joined (experts over %d ranks)", dp.rank, dp.size, state.ep_size)
+    return state, DPLockstep(control, torch.device("cpu"))
 
 
 @dataclass
@@ -84,26 +125,37 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, model: Optional[str] = None, config: Optional[EngineConfig] = None, *, dtype="auto",
                  device=None, load_format: str = "auto", loaded: Optional[LoadedModel] = None,
-                 draft_loaded: Optional[LoadedModel] = None, tokenizer: Optional[str] = None):
+                 draft_loaded: Optional[LoadedModel] = None, tokenizer: Optional[str] = None,
+                 data_parallel: Optional[DataParallelRank] = None):
         """`loaded` / `draft_loaded`: an already loaded target / draft model (tests share one load);
-        the draft is the one of speculative method draft_model, else loaded from its config."""
+        the draft is the one of speculative method draft_model, else loaded from its config.
+        `data_parallel`: this engine's rank among replicas that step together (data parallelism with
+        expert parallelism: engine/dp_lockstep.py); each rank is an engine in its own process."""
         self.config = config or EngineConfig()
         self.config.validate()
-        if self.config.enable_lora or self.config.batch_invariant:  # refused before anything loads
-            check_model_options(self.config, loaded.arch if loaded is not None else read_arch(model, load_format))
+        cfg = self.config
+        if cfg.enable_lora or cfg.batch_invariant or cfg.enable_expert_parallel:  # refused before anything loads
+            check_model_options(cfg, loaded.arch if loaded is not None else read_arch(model, load_format))
         # tensor_parallel_size > 1: worker processes hold the other shards (executor/); this process is rank 0.
         self.executor = self._start_tensor_parallel(model, dtype, device, load_format, loaded, tokenizer)
+        self.lockstep: Optional[DPLockstep] = None
+        self.dp_busy = False  # the last agreement found a replica with unfinished requests (lockstep only)
+        self.dp_stop_requested = False  # this replica wants to stop: said in the next agreement
+        self.dp_stopped = False  # the agreement said some replica stops: none steps again
+        state = ParallelState()
+        if data_parallel is not None and data_parallel.size > 1:
+            state, self.lockstep = join_data_parallel(cfg, data_parallel, device, loaded)
         if self.executor is not None:
             self.loaded = self.executor.loaded
         else:
-            self.loaded = loaded or load_model(model, dtype=dtype, device=device, load_format=load_format,
-                                               max_positions=self.config.max_model_len, seed=self.config.seed,
-                                               tokenizer=tokenizer, quantization=self.config.quantization)
+            with tensor_parallel(state):
+                self.loaded = loaded or load_model(model, dtype=dtype, device=device, load_format=load_format,
+                                                   max_positions=cfg.max_model_len, seed=cfg.seed,
+                                                   tokenizer=tokenizer, quantization=cfg.quantization)
         arch = self.loaded.arch
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self.config.resolve_max_model_len(arch.max_position_embeddings)
         self.draft = self._load_draft(draft_loaded)
-        cfg = self.config
         # Multi-LoRA: adapters checked and kept in host memory here; the runner's device slots take them.
         self.loras = (LoRARegistry(model_shapes(arch), cfg.max_lora_rank, cfg.max_cpu_loras or cfg.max_loras)
                       if cfg.enable_lora else None)
@@ -386,8 +438,15 @@ class LLMEngine:
         launched = False
         results: list[RequestOutput] = []
         completed = 0
-        if self.scheduler.has_unfinished:
-            sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule() if self.scheduler.has_unfinished else None
+        if self.lockstep is not None:  # every replica agrees on the step; one without work runs a dummy
+            agreement = self.lockstep.run_step(self.runner, sched.num_tokens if sched and sched.batch else 0,
+                                               False, lambda agreement: None, stop=self.dp_stop_requested,
+                                               busy=self.has_unfinished_requests()).agreement
+            self.dp_busy, self.dp_stopped = agreement.busy, agreement.stop
+            if agreement.stop:
+                return results
+        if sched is not None:
             if sched.batch:
                 if self.step_log is not None:
                     q = np.fromiter((e.num_tokens for e in sched.batch), np.int64, len(sched.batch))

@@ -180,7 +180,9 @@ def _init_rank(launch: RankLaunch, rank: int, store=None) -> tuple[torch.device,
                 group = g
     from tokenmill.executor.pipeline import stage_of
 
-    state = ParallelState(tp_rank=rank % tp, tp_size=tp, group=group, pp_rank=stage_of(rank, tp, pp), pp_size=pp)
+    state = ParallelState(tp_rank=rank % tp, tp_size=tp, group=group, pp_rank=stage_of(rank, tp, pp), pp_size=pp,
+                          expert_parallel=launch.config.enable_expert_parallel,
+                          microbatching=launch.config.enable_microbatching)
     return device, control, state, p2p
 
 

@@ -67,6 +67,9 @@ class ForwardContext:
     small_batch_fusion: bool = True
     lora: Optional[LoRAHook] = None
     pipeline: Optional[PipelineHook] = None
+    # Data parallelism with expert parallelism: the tokens every DP rank runs this step (the lockstep
+    # agreement's padded count, engine/dp_lockstep.py), which the MoE layers pad to; None: no agreement.
+    dp_tokens: Optional[int] = None
 
 
 _current: ContextVar[Optional[ForwardContext]] = ContextVar("tokenmill_forward_context", default=None)
@@ -75,8 +78,9 @@ _current: ContextVar[Optional[ForwardContext]] = ContextVar("tokenmill_forward_c
 @contextmanager
 def forward_context(metadata: AttentionMetadata, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                     splitter: Optional[AttentionSplitter] = None, small_batch_fusion: bool = True,
-                   lora: Optional[LoRAHook] = None, pipeline: Optional[PipelineHook] = None):
-    token = _current.set(ForwardContext(metadata, kv_caches, splitter, small_batch_fusion, lora, pipeline))
+                   lora: Optional[LoRAHook] = None, pipeline: Optional[PipelineHook] = None,
+                   dp_tokens: Optional[int] = None):
+    token = _current.set(ForwardContext(metadata, kv_caches, splitter, small_batch_fusion, lora, pipeline, dp_tokens))
     try:
         yield
     finally:

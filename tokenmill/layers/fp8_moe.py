@@ -132,7 +132,7 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         layer.__dict__.pop("_fp8_widened", None)
         if self.online:
             return
-        col_offset = layer.tp_rank * layer.intermediate_size_per_rank  # w2's columns on this rank
+        col_offset = layer.shard_rank * layer.intermediate_size_per_rank  # w2's columns on this rank
         bk = self.config.block_size[1]
         for weight_name, scale_name, inv_name in (_PARAMS["gate"], _PARAMS["down"]):
             blocks = getattr(layer, inv_name).data
@@ -179,4 +179,4 @@ def _place_rows(layer: FusedMoE, param: nn.Parameter, rows: torch.Tensor, expert
         return
     i = layer.intermediate_size_per_rank
     offset = 0 if proj == "gate" else i
-    param.data[local].narrow(0, offset, i).copy_(rows.narrow(0, layer.tp_rank * i, i))
+    param.data[local].narrow(0, offset, i).copy_(rows.narrow(0, layer.shard_rank * i, i))

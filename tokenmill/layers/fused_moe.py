@@ -5,9 +5,10 @@ methods that hold and run their weights.
 expert's gate rows, then its up rows) and `w2_weight` [E_local, H, I_local]. Under tensor
 parallelism each expert's intermediate dimension is split over the ranks (gate/up by rows, down by
 columns, as the dense MLP's column- and row-parallel layers split theirs), and the layer's output is
-summed over the ranks, as RowParallelLinear's is. Expert parallelism (a rank holding only some
-experts) has its place, not its implementation: `expert_map` maps a global expert id to this rank's
-index or -1, and the kernel then skips the -1s; today every rank holds every expert (no map).
+summed over the ranks, as RowParallelLinear's is. Under expert parallelism (`enable_expert_parallel`)
+each rank holds whole experts, a contiguous share of them: `expert_map` maps a global expert id to
+this rank's index or -1 (another rank's expert, which the kernel skips), and layers/moe_dispatch.py
+brings the tokens to the experts and the results back.
 
 As linear layers do, the layer holds one method object chosen when the model is built or loaded
 (`UnquantizedFusedMoEMethod`; a quantization config's `get_moe_method`): it creates the weights,
@@ -24,9 +25,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from tokenmill.distributed import divide, get_tp_state, tp_all_reduce
+from tokenmill.distributed import divide, get_tp_state
 from tokenmill.kernels.fused_moe import fused_moe, moe_route
 from tokenmill.layers.linear import new_parameter
+from tokenmill.layers.moe_dispatch import MoEDispatch, expert_range
 from tokenmill.quantization.base import QuantizationConfig, QuantizeMethodBase
 
 # A per-expert shard id: "<global expert id>.<gate|up|down>"; the fused 3D layout's whole tensors
@@ -86,11 +88,23 @@ class FusedMoE(nn.Module):
         self.renormalize = renormalize
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.intermediate_size_per_rank = divide(intermediate_size, self.tp_size)
-        # Global expert id -> this rank's index; every expert here until expert parallelism assigns
-        # ranks their experts (then expert_map [E] int32 holds the index or -1 for the kernel).
-        self.local_expert_ids: list[int] = list(range(num_experts))
-        self.register_buffer("expert_map", None, persistent=False)
+        ep_size = self.tp.ep_size
+        if ep_size > num_experts:
+            raise ValueError(f"expert parallelism over {ep_size} ranks needs at least as many experts, the "
+                             f"model has {num_experts}")
+        # Expert parallelism: whole experts per rank, and expert_map [E] int32 holds a global expert's
+        # index here or -1 (another rank's: the kernel skips it). Else every rank holds a slice of
+        # every expert's intermediate dimension (split rank shard_rank of shard_count).
+        self.shard_rank, shard_count = (0, 1) if ep_size > 1 else (self.tp_rank, self.tp_size)
+        self.intermediate_size_per_rank = divide(intermediate_size, shard_count)
+        start, end = expert_range(num_experts, ep_size, self.tp.ep_rank) if ep_size > 1 else (0, num_experts)
+        self.local_expert_ids: list[int] = list(range(start, end))
+        expert_map = None
+        if ep_size > 1:
+            expert_map = torch.full((num_experts,), -1, dtype=torch.int32, device=device)
+            expert_map[start:end] = torch.arange(end - start, dtype=torch.int32, device=device)
+        self.register_buffer("expert_map", expert_map, persistent=False)
+        self.dispatch = MoEDispatch(self.tp)
         self.params_dtype = dtype if dtype is not None else torch.get_default_dtype()
         config = _BUILDING_CONFIG.get()
         if method is None and config is not None:
@@ -108,8 +122,9 @@ class FusedMoE(nn.Module):
         method.create_weights(self, self.params_dtype, self.w13_weight.device)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """x [T, H] (the same on every rank), router_logits [T, E] -> the experts' output [T, H]."""
-        return tp_all_reduce(self.moe_method.apply(self, x, router_logits), self.tp)
+        """x [T, H] (the same on every tensor-parallel rank), router_logits [T, E] -> the experts'
+        output [T, H], summed over the ranks (layers/moe_dispatch.py)."""
+        return self.dispatch(x, router_logits, lambda xs, logits: self.moe_method.apply(self, xs, logits))
 
     # ---- loading: checkpoint tensors into the stacked weights ----
     def _local_index(self, expert: int) -> Optional[int]:
@@ -149,11 +164,11 @@ class FusedMoE(nn.Module):
         what = f"expert {expert} {proj}_proj"
         if proj == "down":
             _check_shape(loaded, (h, full_i), what)
-            param.data[local].copy_(loaded.narrow(1, self.tp_rank * i, i))
+            param.data[local].copy_(loaded.narrow(1, self.shard_rank * i, i))
             return
         _check_shape(loaded, (full_i, h), what)
         offset = 0 if proj == "gate" else i
-        param.data[local].narrow(0, offset, i).copy_(loaded.narrow(0, self.tp_rank * i, i))
+        param.data[local].narrow(0, offset, i).copy_(loaded.narrow(0, self.shard_rank * i, i))
 
     def expected_shards(self, param_name: str) -> list[str]:
         """The shard ids a complete checkpoint loads into `w13_weight` or `w2_weight` (or their

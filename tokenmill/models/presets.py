@@ -42,6 +42,18 @@ PRESETS: dict[str, dict] = {
         "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "attention_bias": False,
         "eos_token_id": 151645, "bos_token_id": 151643, "torch_dtype": "bfloat16",
     },
+    # Multi-GPU runs. From the published config: the shape, q/k norm (Qwen3MoeForCausalLM's),
+    # norm_topk_prob and rope theta; assumed from the Qwen3 family and the released config as we
+    # recall it: intermediate_size 12288 (unused: every layer is sparse), 40960 positions, eps 1e-6,
+    # untied embeddings, the token ids.
+    "qwen3-235b-a22b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 4096, "intermediate_size": 12288,
+        "moe_intermediate_size": 1536, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 94, "num_attention_heads": 64,
+        "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "attention_bias": False,
+        "eos_token_id": 151645, "bos_token_id": 151643, "torch_dtype": "bfloat16",
+    },
     "mixtral-8x7b": {
         "architectures": ["MixtralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
         "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -55,6 +67,15 @@ PRESETS: dict[str, dict] = {
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
         "vocab_size": 1024, "tie_word_embeddings": False, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
         "max_position_embeddings": 2048, "eos_token_id": 2, "bos_token_id": 1, "torch_dtype": "float32",
+    },
+    # Qwen3-MoE in miniature (8 experts, top 2) for the MoE bench paths on the CPU.
+    "tiny-qwen3-moe": {
+        "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 128, "intermediate_size": 256,
+        "moe_intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024, "tie_word_embeddings": False,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "attention_bias": False,
+        "eos_token_id": 2, "bos_token_id": None, "torch_dtype": "float32",
     },
     "tiny-qwen3": {
         "architectures": ["Qwen3ForCausalLM"], "hidden_size": 128, "intermediate_size": 384,

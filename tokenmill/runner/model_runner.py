@@ -83,6 +83,9 @@ class ModelRunner:
         # Pipeline parallelism (executor/pipeline.py): this stage's link to its neighbours, which also
         # gives every stage the last stage's sampled tokens.
         self.pipeline = None
+        # Data parallelism with expert parallelism: the step's agreed token count, which the engine
+        # sets before each forward pass (engine/dp_lockstep.py; None otherwise).
+        self.dp_tokens: Optional[int] = None
         self._step: Optional[StepDescriptor] = None
         self._plan = None  # the step's VerifyPlan with speculative decoding
         self._logits: Optional[torch.Tensor] = None
@@ -232,7 +235,7 @@ class ModelRunner:
         layer choices and the step's LoRA context, if it has adapters (eager steps, dummy runs and
         every graph capture go through here)."""
         with forward_context(meta, self.kv_caches, splitter, self.config.fused_small_batch_linear, lora,
-                             self.pipeline):
+                             self.pipeline, self.dp_tokens):
             return self.model(input_ids, positions)
 
     @torch.inference_mode()

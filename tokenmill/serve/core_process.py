@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.dp_lockstep import DataParallelRank
 from tokenmill.serve.core_wire import (CALLS, EngineFacts, RequestProgress, lora_from_wire, output_delta,
                                             pack, params_from_wire, state_delta, unpack)
 from tokenmill.serve.gc_policy import GCPolicy
@@ -44,6 +45,7 @@ from tokenmill.logger import init_logger
 logger = init_logger(__name__)
 
 PARENT_CHECK_SECONDS = 1.0
+LOCKSTEP_IDLE_WAIT_S = 0.005  # replicas that step together poll for requests this long between agreements
 
 
 @dataclass
@@ -58,6 +60,8 @@ class EngineLaunch:
     load_format: str = "auto"
     tokenizer: Optional[str] = None
     log_level: Optional[int] = None
+    # Data parallelism with expert parallelism: this replica's rank among those that step together.
+    data_parallel: Optional[DataParallelRank] = None
 
 
 def addresses(engine_dir: str, index: int) -> tuple[str, str]:
@@ -166,7 +170,8 @@ class EngineCore:
 
         self.outs = outs
         self.engine = LLMEngine(launch.model, launch.config, dtype=launch.dtype, device=launch.device,
-                                load_format=launch.load_format, tokenizer=launch.tokenizer)
+                                load_format=launch.load_format, tokenizer=launch.tokenizer,
+                                data_parallel=launch.data_parallel)
         self.engine.outputs.detokenize = False  # the API servers make the text
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.progress: dict[str, RequestProgress] = {}  # what was sent of each live request
@@ -224,18 +229,22 @@ class EngineCore:
     # ---- the main loop ---------------------------------------------------------------------
     def run(self) -> int:
         engine = self.engine
+        lockstep = engine.lockstep is not None  # replicas that step together: step while any has work
         try:
             while True:
-                idle = not engine.has_unfinished_requests() and not self.needs_step
+                idle = not engine.has_unfinished_requests() and not self.needs_step and not engine.dp_busy
                 if idle:
                     self.gc.on_idle()
                 stop = False
-                for message in self._take(block=idle):
+                for message in self._take(block=idle, timeout=LOCKSTEP_IDLE_WAIT_S if lockstep else None):
                     stop = self._execute(message) or stop
-                if stop:
+                if stop and lockstep:  # said in the next agreement; every replica then stops together
+                    engine.dp_stop_requested = True
+                    stop = False
+                if stop or engine.dp_stopped:
                     self._shutdown()
                     return 0
-                if engine.has_unfinished_requests() or self.needs_step:
+                if lockstep or engine.has_unfinished_requests() or self.needs_step:
                     self.needs_step = False
                     completed = engine.steps_completed
                     outputs = engine.step(emit_unfinished=False)  # the others: engine.changed_unfinished
@@ -248,8 +257,13 @@ class EngineCore:
                 self.outs.send(index, ["failed", f"{type(e).__name__}: {e}"])
             return 1
 
-    def _take(self, block: bool) -> list:
-        messages = [self.commands.get()] if block else []
+    def _take(self, block: bool, timeout: Optional[float] = None) -> list:
+        messages = []
+        if block:
+            try:
+                messages.append(self.commands.get(timeout=timeout))
+            except queue.Empty:  # (a timeout: only while replicas poll between agreements)
+                pass
         while True:
             try:
                 messages.append(self.commands.get_nowait())

@@ -47,6 +47,7 @@ from tokenmill.config import ConfigError
 from tokenmill.serve.core_client import (STARTUP_TIMEOUT_S, STEP_WAIT_S, STOP_TIMEOUT_S, EngineCoreClient,
                                           EngineProcessError)
 from tokenmill.serve.core_process import EngineLaunch
+from tokenmill.engine.dp_lockstep import DataParallelRank
 from tokenmill.engine.engine_snapshot import EngineSnapshot
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.spec_stats import SpecDecodeCounts
@@ -198,6 +199,14 @@ class ReplicaLaunch(EngineLaunch):
             torch.set_num_threads(self.cpu_threads)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _cuda_device_count() -> int:
     try:
         import torch
@@ -247,11 +256,16 @@ class DPEngineClient:
         count = _cuda_device_count() if launch.device is None or launch.device.startswith("cuda") else 0
         devices = replica_devices(num_replicas, per_replica, launch.device, visible, count)
         fields = {f.name: getattr(launch, f.name) for f in dataclasses.fields(EngineLaunch)}
-        fields["config"] = dataclasses.replace(config, data_parallel_size=1)  # each replica is one engine
+        if not config.enable_expert_parallel:  # independent replicas: each is one engine
+            fields["config"] = dataclasses.replace(config, data_parallel_size=1)
+        # With expert parallelism the replicas step together, in one process group (engine/dp_lockstep.py).
+        rendezvous = f"tcp://127.0.0.1:{_free_port()}" if config.enable_expert_parallel else None
         on_cpu = launch.device == "cpu" or (launch.device is None and devices[0] is None)
         on_cpu = on_cpu and "OMP_NUM_THREADS" not in os.environ  # the user's own choice stays
         per_cpu = cpu_threads(num_replicas, len(os.sched_getaffinity(0))) if on_cpu else None
-        launches = [ReplicaLaunch(**fields, replica=i, cuda_visible_devices=devices[i], cpu_threads=per_cpu)
+        launches = [ReplicaLaunch(**dict(fields, data_parallel=DataParallelRank(i, num_replicas, rendezvous)
+                                         if rendezvous else None),
+                                  replica=i, cuda_visible_devices=devices[i], cpu_threads=per_cpu)
                     for i in range(num_replicas)]
         clients: list[Optional[EngineCoreClient]] = [None] * num_replicas
         errors: list[Optional[BaseException]] = [None] * num_replicas
