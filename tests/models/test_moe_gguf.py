@@ -1,0 +1,145 @@
+"""Mixture-of-experts models from GGUF files in llama.cpp's layout (each layer's experts stacked in
+`blk.N.ffn_{gate,up,down}_exps`): the twin of each tiny random HF model (tests/models/gguf_twin.py)
+loads into the same config and exactly the same weights as the safetensors directory, with the
+same tokenizer; greedy text through the engine is HF's; Q8_0 experts dequantize as the `gguf`
+package does; an MoE architecture tokenmill lacks is refused by name."""
+
+import dataclasses
+
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType as Q
+
+from tests.engine.conftest import make_llm
+from tests.helpers import full_logits
+from tests.models.gguf_twin import GGUF_ARCH, quantize_round_trip, write_gguf_twin
+from tests.models.moe_helpers import EOS, FAMILIES, VOCAB, save_random_moe_model
+from tokenmill.errors import ModelLoadError, UnsupportedArchitectureError
+from tokenmill.loader import load_model
+from tokenmill.sampling_params import SamplingParams
+
+Q8_FAMILIES = ["qwen3_moe", "mixtral"]
+# Q8_0 experts (1/127 of each 32-value block's largest magnitude per step) move the logits this much.
+Q8_LOGITS_REL_ERR = 2e-2
+
+
+@pytest.fixture(scope="module")
+def twins(tmp_path_factory):
+    """family -> (HF model, load of its directory, load of its F32 GGUF twin, load of its Q8_0-experts
+    twin or None); conversions go to a cache of this module's own, so each run converts afresh."""
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TOKENMILL_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        for family in FAMILIES:
+            path = tmp_path_factory.mktemp(family)
+            hf = save_random_moe_model(family, path)
+            f32 = write_gguf_twin(path, path / "f32.gguf")
+            q8 = write_gguf_twin(path, path / "q8.gguf", expert_type=Q.Q8_0) if family in Q8_FAMILIES else None
+            out[family] = (hf, load_model(str(path), dtype="float32", device="cpu"),
+                           load_model(f32, dtype="float32", device="cpu"),
+                           q8 and load_model(q8, dtype="float32", device="cpu"))
+    return out
+
+
+def _sequences() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (9, 33)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_f32_twin_equals_safetensors(family, twins):
+    _, ours, twin, _ = twins[family]
+    assert twin.source.kind == "gguf" and twin.arch.architecture == ours.arch.architecture
+    # The same config, except how the dense layers are said (Qwen2-MoE's decoder_sparse_step 2 is
+    # mlp_only_layers [0, 2] in GGUF, which marks sparse layers by their router tensors).
+    layers = range(ours.arch.num_layers)
+    assert [twin.arch.moe.is_sparse(i) for i in layers] == [ours.arch.moe.is_sparse(i) for i in layers]
+    how_sparse = dict(sparse_step=1, dense_layers=())
+    assert dataclasses.replace(twin.arch, moe=dataclasses.replace(twin.arch.moe, **how_sparse)) == \
+        dataclasses.replace(ours.arch, moe=dataclasses.replace(ours.arch.moe, **how_sparse))
+    want = dict(ours.model.named_parameters())
+    got = dict(twin.model.named_parameters())
+    assert got.keys() == want.keys()
+    for name, p in got.items():
+        assert torch.equal(p, want[name]), f"{family} ({GGUF_ARCH[family]}): {name}"
+    for a, b in zip(full_logits(twin.model, _sequences()), full_logits(ours.model, _sequences())):
+        assert torch.equal(a, b)
+    text = "hello moe 12 experts, zz top!"
+    assert twin.tokenizer(text)["input_ids"] == ours.tokenizer(text)["input_ids"]
+    assert twin.eos_token_ids == ours.eos_token_ids == [EOS]
+
+
+def test_twin_greedy_text_matches_hf(twins):
+    """One engine, on the Mixtral twin (arch llama: q/k rows restored, experts under
+    block_sparse_moe): prompts as text through the GGUF tokenizer, greedy tokens as HF's generate."""
+    hf, _, twin, _ = twins["mixtral"]
+    prompts = ["abc defg", "hello 123 world", "mixture of experts " * 3]
+    llm = make_llm(twin, num_kv_blocks=32)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, min_tokens=12), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ids = twin.tokenizer(prompt)["input_ids"]
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                              pad_token_id=EOS)
+        assert out.outputs[0].token_ids == ref[0, len(ids):].tolist(), prompt
+
+
+@pytest.mark.parametrize("family", Q8_FAMILIES)
+def test_q8_0_experts(family, twins):
+    """Q8_0 experts are the gguf package's own round trip of the HF weights, exactly (dequantized
+    expert slab by expert slab); everything else stays exact; the logits move within Q8_LOGITS_REL_ERR."""
+    _, ours, _, q8 = twins[family]
+    want = dict(ours.model.named_parameters())
+    for name, p in q8.model.named_parameters():
+        if ".experts." in name:
+            ref = torch.stack([quantize_round_trip(w, Q.Q8_0) for w in want[name]])
+            assert torch.equal(p, ref), name
+            assert not torch.equal(p, want[name])
+        else:
+            assert torch.equal(p, want[name]), name
+    for a, b in zip(full_logits(q8.model, _sequences()), full_logits(ours.model, _sequences())):
+        err = ((a - b).norm() / b.norm()).item()
+        assert 0 < err < Q8_LOGITS_REL_ERR, f"{family}: relative error {err}"
+
+
+def test_unsupported_moe_arch_names_itself(tmp_path, monkeypatch):
+    import gguf
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(tmp_path / "deepseek.gguf")
+    writer = gguf.GGUFWriter(path, "deepseek2")
+    writer.add_block_count(1)
+    writer.add_expert_count(4)
+    writer.add_tensor("blk.0.ffn_gate_exps.weight", torch.zeros(4, 8, 32).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedArchitectureError, match="'deepseek2' with 4 experts.*qwen3moe"):
+        load_model(path, dtype="float32", device="cpu")
+
+
+def test_sigmoid_routing_refused(tmp_path):
+    """What the layout can say but tokenmill's MoE cannot run is refused, naming it: sigmoid routing."""
+    import gguf
+    from gguf.constants import ExpertGatingFuncType
+
+    from tokenmill.loader.gguf_loader import hf_config_from_gguf
+    from tokenmill.loader.gguf_reader import GGUFFile
+
+    path = str(tmp_path / "sigmoid.gguf")
+    writer = gguf.GGUFWriter(path, "qwen3moe")
+    for key, value in dict(embedding_length=64, feed_forward_length=96, block_count=1, expert_count=4,
+                           expert_used_count=2, expert_gating_func=ExpertGatingFuncType.SIGMOID).items():
+        getattr(writer, f"add_{key}")(value)
+    writer.add_head_count(4)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    f = GGUFFile(path)
+    try:
+        with pytest.raises(ModelLoadError, match="expert_gating_func 2"):
+            hf_config_from_gguf(f)
+    finally:
+        f.close()
