@@ -22,7 +22,7 @@ def _interleave_rotary_halves(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def _stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-expert HF weights -> one stacked tensor per layer and projection, under the name
-    llama.cpp's converter maps (`model.layers.N.mlp.experts.gate_proj`); the rest unchanged."""
+    llama.cpp's converter maps (`model.layers.N.mlp.experts.gate_proj.weight`); the rest unchanged."""
     out, experts = {}, {}
     for name, tensor in state.items():
         match = _EXPERT.fullmatch(name)
@@ -30,7 +30,7 @@ def _stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[name] = tensor
         else:
             layer, block, expert, proj = match.groups()
-            experts.setdefault(f"model.layers.{layer}.{block}.experts.{proj}", {})[int(expert)] = tensor
+            experts.setdefault(f"model.layers.{layer}.{block}.experts.{proj}.weight", {})[int(expert)] = tensor
     for name, by_id in experts.items():
         out[name] = torch.stack([by_id[e] for e in range(len(by_id))])
     return out

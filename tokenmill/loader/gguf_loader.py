@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -35,7 +35,7 @@ CACHE_FORMAT = "v2"  # bump when the converted layout changes (v2: config.json l
 class _Family:
     """How one GGUF architecture maps onto an HF one."""
 
-    architecture: str  # HF's architecture and model type
+    architecture: str  # HF's name of the architecture, and its model type
     model_type: str
     # llama.cpp's converter interleaves the rotary halves of q/k rows for the archs that rotate
     # adjacent pairs (llama, mistral); the NeoX-rotation archs (Qwen, OLMoE) keep HF's row order.
@@ -289,12 +289,6 @@ def plan_gguf_weights(gguf: GGUFFile, cfg: dict[str, Any]) -> list[PlannedWeight
         plan.append((_hf_name(name, family), shape,
                      functools.partial(_read, gguf, info, shape, heads=heads.get(piece))))
     return plan
-
-
-def iter_gguf_weights(gguf: GGUFFile, cfg: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every weight, dequantized and with q/k rows restored."""
-    for name, _, read in plan_gguf_weights(gguf, cfg):
-        yield name, read()
 
 
 def _build_tokenizer(gguf: GGUFFile):
