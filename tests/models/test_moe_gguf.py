@@ -1,10 +1,12 @@
 """Mixture-of-experts models from GGUF files in llama.cpp's layout (each layer's experts stacked in
 `blk.N.ffn_{gate,up,down}_exps`): the twin of each tiny random HF model (tests/models/gguf_twin.py)
 loads into the same config and exactly the same weights as the safetensors directory, with the
-same tokenizer; greedy text through the engine is HF's; Q8_0 experts dequantize as the `gguf`
-package does; an MoE architecture tokenmill lacks is refused by name."""
+same tokenizer; greedy text through the engine is HF's; the converted directory loads in
+transformers; Q8_0 experts dequantize as the `gguf` package does; an MoE architecture or routing
+tokenmill lacks is refused by name."""
 
 import dataclasses
+from typing import NamedTuple, Optional
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from tests.models.gguf_twin import GGUF_ARCH, quantize_round_trip, write_gguf_tw
 from tests.models.moe_helpers import EOS, FAMILIES, VOCAB, save_random_moe_model
 from tokenmill.errors import ModelLoadError, UnsupportedArchitectureError
 from tokenmill.loader import load_model
+from tokenmill.loader.load import LoadedModel
 from tokenmill.sampling_params import SamplingParams
 
 Q8_FAMILIES = ["qwen3_moe", "mixtral"]
@@ -23,10 +26,17 @@ Q8_FAMILIES = ["qwen3_moe", "mixtral"]
 Q8_LOGITS_REL_ERR = 2e-2
 
 
+class Twins(NamedTuple):
+    hf: torch.nn.Module  # HF's model
+    ours: LoadedModel  # tokenmill's load of the HF directory
+    twin: LoadedModel  # ... of its F32 GGUF twin
+    q8: Optional[LoadedModel]  # ... of its twin with Q8_0 experts (Q8_FAMILIES)
+    gguf_path: str  # the F32 twin
+
+
 @pytest.fixture(scope="module")
-def twins(tmp_path_factory):
-    """family -> (HF model, load of its directory, load of its F32 GGUF twin, load of its Q8_0-experts
-    twin or None); conversions go to a cache of this module's own, so each run converts afresh."""
+def twins(tmp_path_factory) -> dict[str, Twins]:
+    """Each family's models; conversions go to a cache of this module's own, so each run converts afresh."""
     out = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TOKENMILL_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
@@ -35,9 +45,9 @@ def twins(tmp_path_factory):
             hf = save_random_moe_model(family, path)
             f32 = write_gguf_twin(path, path / "f32.gguf")
             q8 = write_gguf_twin(path, path / "q8.gguf", expert_type=Q.Q8_0) if family in Q8_FAMILIES else None
-            out[family] = (hf, load_model(str(path), dtype="float32", device="cpu"),
-                           load_model(f32, dtype="float32", device="cpu"),
-                           q8 and load_model(q8, dtype="float32", device="cpu"))
+            out[family] = Twins(hf, load_model(str(path), dtype="float32", device="cpu"),
+                                load_model(f32, dtype="float32", device="cpu"),
+                                q8 and load_model(q8, dtype="float32", device="cpu"), f32)
     return out
 
 
@@ -48,7 +58,7 @@ def _sequences() -> list[list[int]]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_f32_twin_equals_safetensors(family, twins):
-    _, ours, twin, _ = twins[family]
+    ours, twin = twins[family].ours, twins[family].twin
     assert twin.source.kind == "gguf" and twin.arch.architecture == ours.arch.architecture
     # The same config, except how the dense layers are said (Qwen2-MoE's decoder_sparse_step 2 is
     # mlp_only_layers [0, 2] in GGUF, which marks sparse layers by their router tensors).
@@ -72,7 +82,7 @@ def test_f32_twin_equals_safetensors(family, twins):
 def test_twin_greedy_text_matches_hf(twins):
     """One engine, on the Mixtral twin (arch llama: q/k rows restored, experts under
     block_sparse_moe): prompts as text through the GGUF tokenizer, greedy tokens as HF's generate."""
-    hf, _, twin, _ = twins["mixtral"]
+    hf, twin = twins["mixtral"].hf, twins["mixtral"].twin
     prompts = ["abc defg", "hello 123 world", "mixture of experts " * 3]
     llm = make_llm(twin, num_kv_blocks=32)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, min_tokens=12), use_tqdm=False)
@@ -84,11 +94,26 @@ def test_twin_greedy_text_matches_hf(twins):
         assert out.outputs[0].token_ids == ref[0, len(ids):].tolist(), prompt
 
 
+def test_converted_directory_loads_in_transformers(twins, tmp_path, monkeypatch):
+    """The HF directory a Qwen2-MoE GGUF file becomes (per-expert names, the shared expert's gate
+    as [1, H]) is one transformers loads, computing what the original model computes."""
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.loader.gguf_loader import convert_gguf_to_hf_dir
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    hf, path = twins["qwen2_moe"].hf, twins["qwen2_moe"].gguf_path
+    model = AutoModelForCausalLM.from_pretrained(convert_gguf_to_hf_dir(path), dtype=torch.float32).eval()
+    ids = torch.tensor(_sequences()[:1])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, hf(ids).logits)
+
+
 @pytest.mark.parametrize("family", Q8_FAMILIES)
 def test_q8_0_experts(family, twins):
     """Q8_0 experts are the gguf package's own round trip of the HF weights, exactly (dequantized
     expert slab by expert slab); everything else stays exact; the logits move within Q8_LOGITS_REL_ERR."""
-    _, ours, _, q8 = twins[family]
+    ours, q8 = twins[family].ours, twins[family].q8
     want = dict(ours.model.named_parameters())
     for name, p in q8.model.named_parameters():
         if ".experts." in name:
