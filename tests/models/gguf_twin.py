@@ -1,7 +1,9 @@
 """Write the GGUF twin of a small HF mixture-of-experts directory, laid out as llama.cpp's converter
 lays it out: the `gguf` package's names (its own HF -> GGUF table, not tokenmill's), each layer's
 experts stacked into one [E, rows, columns] tensor per projection, q/k rows interleaved for arch
-`llama` (Mixtral), the shared expert's gate as a vector, the byte-level BPE tokenizer as metadata."""
+`llama` (Mixtral), the shared expert's gate as a vector, the byte-level BPE tokenizer as metadata.
+Beyond llama.cpp: the Qwen-MoE test models' dense layers (`mlp_only_layers`) keep the dense names,
+`blk.N.ffn_{gate,up,down}`, which tokenmill reads (llama.cpp's qwen*moe archs want experts everywhere)."""
 
 import json
 import os
@@ -60,7 +62,7 @@ def write_gguf_twin(hf_dir, path, expert_type=None) -> str:
     """The GGUF file at `path` of the HF directory: F32 tensors, the stacked experts in
     `expert_type` (a GGMLQuantizationType; None: F32) quantized by the `gguf` package."""
     import gguf
-    from gguf.constants import MODEL_ARCH_NAMES
+    from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES
     from safetensors.torch import load_file
 
     hf_dir, path = str(hf_dir), str(path)
@@ -92,9 +94,12 @@ def write_gguf_twin(hf_dir, path, expert_type=None) -> str:
     _add_tokenizer(writer, hf_dir)
 
     names = gguf.get_tensor_name_map({v: k for k, v in MODEL_ARCH_NAMES.items()}[arch], n_layers)
+    # llama.cpp's Qwen-MoE archs have no dense layers (the test models do): their MLPs take the dense names.
+    dense_names = gguf.get_tensor_name_map(MODEL_ARCH.LLAMA, n_layers)
     state = _stack_experts(load_file(os.path.join(hf_dir, "model.safetensors")))
     for hf_name, tensor in state.items():
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias")) or \
+            dense_names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
         if arch == "llama" and name.endswith((".attn_q.weight", ".attn_k.weight")):
             tensor = _interleave_rotary_halves(tensor, heads if ".attn_q." in name else kv_heads)
