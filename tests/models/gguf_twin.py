@@ -38,6 +38,17 @@ def _stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _split_expert_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Mixtral's per-expert weights under the GGUF names of the first llama.cpp files (the `gguf`
+    package's tables no longer have them); the rest unchanged."""
+    proj = {"w1": "gate", "w3": "up", "w2": "down"}
+    out = {}
+    for name, tensor in state.items():
+        match = _EXPERT.fullmatch(name)
+        out[name if match is None else f"blk.{match[1]}.ffn_{proj[match[4]]}.{match[3]}.weight"] = tensor
+    return out
+
+
 def _add_tokenizer(writer, hf_dir: str) -> None:
     with open(os.path.join(hf_dir, "tokenizer.json")) as f:
         spec = json.load(f)
@@ -58,9 +69,11 @@ def _add_tokenizer(writer, hf_dir: str) -> None:
     writer.add_add_bos_token(False)
 
 
-def write_gguf_twin(hf_dir, path, expert_type=None) -> str:
+def write_gguf_twin(hf_dir, path, expert_type=None, split_experts: bool = False) -> str:
     """The GGUF file at `path` of the HF directory: F32 tensors, the stacked experts in
-    `expert_type` (a GGMLQuantizationType; None: F32) quantized by the `gguf` package."""
+    `expert_type` (a GGMLQuantizationType; None: F32) quantized by the `gguf` package.
+    split_experts: one tensor per expert, `blk.N.ffn_gate.E.weight`, as llama.cpp's first Mixtral
+    files had them (Mixtral only)."""
     import gguf
     from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES
     from safetensors.torch import load_file
@@ -96,9 +109,11 @@ def write_gguf_twin(hf_dir, path, expert_type=None) -> str:
     names = gguf.get_tensor_name_map({v: k for k, v in MODEL_ARCH_NAMES.items()}[arch], n_layers)
     # llama.cpp's Qwen-MoE archs have no dense layers (the test models do): their MLPs take the dense names.
     dense_names = gguf.get_tensor_name_map(MODEL_ARCH.LLAMA, n_layers)
-    state = _stack_experts(load_file(os.path.join(hf_dir, "model.safetensors")))
+    state = load_file(os.path.join(hf_dir, "model.safetensors"))
+    state = _split_expert_names(state) if split_experts else _stack_experts(state)
     for hf_name, tensor in state.items():
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias")) or \
+        name = hf_name if hf_name.startswith("blk.") else \
+            names.get_name(hf_name, try_suffixes=(".weight", ".bias")) or \
             dense_names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
         if arch == "llama" and name.endswith((".attn_q.weight", ".attn_k.weight")):

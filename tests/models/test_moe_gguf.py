@@ -1,11 +1,13 @@
 """Mixture-of-experts models from GGUF files in llama.cpp's layout (each layer's experts stacked in
 `blk.N.ffn_{gate,up,down}_exps`): the twin of each tiny random HF model (tests/models/gguf_twin.py)
 loads into the same config and exactly the same weights as the safetensors directory, with the
-same tokenizer; greedy text through the engine is HF's; the converted directory loads in
+same tokenizer (and so does an early Mixtral file, one tensor per expert); greedy text through the
+engine is HF's; the converted directory loads in
 transformers; Q8_0 experts dequantize as the `gguf` package does; an MoE architecture or routing
 tokenmill lacks is refused by name."""
 
 import dataclasses
+import os
 from typing import NamedTuple, Optional
 
 import pytest
@@ -18,6 +20,7 @@ from tests.models.gguf_twin import GGUF_ARCH, quantize_round_trip, write_gguf_tw
 from tests.models.moe_helpers import EOS, FAMILIES, VOCAB, save_random_moe_model
 from tokenmill.errors import ModelLoadError, UnsupportedArchitectureError
 from tokenmill.loader import load_model
+from tokenmill.loader.gguf_reader import GGUFFile
 from tokenmill.loader.load import LoadedModel
 from tokenmill.sampling_params import SamplingParams
 
@@ -94,6 +97,20 @@ def test_twin_greedy_text_matches_hf(twins):
         assert out.outputs[0].token_ids == ref[0, len(ids):].tolist(), prompt
 
 
+def test_split_expert_mixtral_file(twins, tmp_path, monkeypatch):
+    """llama.cpp's first Mixtral files keep each expert apart (`blk.N.ffn_gate.E.weight`): the same weights."""
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    ours = twins["mixtral"].ours
+    path = write_gguf_twin(os.path.dirname(twins["mixtral"].gguf_path), tmp_path / "split.gguf", split_experts=True)
+    f = GGUFFile(path)
+    assert "blk.1.ffn_down.3.weight" in f.tensors and not any("_exps" in name for name in f.tensors)
+    f.close()
+    split = load_model(path, dtype="float32", device="cpu")
+    want = dict(ours.model.named_parameters())
+    for name, p in split.model.named_parameters():
+        assert torch.equal(p, want[name]), name
+
+
 def test_converted_directory_loads_in_transformers(twins, tmp_path, monkeypatch):
     """The HF directory a Qwen2-MoE GGUF file becomes (per-expert names, the shared expert's gate
     as [1, H]) is one transformers loads, computing what the original model computes."""
@@ -150,7 +167,6 @@ def test_sigmoid_routing_refused(tmp_path):
     from gguf.constants import ExpertGatingFuncType
 
     from tokenmill.loader.gguf_loader import hf_config_from_gguf
-    from tokenmill.loader.gguf_reader import GGUFFile
 
     path = str(tmp_path / "sigmoid.gguf")
     writer = gguf.GGUFWriter(path, "qwen3moe")

@@ -3,8 +3,8 @@
 The first load of a file converts it into an HF directory (config.json, model.safetensors,
 tokenizer files) in the user cache, keyed by the file's hash; later loads read that directory.
 Mixture-of-experts files (llama.cpp's layout: each layer's experts stacked in one 3D tensor per
-projection, `blk.N.ffn_{gate,up,down}_exps`) become HF's per-expert checkpoint names, written
-expert by expert.
+projection, `blk.N.ffn_{gate,up,down}_exps`; early Mixtral files: one tensor per expert,
+`blk.N.ffn_gate.E`) become HF's per-expert checkpoint names, written expert by expert.
 """
 
 import functools
@@ -83,6 +83,8 @@ _SHARED_EXPERT_NAMES = {
 }
 # All experts of one projection stacked: gate/up [E, I, H], down [E, H, I] (torch order).
 _STACKED_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+# One expert's projection: llama.cpp's first Mixtral files (before April 2024), which it still reads.
+_SPLIT_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 # (HF name, shape, read): a weight to write, read (dequantized to float32) only when written.
@@ -109,10 +111,10 @@ def _family(gguf: GGUFFile) -> tuple[str, _Family]:
     md = gguf.metadata
     arch = md.get("general.architecture")
     experts = int(md.get(f"{arch}.expert_count") or 0)
-    stacked = any(_STACKED_EXPERTS.fullmatch(name) for name in gguf.tensors)
-    family = _MOE.get(arch) if experts or stacked or arch not in _DENSE else _DENSE[arch]
+    has_experts = experts or any(_STACKED_EXPERTS.fullmatch(n) or _SPLIT_EXPERT.fullmatch(n) for n in gguf.tensors)
+    family = _MOE.get(arch) if has_experts or arch not in _DENSE else _DENSE[arch]
     if family is None:
-        what = f" with {experts or 'stacked'} experts (a mixture of experts)" if experts or stacked else ""
+        what = f" with {experts or 'its'} experts (a mixture of experts)" if has_experts else ""
         raise UnsupportedArchitectureError(
             f"GGUF architecture {arch!r}{what} is not supported (supported: {_SUPPORTED})")
     return arch, family
@@ -197,7 +199,8 @@ def _moe_config(gguf: GGUFFile, arch: str, family: _Family, cfg: dict[str, Any],
                                  f"blk.{sparse[0]}.{tensor}.weight has shape {info.shape}")
         return info.shape[dim]
 
-    expert_width = width("ffn_gate_exps", "expert_feed_forward_length", 1)
+    expert_width = width("ffn_gate_exps", "expert_feed_forward_length", 1) or \
+        width("ffn_gate.0", "expert_feed_forward_length", 0)
     if expert_width is None:
         raise ModelLoadError(f"GGUF file {gguf.path} lacks blk.{sparse[0]}.ffn_gate_exps.weight")
     # Qwen's config holds the experts' width apart from the dense layers'; Mixtral's and OLMoE's in intermediate_size.
@@ -261,6 +264,12 @@ def _read(gguf: GGUFFile, info, shape: tuple[int, ...], expert: Optional[int] = 
     return _unpermute_rows(tensor, heads) if heads else tensor
 
 
+def _expert_name(family: _Family, layer, expert, proj: str) -> str:
+    """HF's checkpoint name of one expert's projection ("gate", "up" or "down")."""
+    hf_proj = family.expert_projs[("gate", "up", "down").index(proj)]
+    return f"model.layers.{layer}.{family.moe_block}.experts.{expert}.{hf_proj}.weight"
+
+
 def plan_gguf_weights(gguf: GGUFFile, cfg: dict[str, Any]) -> list[PlannedWeight]:
     """Every HF weight of the file with its shape, each read only when asked for: a stacked expert
     tensor becomes one weight per expert (HF's per-expert checkpoint names), read slab by slab."""
@@ -271,16 +280,19 @@ def plan_gguf_weights(gguf: GGUFFile, cfg: dict[str, Any]) -> list[PlannedWeight
     for name, info in gguf.tensors.items():
         if name == "rope_freqs.weight":
             continue  # in config.json (rope_freq_factors)
-        stacked = _STACKED_EXPERTS.fullmatch(name)
-        if stacked is not None and family.moe_block is not None:
+        stacked, split = _STACKED_EXPERTS.fullmatch(name), _SPLIT_EXPERT.fullmatch(name)
+        if stacked is not None:
             layer, proj = stacked.groups()
             num = cfg[family.experts_key]
             if len(info.shape) != 3 or info.shape[0] != num:
                 raise ModelLoadError(f"GGUF tensor {name} has shape {info.shape}; expected [{num}, rows, columns]")
-            hf_proj = family.expert_projs[("gate", "up", "down").index(proj)]
-            prefix = f"model.layers.{layer}.{family.moe_block}.experts"
-            plan += [(f"{prefix}.{e}.{hf_proj}.weight", info.shape[1:],
+            plan += [(_expert_name(family, layer, e, proj), info.shape[1:],
                       functools.partial(_read, gguf, info, info.shape[1:], expert=e)) for e in range(num)]
+            continue
+        if split is not None:
+            layer, proj, expert = split.groups()
+            plan.append((_expert_name(family, layer, expert, proj), info.shape,
+                         functools.partial(_read, gguf, info, info.shape)))
             continue
         piece = name.split(".")[2] if name.startswith("blk.") else None
         shape = info.shape
