@@ -125,11 +125,16 @@ def write_gguf_twin(hf_dir, path, expert_type=None, split_experts: bool = False)
             writer.add_tensor(name, gguf.quants.quantize(array, expert_type), raw_dtype=expert_type)
         else:
             writer.add_tensor(name, array)
+    finish(writer)
+    return path
+
+
+def finish(writer) -> None:
+    """Write a GGUFWriter's header, metadata and tensors to its file, and close it."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 def quantize_round_trip(tensor: torch.Tensor, qtype) -> torch.Tensor:

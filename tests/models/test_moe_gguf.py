@@ -2,21 +2,21 @@
 `blk.N.ffn_{gate,up,down}_exps`): the twin of each tiny random HF model (tests/models/gguf_twin.py)
 loads into the same config and exactly the same weights as the safetensors directory, with the
 same tokenizer (and so does an early Mixtral file, one tensor per expert); greedy text through the
-engine is HF's; the converted directory loads in
-transformers; Q8_0 experts dequantize as the `gguf` package does; an MoE architecture or routing
-tokenmill lacks is refused by name."""
+engine is HF's; the converted directory loads in transformers; Q8_0 experts dequantize as the
+`gguf` package does; an MoE architecture or routing tokenmill lacks is refused by name."""
 
 import dataclasses
 import os
 from typing import NamedTuple, Optional
 
+import gguf
 import pytest
 import torch
-from gguf.constants import GGMLQuantizationType as Q
+from gguf.constants import ExpertGatingFuncType, GGMLQuantizationType as Q
 
 from tests.engine.conftest import make_llm
 from tests.helpers import full_logits
-from tests.models.gguf_twin import GGUF_ARCH, quantize_round_trip, write_gguf_twin
+from tests.models.gguf_twin import GGUF_ARCH, finish, quantize_round_trip, write_gguf_twin
 from tests.models.moe_helpers import EOS, FAMILIES, VOCAB, save_random_moe_model
 from tokenmill.errors import ModelLoadError, UnsupportedArchitectureError
 from tokenmill.loader import load_model
@@ -25,8 +25,9 @@ from tokenmill.loader.load import LoadedModel
 from tokenmill.sampling_params import SamplingParams
 
 Q8_FAMILIES = ["qwen3_moe", "mixtral"]
-# Q8_0 experts (1/127 of each 32-value block's largest magnitude per step) move the logits this much.
-Q8_LOGITS_REL_ERR = 2e-2
+# Q8_0 experts (steps of 1/127 of each 32-value block's largest magnitude) move these models' logits
+# by about 3e-4 (relative); the bound leaves room for other seeds.
+Q8_LOGITS_REL_ERR = 2e-3
 
 
 class Twins(NamedTuple):
@@ -145,27 +146,19 @@ def test_q8_0_experts(family, twins):
 
 
 def test_unsupported_moe_arch_names_itself(tmp_path, monkeypatch):
-    import gguf
-
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
     path = str(tmp_path / "deepseek.gguf")
     writer = gguf.GGUFWriter(path, "deepseek2")
     writer.add_block_count(1)
     writer.add_expert_count(4)
     writer.add_tensor("blk.0.ffn_gate_exps.weight", torch.zeros(4, 8, 32).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     with pytest.raises(UnsupportedArchitectureError, match="'deepseek2' with 4 experts.*qwen3moe"):
         load_model(path, dtype="float32", device="cpu")
 
 
 def test_sigmoid_routing_refused(tmp_path):
     """What the layout can say but tokenmill's MoE cannot run is refused, naming it: sigmoid routing."""
-    import gguf
-    from gguf.constants import ExpertGatingFuncType
-
     from tokenmill.loader.gguf_loader import hf_config_from_gguf
 
     path = str(tmp_path / "sigmoid.gguf")
@@ -174,10 +167,7 @@ def test_sigmoid_routing_refused(tmp_path):
                            expert_used_count=2, expert_gating_func=ExpertGatingFuncType.SIGMOID).items():
         getattr(writer, f"add_{key}")(value)
     writer.add_head_count(4)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     f = GGUFFile(path)
     try:
         with pytest.raises(ModelLoadError, match="expert_gating_func 2"):
