@@ -7,6 +7,7 @@ engine is HF's; the converted directory loads in transformers; Q8_0 experts dequ
 
 import dataclasses
 import os
+import weakref
 from typing import NamedTuple, Optional
 
 import gguf
@@ -143,6 +144,35 @@ def test_q8_0_experts(family, twins):
     for a, b in zip(full_logits(q8.model, _sequences()), full_logits(ours.model, _sequences())):
         err = ((a - b).norm() / b.norm()).item()
         assert 0 < err < Q8_LOGITS_REL_ERR, f"{family}: relative error {err}"
+
+
+def test_converter_writes_one_tensor_at_a_time(tmp_path):
+    """The converter's safetensors writer reads each tensor only when it writes it, the previous one
+    already dropped (expert slab by slab for the experts); the file is valid safetensors."""
+    from safetensors import safe_open
+
+    from tokenmill.loader.safetensors_weights import save_safetensors_streaming
+
+    tensors = {f"t{i}": torch.randn(3, i + 1) for i in range(4)}
+    alive, seen_alive = weakref.WeakSet(), []
+
+    def reader(name):
+        def read():
+            seen_alive.append(len(alive))
+            tensor = tensors[name].clone()
+            alive.add(tensor)
+            return tensor
+        return read
+
+    path = str(tmp_path / "w.safetensors")
+    save_safetensors_streaming(path, [(n, tuple(t.shape), reader(n)) for n, t in tensors.items()], {"source": "x"})
+    assert seen_alive == [0, 0, 0, 0]
+    with safe_open(path, framework="pt") as f:
+        assert f.metadata() == {"source": "x"} and list(f.keys()) == list(tensors)
+        for name, tensor in tensors.items():
+            assert torch.equal(f.get_tensor(name), tensor)
+    with pytest.raises(ModelLoadError, match="t0: read torch.float32 \\(3, 1\\), planned float32 \\(3, 2\\)"):
+        save_safetensors_streaming(path, [("t0", (3, 2), reader("t0"))])
 
 
 def test_unsupported_moe_arch_names_itself(tmp_path, monkeypatch):

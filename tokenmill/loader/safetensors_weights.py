@@ -69,3 +69,4 @@ def save_safetensors_streaming(path: str, weights: list[tuple[str, tuple[int, ..
                 raise ModelLoadError(f"{name}: read {tensor.dtype} {tuple(tensor.shape)}, "
                                      f"planned float32 {tuple(shape)}")
             f.write(tensor.contiguous().numpy().data)
+            del tensor  # before the next read, not after it
