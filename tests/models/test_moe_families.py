@@ -1,7 +1,7 @@
 """Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) from tiny random models saved
 by HF transformers: tokenmill's logits are HF's; greedy tokens through the engine are HF's generate
 for prompts of mixed lengths submitted together, with chunked prefill, preemption, n-gram
-speculation and a grammar on one request, under sync and async scheduling; the fused 3D expert
+speculation, a grammar on one request and prompt logprobs (HF's log-softmax) on another, under sync and async scheduling; the fused 3D expert
 layout loads as the per-expert one does; what MoE does not support yet is refused by name."""
 
 import pytest
@@ -114,11 +114,20 @@ def test_busy_engine_greedy_matches_hf(family, async_scheduling, models, hf_gree
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     grammar = SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
                              structured_outputs={"regex": f"[{LETTERS[0]}-{LETTERS[-1]}]{{{NEW_TOKENS}}}"})
-    outs = llm.generate(prompts + [prompts[3]], [greedy] * len(prompts) + [grammar], use_tqdm=False)
+    prompt_lp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)  # chunked over 3 steps
+    outs = llm.generate(prompts + [prompts[3], prompts[3]], [greedy] * len(prompts) + [grammar, prompt_lp],
+                        use_tqdm=False)
     for i, (out, ref) in enumerate(zip(outs, refs)):
         assert out.outputs[0].token_ids == ref, f"{family}: prompt {i} ({len(prompts[i])} tokens)"
-    assert outs[-1].outputs[0].token_ids == grammar_ref
-    assert len(outs[-1].outputs[0].text) == NEW_TOKENS and set(outs[-1].outputs[0].text) <= set(LETTERS)
+    assert outs[-2].outputs[0].token_ids == grammar_ref
+    assert len(outs[-2].outputs[0].text) == NEW_TOKENS and set(outs[-2].outputs[0].text) <= set(LETTERS)
+    ids = prompts[3]
+    with torch.no_grad():
+        ref_lp = torch.log_softmax(models[family][0](torch.tensor([ids])).logits[0].float(), dim=-1)
+    lp = outs[-1].prompt_logprobs
+    assert lp[0] is None and len(lp) == len(ids)
+    for i in range(1, len(ids)):
+        assert abs(lp[i][ids[i]].logprob - ref_lp[i - 1, ids[i]].item()) < 1e-4, (family, i)
     engine = llm.engine
     assert engine.scheduler.num_preemptions > 0 and engine.spec_stats.accepted > 0
     assert_no_leaks(llm)
