@@ -1,7 +1,8 @@
 """Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) from tiny random models saved
 by HF transformers: tokenmill's logits are HF's; greedy tokens through the engine are HF's generate
 for prompts of mixed lengths submitted together, with chunked prefill, preemption, n-gram
-speculation, a grammar on one request and prompt logprobs (HF's log-softmax) on another, under sync and async scheduling; the fused 3D expert
+speculation, a grammar on one request and prompt logprobs (HF's log-softmax) on another, under sync
+and async scheduling; the same under tensor, expert and data parallelism; the fused 3D expert
 layout loads as the per-expert one does; what MoE does not support yet is refused by name."""
 
 import pytest
