@@ -1,7 +1,8 @@
 """Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) from tiny random models saved
 by HF transformers: tokenmill's logits are HF's; greedy tokens through the engine are HF's generate
 for prompts of mixed lengths submitted together, with chunked prefill, preemption, n-gram
-speculation and a grammar on one request, under sync and async scheduling; the fused 3D expert
+speculation, a grammar on one request and prompt logprobs (HF's log-softmax) on another, under sync
+and async scheduling; the same under tensor, expert and data parallelism; the fused 3D expert
 layout loads as the per-expert one does; what MoE does not support yet is refused by name."""
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from tests.engine.conftest import assert_no_leaks, make_llm
 from tests.helpers import full_logits
+from tests.models.moe_helpers import EOS, FAMILIES, VOCAB, save_random_moe_model
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.errors import ModelLoadError
@@ -17,85 +19,6 @@ from tokenmill.models.config import arch_config_from_hf
 from tokenmill.models.presets import get_preset
 from tokenmill.sampling_params import SamplingParams
 
-VOCAB = 512
-EOS = VOCAB - 1  # the tokenizer's one special token
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=256, rms_norm_eps=1e-6, eos_token_id=EOS, bos_token_id=None, pad_token_id=EOS)
-
-
-def _config(family: str):
-    import transformers as tf
-
-    if family == "qwen3_moe":  # dense layer 1 (mlp_only_layers); renormalised top-k
-        return tf.Qwen3MoeConfig(**COMMON, num_hidden_layers=3, head_dim=16, intermediate_size=96,
-                                 moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-                                 mlp_only_layers=[1], rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    if family == "qwen2_moe":  # sparse layers 1 and 3 (decoder_sparse_step 2), a shared expert, qkv bias
-        return tf.Qwen2MoeConfig(**COMMON, num_hidden_layers=4, intermediate_size=96, moe_intermediate_size=32,
-                                 shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
-                                 norm_topk_prob=False, decoder_sparse_step=2)
-    if family == "mixtral":
-        return tf.MixtralConfig(**COMMON, num_hidden_layers=2, intermediate_size=32, num_local_experts=4,
-                                num_experts_per_tok=2, sliding_window=None)
-    if family == "olmoe":  # q/k norm over all heads; clip_qkv low enough to clip; one KV head (replicated at TP 2)
-        return tf.OlmoeConfig(**{**COMMON, "num_key_value_heads": 1}, num_hidden_layers=2, intermediate_size=32, num_experts=8,
-                              num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=1.5)
-    raise ValueError(family)
-
-
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
-
-
-def _byte_chars() -> dict[int, str]:
-    """GPT-2's printable stand-in for each byte (byte-level BPE vocabularies are written with it)."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    extra = iter(range(256, 512))
-    return {b: chr(b if b in printable else next(extra)) for b in range(256)}
-
-
-def _save_byte_tokenizer(path) -> None:
-    """A byte-level BPE tokenizer of exactly VOCAB tokens: the 256 bytes (id = byte), merges of
-    letters n-z and digits only (so a-m are single-byte tokens), and <eos> last."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = _byte_chars()
-    vocab = {chars[b]: b for b in range(256)}
-    pool = "nopqrstuvwxyz0123456789"
-    merges = [(a, b) for a in pool for b in pool][: VOCAB - 257]
-    for a, b in merges:
-        vocab[a + b] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
-    assert len(fast) == VOCAB and fast.eos_token_id == EOS
-    fast.save_pretrained(path)
-
-
-def _save_random_moe_model(family: str, path, seed: int = 0):
-    """HF's model with every parameter random (HF initialises norms to 1 and biases to 0), saved
-    with its tokenizer; the routers wider than the rest so that routing really varies by token."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(family), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.3)
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0)
-            else:
-                p.normal_(0.0, 0.05)
-    model.save_pretrained(path, safe_serialization=True)
-    _save_byte_tokenizer(path)
-    return model.eval()
-
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
@@ -103,7 +26,7 @@ def models(tmp_path_factory):
     out = {}
     for family in FAMILIES:
         path = tmp_path_factory.mktemp(family)
-        hf = _save_random_moe_model(family, path)
+        hf = save_random_moe_model(family, path)
         out[family] = (hf, load_model(str(path), dtype="float32", device="cpu"), path)
     return out
 
@@ -192,11 +115,20 @@ def test_busy_engine_greedy_matches_hf(family, async_scheduling, models, hf_gree
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     grammar = SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
                              structured_outputs={"regex": f"[{LETTERS[0]}-{LETTERS[-1]}]{{{NEW_TOKENS}}}"})
-    outs = llm.generate(prompts + [prompts[3]], [greedy] * len(prompts) + [grammar], use_tqdm=False)
+    prompt_lp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)  # chunked over 3 steps
+    outs = llm.generate(prompts + [prompts[3], prompts[3]], [greedy] * len(prompts) + [grammar, prompt_lp],
+                        use_tqdm=False)
     for i, (out, ref) in enumerate(zip(outs, refs)):
         assert out.outputs[0].token_ids == ref, f"{family}: prompt {i} ({len(prompts[i])} tokens)"
-    assert outs[-1].outputs[0].token_ids == grammar_ref
-    assert len(outs[-1].outputs[0].text) == NEW_TOKENS and set(outs[-1].outputs[0].text) <= set(LETTERS)
+    assert outs[-2].outputs[0].token_ids == grammar_ref
+    assert len(outs[-2].outputs[0].text) == NEW_TOKENS and set(outs[-2].outputs[0].text) <= set(LETTERS)
+    ids = prompts[3]
+    with torch.no_grad():
+        ref_lp = torch.log_softmax(models[family][0](torch.tensor([ids])).logits[0].float(), dim=-1)
+    lp = outs[-1].prompt_logprobs
+    assert lp[0] is None and len(lp) == len(ids)
+    for i in range(1, len(ids)):
+        assert abs(lp[i][ids[i]].logprob - ref_lp[i - 1, ids[i]].item()) < 1e-4, (family, i)
     engine = llm.engine
     assert engine.scheduler.num_preemptions > 0 and engine.spec_stats.accepted > 0
     assert_no_leaks(llm)

@@ -13,6 +13,7 @@ import sys
 import time
 import weakref
 from collections import deque
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -145,6 +146,9 @@ class LLMEngine:
         state = ParallelState()
         if data_parallel is not None and data_parallel.size > 1:
             state, self.lockstep = join_data_parallel(cfg, data_parallel, device, loaded)
+            if not cfg.enforce_eager:  # a replica would have to replay the agreed size's graph, not its own
+                logger.info("data parallelism with expert parallelism: steps run eager")
+                self.config = cfg = dataclasses.replace(cfg, enforce_eager=True)
         if self.executor is not None:
             self.loaded = self.executor.loaded
         else:

@@ -2,29 +2,72 @@
 
 The first load of a file converts it into an HF directory (config.json, model.safetensors,
 tokenizer files) in the user cache, keyed by the file's hash; later loads read that directory.
+Mixture-of-experts files (llama.cpp's layout: each layer's experts stacked in one 3D tensor per
+projection, `blk.N.ffn_{gate,up,down}_exps`; early Mixtral files: one tensor per expert,
+`blk.N.ffn_gate.E`) become HF's per-expert checkpoint names, written expert by expert.
 """
 
+import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
 from tokenmill.errors import ModelLoadError, UnsupportedArchitectureError
 from tokenmill.loader.gguf_dequant import dequantize
 from tokenmill.loader.gguf_reader import GGUFFile
+from tokenmill.loader.safetensors_weights import save_safetensors_streaming
 from tokenmill.logger import init_logger
 
 logger = init_logger(__name__)
 
 CACHE_FORMAT = "v2"  # bump when the converted layout changes (v2: config.json loads in HF transformers)
 
-_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-         "qwen3": "Qwen3ForCausalLM"}
+
+@dataclass(frozen=True)
+class _Family:
+    """How one GGUF architecture maps onto an HF one."""
+
+    architecture: str  # HF's name of the architecture, and its model type
+    model_type: str
+    # llama.cpp's converter interleaves the rotary halves of q/k rows for the archs that rotate
+    # adjacent pairs (llama, mistral); the NeoX-rotation archs (Qwen, OLMoE) keep HF's row order.
+    permute_qk: bool = False
+    # Mixture of experts: the HF module holding the router and experts (None: a dense model), each
+    # expert's gate/up/down names, the config field of the expert count.
+    moe_block: Optional[str] = None
+    expert_projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    experts_key: str = "num_experts"
+    # llama.cpp's top-k weight renormalisation for the arch when the file has no
+    # `{arch}.expert_weights_norm` (None: always, as Mixtral's softmax over the top k does).
+    renormalize: Optional[bool] = False
+    # The HF config can list layers without experts (Qwen's mlp_only_layers); elsewhere every layer has them.
+    dense_layers: bool = False
+    shared_expert: bool = False
+
+
+_DENSE = {
+    "llama": _Family("LlamaForCausalLM", "llama", permute_qk=True),
+    "mistral": _Family("MistralForCausalLM", "mistral", permute_qk=True),
+    "qwen2": _Family("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": _Family("Qwen3ForCausalLM", "qwen3"),
+}
+# llama.cpp writes Mixtral as arch "llama" with `llama.expert_count`; the others have archs of their own.
+_MOE = {
+    "llama": _Family("MixtralForCausalLM", "mixtral", permute_qk=True, moe_block="block_sparse_moe",
+                     expert_projs=("w1", "w3", "w2"), experts_key="num_local_experts", renormalize=None),
+    "qwen2moe": _Family("Qwen2MoeForCausalLM", "qwen2_moe", moe_block="mlp", dense_layers=True, shared_expert=True),
+    "qwen3moe": _Family("Qwen3MoeForCausalLM", "qwen3_moe", moe_block="mlp", renormalize=True, dense_layers=True),
+    "olmoe": _Family("OlmoeForCausalLM", "olmoe", moe_block="mlp"),
+}
+_SUPPORTED = "llama, mistral, qwen2, qwen3; with experts: llama (Mixtral), olmoe, qwen2moe, qwen3moe"
 
 # GGUF tensor name -> HF name ("{i}" is the layer index).
 _LAYER_NAMES = {
@@ -33,7 +76,19 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
+_ROUTER = "ffn_gate_inp"
+_SHARED_EXPERT_NAMES = {
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+# All experts of one projection stacked: gate/up [E, I, H], down [E, H, I] (torch order).
+_STACKED_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+# One expert's projection: llama.cpp's first Mixtral files (before April 2024), which it still reads.
+_SPLIT_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+# (HF name, shape, read): a weight to write, read (dequantized to float32) only when written.
+PlannedWeight = tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]
 
 
 def cache_root() -> str:
@@ -51,13 +106,23 @@ def file_digest(path: str) -> str:
     return h.hexdigest()
 
 
-def hf_config_from_gguf(gguf: GGUFFile) -> dict[str, Any]:
+def _family(gguf: GGUFFile) -> tuple[str, _Family]:
+    """The file's GGUF architecture and its HF family; an unsupported one is refused by name."""
     md = gguf.metadata
     arch = md.get("general.architecture")
-    if arch not in _ARCH:
+    experts = int(md.get(f"{arch}.expert_count") or 0)
+    has_experts = experts or any(_STACKED_EXPERTS.fullmatch(n) or _SPLIT_EXPERT.fullmatch(n) for n in gguf.tensors)
+    family = _MOE.get(arch) if has_experts or arch not in _DENSE else _DENSE[arch]
+    if family is None:
+        what = f" with {experts or 'its'} experts (a mixture of experts)" if has_experts else ""
         raise UnsupportedArchitectureError(
-            f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCH)})"
-        )
+            f"GGUF architecture {arch!r}{what} is not supported (supported: {_SUPPORTED})")
+    return arch, family
+
+
+def hf_config_from_gguf(gguf: GGUFFile) -> dict[str, Any]:
+    md = gguf.metadata
+    arch, family = _family(gguf)
 
     def get(key: str, default=None):
         value = md.get(f"{arch}.{key}", default)
@@ -71,8 +136,8 @@ def hf_config_from_gguf(gguf: GGUFFile) -> dict[str, Any]:
     vocab = int(md.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
     eos = md.get("tokenizer.ggml.eos_token_id")
     cfg = {
-        "architectures": [_ARCH[arch]],
-        "model_type": arch,  # GGUF's architecture names are HF's model types for these four
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "hidden_act": "silu",
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
@@ -89,10 +154,74 @@ def hf_config_from_gguf(gguf: GGUFFile) -> dict[str, Any]:
         "eos_token_id": None if eos is None else int(eos),
         "torch_dtype": "float32",
     }
+    if family.moe_block is not None:
+        cfg.update(_moe_config(gguf, arch, family, cfg, get))
     if "rope_freqs.weight" in gguf.tensors:
         info = gguf.tensors["rope_freqs.weight"]
         cfg["rope_freq_factors"] = dequantize(gguf.raw(info), info.ggml_type, info.shape).float().tolist()
     return cfg
+
+
+def _moe_config(gguf: GGUFFile, arch: str, family: _Family, cfg: dict[str, Any], get) -> dict[str, Any]:
+    """The HF config fields of a mixture-of-experts file: from its metadata, checked against (or,
+    where llama.cpp writes no key, read from) the shapes of its tensors."""
+    md, tensors = gguf.metadata, gguf.tensors
+    num_experts = int(get("expert_count"))
+    fields: dict[str, Any] = {family.experts_key: num_experts, "num_experts_per_tok": int(get("expert_used_count"))}
+    func = md.get(f"{arch}.expert_gating_func")
+    if func is not None and int(func) != 1:  # gguf's ExpertGatingFuncType: 1 softmax, 2 sigmoid
+        raise ModelLoadError(f"GGUF file {gguf.path}: expert_gating_func {int(func)} is not supported "
+                             "(tokenmill routes by softmax)")
+    scale = md.get(f"{arch}.expert_weights_scale")
+    if scale is not None and float(scale) != 1.0:
+        raise ModelLoadError(f"GGUF file {gguf.path}: expert_weights_scale {scale} is not supported")
+
+    layers = range(cfg["num_hidden_layers"])
+    sparse = [i for i in layers if f"blk.{i}.{_ROUTER}.weight" in tensors]
+    dense = [i for i in layers if i not in sparse]
+    if not sparse:
+        raise ModelLoadError(f"GGUF file {gguf.path} says {num_experts} experts but no layer has a router "
+                             f"(blk.N.{_ROUTER}.weight)")
+    if dense and not family.dense_layers:
+        raise ModelLoadError(f"GGUF file {gguf.path}: layers {dense} have no experts; {family.architecture} "
+                             "has experts on every layer")
+    if family.dense_layers:
+        fields.update(decoder_sparse_step=1, mlp_only_layers=dense)
+
+    def width(tensor: str, key: str, dim: int) -> Optional[int]:
+        """A width from the first sparse layer's tensor, which must agree with the metadata key if present."""
+        info = tensors.get(f"blk.{sparse[0]}.{tensor}.weight")
+        from_key = md.get(f"{arch}.{key}")
+        if info is None:
+            return None if from_key is None else int(from_key)
+        if from_key is not None and int(from_key) != info.shape[dim]:
+            raise ModelLoadError(f"GGUF file {gguf.path}: {arch}.{key} is {from_key}, but "
+                                 f"blk.{sparse[0]}.{tensor}.weight has shape {info.shape}")
+        return info.shape[dim]
+
+    expert_width = width("ffn_gate_exps", "expert_feed_forward_length", 1) or \
+        width("ffn_gate.0", "expert_feed_forward_length", 0)
+    if expert_width is None:
+        raise ModelLoadError(f"GGUF file {gguf.path} lacks blk.{sparse[0]}.ffn_gate_exps.weight")
+    # Qwen's config holds the experts' width apart from the dense layers'; Mixtral's and OLMoE's in intermediate_size.
+    fields["moe_intermediate_size" if family.dense_layers else "intermediate_size"] = expert_width
+    if family.shared_expert:
+        fields["shared_expert_intermediate_size"] = width("ffn_gate_shexp", "expert_shared_feed_forward_length", 0) or 0
+
+    norm = md.get(f"{arch}.expert_weights_norm")
+    if family.renormalize is None:
+        if norm is not None and not norm:
+            raise ModelLoadError(f"GGUF file {gguf.path}: {arch}.expert_weights_norm is false, but "
+                                 f"{family.architecture} always renormalises the top-k weights")
+    else:
+        fields["norm_topk_prob"] = family.renormalize if norm is None else bool(norm)
+    if arch == "qwen2moe":
+        fields["qkv_bias"] = f"blk.{sparse[0]}.attn_q.bias" in tensors
+    if arch == "olmoe" and md.get("olmoe.attention.clamp_kqv") is not None:
+        fields["clip_qkv"] = float(md["olmoe.attention.clamp_kqv"])
+    if family.model_type == "mixtral":
+        fields["sliding_window"] = None  # llama.cpp's Mixtral attends to the whole context
+    return fields
 
 
 def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -105,30 +234,73 @@ def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, family: _Family) -> str:
     base, _, suffix = name.rpartition(".")
     if base.startswith("blk."):
         _, idx, piece = base.split(".", 2)
-        if piece not in _LAYER_NAMES:
-            raise ModelLoadError(f"unexpected GGUF tensor {name}")
-        return f"model.layers.{idx}.{_LAYER_NAMES[piece]}.{suffix}"
+        hf = _LAYER_NAMES.get(piece)
+        if family.moe_block is not None and piece == _ROUTER:
+            hf = f"{family.moe_block}.gate"
+        elif family.shared_expert:
+            hf = _SHARED_EXPERT_NAMES.get(piece, hf)
+        if hf is None:
+            raise ModelLoadError(f"GGUF tensor {name} is not part of the {family.architecture} layout tokenmill reads")
+        return f"model.layers.{idx}.{hf}.{suffix}"
     if base in _TOP_NAMES:
         return f"{_TOP_NAMES[base]}.{suffix}"
-    raise ModelLoadError(f"unexpected GGUF tensor {name}")
+    raise ModelLoadError(f"GGUF tensor {name} is not part of the {family.architecture} layout tokenmill reads")
 
 
-def iter_gguf_weights(gguf: GGUFFile, cfg: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every weight, dequantized and with q/k rows restored."""
-    llama_layout = gguf.metadata.get("general.architecture") in ("llama", "mistral")
+def _read(gguf: GGUFFile, info, shape: tuple[int, ...], expert: Optional[int] = None,
+          heads: Optional[int] = None) -> torch.Tensor:
+    """One tensor (or one expert's slab of a stacked one) as float32 of `shape`; `heads`: undo
+    llama.cpp's q/k row interleave over that many heads."""
+    raw, stored = gguf.raw(info), info.shape
+    if expert is not None:
+        # Expert e's rows are bytes [e * n, (e + 1) * n): rows are whole quantization blocks.
+        n = info.nbytes // stored[0]
+        raw, stored = raw[expert * n : (expert + 1) * n], stored[1:]
+    tensor = dequantize(raw, info.ggml_type, stored).float().reshape(shape)
+    return _unpermute_rows(tensor, heads) if heads else tensor
+
+
+def _expert_name(family: _Family, layer, expert, proj: str) -> str:
+    """HF's checkpoint name of one expert's projection ("gate", "up" or "down")."""
+    hf_proj = family.expert_projs[("gate", "up", "down").index(proj)]
+    return f"model.layers.{layer}.{family.moe_block}.experts.{expert}.{hf_proj}.weight"
+
+
+def plan_gguf_weights(gguf: GGUFFile, cfg: dict[str, Any]) -> list[PlannedWeight]:
+    """Every HF weight of the file with its shape, each read only when asked for: a stacked expert
+    tensor becomes one weight per expert (HF's per-expert checkpoint names), read slab by slab."""
+    _, family = _family(gguf)
+    # Rows to restore, for the archs llama.cpp permutes (k with the KV head count, as it permuted them).
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]} if family.permute_qk else {}
+    plan: list[PlannedWeight] = []
     for name, info in gguf.tensors.items():
         if name == "rope_freqs.weight":
+            continue  # in config.json (rope_freq_factors)
+        stacked, split = _STACKED_EXPERTS.fullmatch(name), _SPLIT_EXPERT.fullmatch(name)
+        if stacked is not None:
+            layer, proj = stacked.groups()
+            num = cfg[family.experts_key]
+            if len(info.shape) != 3 or info.shape[0] != num:
+                raise ModelLoadError(f"GGUF tensor {name} has shape {info.shape}; expected [{num}, rows, columns]")
+            plan += [(_expert_name(family, layer, e, proj), info.shape[1:],
+                      functools.partial(_read, gguf, info, info.shape[1:], expert=e)) for e in range(num)]
             continue
-        tensor = dequantize(gguf.raw(info), info.ggml_type, info.shape).float()
-        if llama_layout and ".attn_q." in name:
-            tensor = _unpermute_rows(tensor, cfg["num_attention_heads"])
-        elif llama_layout and ".attn_k." in name:
-            tensor = _unpermute_rows(tensor, cfg["num_key_value_heads"])
-        yield _hf_name(name), tensor
+        if split is not None:
+            layer, proj, expert = split.groups()
+            plan.append((_expert_name(family, layer, expert, proj), info.shape,
+                         functools.partial(_read, gguf, info, info.shape)))
+            continue
+        piece = name.split(".")[2] if name.startswith("blk.") else None
+        shape = info.shape
+        if piece == "ffn_gate_inp_shexp" and len(shape) == 1:
+            shape = (1, *shape)  # llama.cpp keeps the shared expert's gate as [H]; HF's is a [1, H] Linear
+        plan.append((_hf_name(name, family), shape,
+                     functools.partial(_read, gguf, info, shape, heads=heads.get(piece))))
+    return plan
 
 
 def _build_tokenizer(gguf: GGUFFile):
@@ -144,10 +316,20 @@ def _build_tokenizer(gguf: GGUFFile):
     return AutoTokenizer.from_pretrained(os.path.dirname(gguf.path), gguf_file=os.path.basename(gguf.path))
 
 
+def _write_hf_dir(directory: str, gguf: GGUFFile, cfg: dict[str, Any], tokenizer) -> None:
+    # Tensor by tensor (a stacked expert tensor expert by expert): the host holds one, not the model.
+    save_safetensors_streaming(os.path.join(directory, "model.safetensors"), plan_gguf_weights(gguf, cfg),
+                               metadata={"format": "pt", "source": os.path.basename(gguf.path)})
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    with open(os.path.join(directory, "source.json"), "w") as f:
+        json.dump({"gguf": os.path.abspath(gguf.path)}, f)
+
+
 def convert_gguf_to_hf_dir(path: str) -> str:
     """The cached HF directory for this GGUF file, converting it on first use."""
-    from safetensors.torch import save_file
-
     if not os.path.isfile(path):
         raise ModelLoadError(f"GGUF file not found: {path}")
     started = time.perf_counter()
@@ -157,27 +339,20 @@ def convert_gguf_to_hf_dir(path: str) -> str:
     gguf = GGUFFile(path)
     try:
         cfg = hf_config_from_gguf(gguf)
-        weights = dict(iter_gguf_weights(gguf, cfg))
         tokenizer = _build_tokenizer(gguf)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".convert-", dir=os.path.dirname(target))
+        try:
+            _write_hf_dir(tmp, gguf, cfg, tokenizer)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     finally:
         gguf.close()
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".convert-", dir=os.path.dirname(target))
     try:
-        save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"source": os.path.basename(path)})
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=1)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        with open(os.path.join(tmp, "source.json"), "w") as f:
-            json.dump({"gguf": os.path.abspath(path)}, f)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process converted it first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
+        os.rename(tmp, target)
+    except OSError:  # another process converted it first
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
     logger.info("converted %s to %s in %.1fs", path, target, time.perf_counter() - started)
     return target
 

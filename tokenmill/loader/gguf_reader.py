@@ -23,7 +23,7 @@ _SCALARS = {
     6: ("<f", 4), 7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8),
 }
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
-_STRING, _ARRAY = 8, 9
+_STRING, _ARRAY, _FLOAT32 = 8, 9, 6
 
 
 @dataclass
@@ -57,6 +57,10 @@ class _Cursor:
         return raw.decode("utf-8", errors="replace")
 
     def value(self, vtype: int) -> Any:
+        if vtype == _FLOAT32:
+            # The shortest decimal with this float32 value: what the writer was given (1e-06, not
+            # 9.99999997e-07), so config.json says what the original config said.
+            return float(str(np.float32(self.unpack("<f", 4))))
         if vtype in _SCALARS:
             return self.unpack(*_SCALARS[vtype])
         if vtype == _STRING:
