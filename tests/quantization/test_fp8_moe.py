@@ -31,7 +31,7 @@ import torch
 
 from tests.engine.conftest import make_llm
 from tests.helpers import full_logits
-from tests.models.test_moe_families import COMMON, VOCAB, _save_byte_tokenizer, _save_random_moe_model
+from tests.models.moe_helpers import COMMON, VOCAB, save_byte_tokenizer, save_random_moe_model
 from tests.quantization.test_fp8_blockwise import QC, _block_quantize
 from tokenmill.errors import ModelLoadError
 from tokenmill.kernels.fused_moe import dequantize_experts_fp8
@@ -102,7 +102,7 @@ def _dequantized_from(fp8_model, full_model) -> None:
 def online(tmp_path_factory):
     """(HF fp32 model, tokenmill's FP8 load of it, tokenmill's load of the dequantized checkpoint)."""
     root = tmp_path_factory.mktemp("fp8_moe")
-    hf = _save_random_moe_model("qwen3_moe", root / "hf")
+    hf = save_random_moe_model("qwen3_moe", root / "hf")
 
     def round_trip(name, t):
         return {name: dequantize_weight_fp8(*quantize_weight_fp8(t), torch.float32)}
@@ -210,7 +210,7 @@ def _save_wide_qwen3_moe(path, seed: int = 3):
             else:
                 p.normal_(0.0, 0.05)
     model.save_pretrained(path, safe_serialization=True)
-    _save_byte_tokenizer(path)
+    save_byte_tokenizer(path)
 
 
 @pytest.fixture(scope="module")
