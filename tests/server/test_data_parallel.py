@@ -50,7 +50,7 @@ def _send(b: ReplicaBalancer, loads, keys) -> Placement:
     return p
 
 
-def test_prefix_keys_cover_full_blocks_only_and_depend_on_the_adapter():
+def test_prefix_keys_cover_full_blocks_only_and_depend_on_the_adapter_and_salt():
     b = _balancer(affinity_blocks=3)
     assert b.prefix_keys([1, 2, 3]) == []  # no full block
     keys = b.prefix_keys(list(range(10)))
@@ -59,6 +59,8 @@ def test_prefix_keys_cover_full_blocks_only_and_depend_on_the_adapter():
     assert len(b.prefix_keys(list(range(100)))) == 3  # at most affinity_blocks
     assert b.prefix_keys(list(range(8)))[:1] == b.prefix_keys([0, 1, 2, 3, 7, 7, 7, 7])[:1]
     assert b.prefix_keys(list(range(8)), lora_id=1) != b.prefix_keys(list(range(8)))
+    salted = b.prefix_keys(list(range(8)), cache_salt="tenant-a")
+    assert salted != b.prefix_keys(list(range(8))) and salted != b.prefix_keys(list(range(8)), cache_salt="tenant-b")
 
 
 def test_least_loaded_wins_and_ties_alternate():

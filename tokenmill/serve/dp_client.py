@@ -25,7 +25,7 @@ whole server run unchanged on top of it:
 Balancing (ReplicaBalancer, plain Python, no processes): a replica's load is its waiting + running
 sequences from its latest step message plus the sequences sent to it since that the message did not
 count yet. The prefix key of a prompt is a chain of hashes over its first AFFINITY_BLOCKS full
-blocks of block_size tokens (and its LoRA adapter: adapters do not share cached blocks); a bounded
+blocks of block_size tokens (and its LoRA adapter and cache salt: neither shares cached blocks); a bounded
 LRU map remembers which replica last served each key. A new request goes to the replica of its
 longest remembered key if that replica's load is at most min + max(ABS_MARGIN, REL_MARGIN x min)
 (min: the least load of any replica), else to the least loaded replica (ties in turn, so an idle
@@ -97,10 +97,11 @@ class ReplicaBalancer:
         self._owners: OrderedDict[int, int] = OrderedDict()  # prefix key -> replica that last served it
         self._next_tie = 0
 
-    def prefix_keys(self, prompt_ids: Sequence[int], lora_id: int = 0) -> list[int]:
-        """The keys of the prompt's first 1, 2, ... affinity_blocks full blocks (shortest first)."""
+    def prefix_keys(self, prompt_ids: Sequence[int], lora_id: int = 0, cache_salt: Optional[str] = None) -> list[int]:
+        """The keys of the prompt's first 1, 2, ... affinity_blocks full blocks (shortest first);
+        requests of other adapters or cache salts share no cached blocks, so they get other keys."""
         bs = self.config.block_size
-        keys, parent = [], hash(("tokenmill-dp", lora_id))
+        keys, parent = [], hash(("tokenmill-dp", lora_id, cache_salt))
         for b in range(min(self.config.affinity_blocks, len(prompt_ids) // bs)):
             parent = hash((parent, tuple(prompt_ids[b * bs:(b + 1) * bs])))
             keys.append(parent)
@@ -385,7 +386,8 @@ class DPEngineClient:
                     lora_request: Optional[LoRARequest] = None) -> str:
         if request_id in self._owner:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        keys = self.balancer.prefix_keys(prompt_ids, lora_request.lora_int_id if lora_request is not None else 0)
+        keys = self.balancer.prefix_keys(prompt_ids, lora_request.lora_int_id if lora_request is not None else 0,
+                                         params.cache_salt)
         placement = self.balancer.choose(self.loads(), keys)
         i = placement.replica
         try:
