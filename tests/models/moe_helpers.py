@@ -60,12 +60,18 @@ def save_byte_tokenizer(path) -> None:
 
 
 def save_random_moe_model(family: str, path, seed: int = 0):
-    """HF's model with every parameter random (HF initialises norms to 1 and biases to 0), saved
-    with its tokenizer; the routers wider than the rest so that routing really varies by token."""
+    """The family's tiny HF model with every parameter random, saved with its tokenizer."""
+    return save_random_model(hf_moe_config(family), path, seed)
+
+
+def save_random_model(config, path, seed: int = 0):
+    """HF's model of `config` with every parameter random (HF initialises norms to 1 and biases to
+    0), saved with its tokenizer; the routers wider than the rest so that routing really varies by
+    token."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_moe_config(family), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

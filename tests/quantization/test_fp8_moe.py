@@ -31,7 +31,7 @@ import torch
 
 from tests.engine.conftest import make_llm
 from tests.helpers import full_logits
-from tests.models.moe_helpers import COMMON, VOCAB, save_byte_tokenizer, save_random_moe_model
+from tests.models.moe_helpers import COMMON, VOCAB, save_random_model, save_random_moe_model
 from tests.quantization.test_fp8_blockwise import QC, _block_quantize
 from tokenmill.errors import ModelLoadError
 from tokenmill.kernels.fused_moe import dequantize_experts_fp8
@@ -192,25 +192,11 @@ def _save_wide_qwen3_moe(path, seed: int = 3):
     """A Qwen3-MoE whose expert projections span several 128 x 128 blocks (hidden 256, expert
     width 160: 2 x 2 blocks, the last ragged), every layer sparse."""
     import transformers as tf
-    from transformers import AutoModelForCausalLM
 
     cfg = tf.Qwen3MoeConfig(**{**COMMON, "hidden_size": 256}, num_hidden_layers=2, head_dim=64,
                             intermediate_size=320, moe_intermediate_size=160, num_experts=4, num_experts_per_tok=2,
                             norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.3)
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0)
-            else:
-                p.normal_(0.0, 0.05)
-    model.save_pretrained(path, safe_serialization=True)
-    save_byte_tokenizer(path)
+    save_random_model(cfg, path, seed)
 
 
 @pytest.fixture(scope="module")
