@@ -18,8 +18,11 @@ from tokenmill.layers.linear import (ADD_RMSNORM, SILU_MUL, MergedColumnParallel
                                      RowParallelLinear, default_weight_loader)
 from tokenmill.layers.norm import RMSNorm, ShardedRMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, rope_inv_freq
+from tokenmill.logger import init_logger
 from tokenmill.models.config import ModelArchConfig
 from tokenmill.models.interface import AttentionSpec
+
+logger = init_logger(__name__)
 
 
 def _norm_then_project(proj, hidden: torch.Tensor, residual: Optional[torch.Tensor], norm: RMSNorm):
@@ -157,8 +160,11 @@ def build_rotary(cfg: ModelArchConfig, max_positions: int, device) -> RotaryEmbe
     r = cfg.rope
     factors, scale = r.freq_factors, 1.0
     if r.kind == "longrope":
-        factors = r.long_factor if max_positions > r.original_max_position else r.short_factor
+        long = max_positions > r.original_max_position
+        factors = r.long_factor if long else r.short_factor
         scale = r.attention_factor
+        logger.info("LongRoPE: %s factors for every sequence (context length %d %s the original %d)",
+                    "long" if long else "short", max_positions, ">" if long else "<=", r.original_max_position)
     inv_freq = rope_inv_freq(cfg.rotary_dim, r.theta, r.kind, r.factor, r.low_freq_factor, r.high_freq_factor,
                              r.original_max_position, factors)
     return RotaryEmbedding(cfg.head_dim, max_positions, inv_freq, device=device, scale=scale)
