@@ -162,17 +162,21 @@ ENGINES = {"short": (ORIG, dict(max_num_batched_tokens=16, num_kv_blocks=5, spec
 
 @pytest.fixture(scope="module")
 def hf_greedy(models):
-    """(kind, context) -> HF generate's greedy continuation of each prompt alone (EOS never ends it)."""
+    """(kind, context) -> HF generate's greedy continuation of each prompt (EOS never ends it). The
+    prompts of one context go in one left-padded batch (the same tokens as one at a time): all of
+    them, outputs included, are on the same side of ORIG, so HF's per-forward factor choice (by the
+    batch's largest position) is each row's own."""
     out = {}
     for kind, (hf, _, _, _) in models.items():
         for context in ENGINES:
-            refs = []
-            for ids in _prompts(context):
-                with torch.no_grad():
-                    seq = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                      do_sample=False, pad_token_id=EOS)
-                refs.append(seq[0, len(ids):].tolist())
-            out[kind, context] = refs
+            prompts = _prompts(context)
+            width = max(map(len, prompts))
+            ids = torch.tensor([[EOS] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            with torch.no_grad():
+                seqs = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                   do_sample=False, pad_token_id=EOS)
+            out[kind, context] = seqs[:, width:].tolist()
     return out
 
 
