@@ -18,6 +18,7 @@ import torch
 from tests.engine.conftest import assert_no_leaks, make_llm
 from tests.helpers import full_logits
 from tests.models.moe_helpers import EOS, VOCAB, save_byte_tokenizer
+from tokenmill.config import ConfigError
 from tokenmill.loader import load_model
 from tokenmill.models.config import arch_config_from_hf
 from tokenmill.models.llama import build_rotary
@@ -222,3 +223,8 @@ def test_phi4_mini_preset():
     assert arch.architecture == "Phi3ForCausalLM" and arch.rotary_dim == 96 and arch.tie_word_embeddings
     assert arch.rope.kind == "longrope" and arch.rope.original_max_position == 4096
     assert 3.8e9 < arch.num_parameters() < 3.9e9
+
+
+def test_lora_refused(models):
+    with pytest.raises(ConfigError, match="enable_lora: LoRA adapters on Phi3ForCausalLM"):
+        make_llm(models["phi3"][1], max_model_len=ORIG, enable_lora=True)

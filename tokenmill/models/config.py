@@ -173,6 +173,8 @@ class ArchitectureSpec:
     moe: Optional[MoESpec] = None
     # The config's partial_rotary_factor is honoured (Phi-3's family; others ignore it, as HF does).
     partial_rotary: bool = False
+    # LoRA adapters can be applied (Phi-3's name the fused qkv_proj / gate_up_proj, not mapped yet).
+    lora: bool = True
     # Checkpoint name pieces the family writes otherwise than the Llama/Qwen layout, and ours.
     weight_renames: tuple[tuple[str, str], ...] = ()
 
@@ -192,7 +194,7 @@ _ARCHITECTURES = {
                          moe=MoESpec(expert_size_key="intermediate_size", renormalize_key=None),
                          weight_renames=((".block_sparse_moe.", ".mlp."),)),
         # Phi-3 / Phi-3.5 / Phi-4-mini: fused qkv_proj / gate_up_proj in the checkpoint (models/phi3.py).
-        ArchitectureSpec("Phi3ForCausalLM", sliding_window="all", partial_rotary=True),
+        ArchitectureSpec("Phi3ForCausalLM", sliding_window="all", partial_rotary=True, lora=False),
         ArchitectureSpec("OlmoeForCausalLM", qk_norm=True, qk_norm_per_head=False, clip_qkv=True,
                          moe=MoESpec(expert_size_key="intermediate_size")),
     )
