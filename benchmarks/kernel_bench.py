@@ -13,8 +13,9 @@ achieved bandwidth, each row count's time over one row's):
 
     python benchmarks/kernel_bench.py --skip-attention --skip-small-ops --models llama3.1-8b [--skinny-rows 1,4]
 
-The mixture-of-experts MLPs (kernels/fused_moe.py: the Triton paths against torch._grouped_mm) at
-Qwen3-30B-A3B and Mixtral-8x7B shapes, 1 to 8192 tokens:
+The mixture-of-experts MLPs (kernels/fused_moe.py: the Triton paths against torch._grouped_mm, and
+the Triton paths with e4m3 experts beside them) at Qwen3-30B-A3B and Mixtral-8x7B shapes, 1 to 8192
+tokens:
 
     python benchmarks/kernel_bench.py --skip-attention --skip-small-ops --skip-skinny [--moe-tokens 1,64]
 
@@ -576,17 +577,30 @@ def _timed(fn: Callable[[], object]) -> tuple[float, bool]:
         return median_ms(fn), False
 
 
+def _fp8_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(w13_q, w13_scale, w2_q, w2_scale): the experts in e4m3, quantized per expert and row."""
+    from tokenmill.quantization.fp8 import quantize_weight_fp8
+
+    out = []
+    for w in (w13, w2):
+        pairs = [quantize_weight_fp8(w[e]) for e in range(w.shape[0])]
+        out += [torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])]
+    return tuple(out)
+
+
 def bench_moe(rec: Recorder, m: MoeModel, token_counts: list[int]) -> list[dict]:
     """The experts' MLPs at T tokens, routed by softmax top-k over random logits: fused_moe_triton
     at its own path choice (and, up to MOE_BOTH_PATHS_UP_TO tokens, each path forced) against
-    torch._grouped_mm (fused_moe.grouped_mm_moe), plus the routing and the token sort alone.
-    TFLOP/s counts the routed pairs' products (6 H I flops a pair); GB/s the weight bytes of the
-    experts the routing chose, each read once."""
+    torch._grouped_mm (fused_moe.grouped_mm_moe), the same Triton paths with the experts in e4m3
+    (per-row scales, layers/fp8_moe.py's form; rows "triton fp8 ..."), plus the routing and the
+    token sort alone. TFLOP/s counts the routed pairs' products (6 H I flops a pair); GB/s the
+    weight bytes of the experts the routing chose, each read once (one byte a weight for e4m3)."""
     E, H, inter, k = m.num_experts, m.hidden, m.intermediate, m.top_k
     esz = torch.tensor([], dtype=DTYPE).element_size()
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     w13 = torch.randn(E, 2 * inter, H, device=DEVICE, dtype=DTYPE, generator=gen) / H ** 0.5
     w2 = torch.randn(E, H, inter, device=DEVICE, dtype=DTYPE, generator=gen) / inter ** 0.5
+    fp8 = _fp8_experts(w13, w2)
     summary = []
     for T in token_counts:
         x = torch.randn(T, H, device=DEVICE, dtype=DTYPE, generator=gen)
@@ -609,6 +623,16 @@ def bench_moe(rec: Recorder, m: MoeModel, token_counts: list[int]) -> list[dict]
             ms, graphed = _timed(fn)
             rec.add("moe", m.name, shape, ms, nbytes=nbytes, flops=flops, config=label, rel_err=float(f"{err:.2e}"),
                     graph=graphed)
+            row[label] = round(ms, 5)
+        ref8 = fused_moe.fused_moe_fp8_ref(x, *fp8, weights, ids)
+        for label, cfg in variants:
+            label = label.replace("triton", "triton fp8", 1)
+            fn = lambda cfg=cfg: fused_moe.fused_moe_triton(  # noqa: E731
+                x, fp8[0], fp8[2], weights, ids, config=cfg, w13_scale=fp8[1], w2_scale=fp8[3])
+            err = rel_err_of(fn(), ref8)
+            ms, graphed = _timed(fn)
+            rec.add("moe", m.name, shape, ms, nbytes=nbytes // esz, flops=flops, config=label,
+                    rel_err=float(f"{err:.2e}"), graph=graphed)
             row[label] = round(ms, 5)
         try:
             fn = lambda: fused_moe.grouped_mm_moe(x, w13, w2, weights, ids)  # noqa: E731
@@ -742,7 +766,8 @@ def main() -> None:
         for c, v in t["sweep"].items():
             print(f"      {c:14s} {v['ms']:.4f} ms  {v['pct_of_copy']}% of copy  err {v['rel_err']}")
     if moe_rows:
-        print("\nmixture of experts (ms, CUDA graphs): Triton at its path choice, each path forced, torch._grouped_mm")
+        print("\nmixture of experts (ms, CUDA graphs): Triton at its path choice, each path forced, the same with "
+              "e4m3 experts (fp8), torch._grouped_mm")
         for r in moe_rows:
             times = "  ".join(f"{name} {ms}" for name, ms in r.items() if name.startswith(("triton", "torch")))
             print(f"  {r['model']:14s} T={r['tokens']:<5d} experts read {r['experts_read']:3d}  {times}")

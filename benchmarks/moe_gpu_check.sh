@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The fused-MoE kernels on the GPU in one call: their GPU tests (sweeps against the torch reference, no
-# host sync, graph capture, torch._grouped_mm), the kernel bench's moe section (Triton against
-# torch._grouped_mm at Qwen3-30B-A3B and Mixtral shapes) and the tile sweep (benchmarks/moe_tune.py);
-# on request the MoE workloads: latency-moe, offline-moe, and offline-moe's first COMPARE_PROMPTS
-# requests beside HF transformers (its Qwen3MoeForCausalLM; the whole workload would take it too long).
+# The fused-MoE kernels on the GPU in one call: their GPU tests (sweeps against the torch reference with
+# 16-bit and e4m3 experts, no host sync, graph capture, torch._grouped_mm, a tiny FP8 MoE model), the
+# kernel bench's moe section (Triton, bf16 and e4m3 experts, against torch._grouped_mm at Qwen3-30B-A3B
+# and Mixtral shapes) and the tile sweep (benchmarks/moe_tune.py); on request the MoE workloads:
+# latency-moe, offline-moe, and offline-moe's first COMPARE_PROMPTS requests beside HF transformers (its
+# Qwen3MoeForCausalLM; the whole workload would take it too long).
 #   OUT=/tmp/x bash benchmarks/moe_gpu_check.sh
 #   OUT=/tmp/x PARTS="latency offline compare" bash benchmarks/moe_gpu_check.sh   # the bench workloads
 #   knobs: PARTS (default "tests kbench tune"; also latency, offline, compare), T (seconds a part may
@@ -22,7 +23,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > 
 git rev-parse HEAD > "$OUT/git.txt" 2>&1
 
 part tests "$PY" -m pytest -q -rs --maxfail=8 -p no:cacheprovider -m gpu --junitxml "$OUT/moe_tests.xml" \
-    tests/kernels/test_fused_moe.py
+    tests/kernels/test_fused_moe.py tests/quantization/test_fp8_moe.py
 part kbench "$PY" benchmarks/kernel_bench.py --skip-small-ops --skip-skinny --skip-attention --out "$OUT/kernel_bench.json"
 part tune "$PY" benchmarks/moe_tune.py ${TUNE_ARGS:---quick} --out "$OUT/moe_tune.json"
 # Qwen3-30B-A3B's bf16 weights take 61 GB: on an 80 GB card the KV cache gets what is left.

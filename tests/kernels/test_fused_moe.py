@@ -1,5 +1,6 @@
 """Mixture-of-experts: the Triton routing, token sort, grouped GEMM and GEMV paths against the torch
-references (kernels/fused_moe.py), the tile tables' rules, and torch._grouped_mm's path."""
+references (kernels/fused_moe.py), with 16/32-bit and e4m3 (per-row scaled) expert weights, the tile
+tables' rules, and torch._grouped_mm's path."""
 
 import ast
 import importlib.util
@@ -22,6 +23,18 @@ def _experts(T, H, I, E, dtype, device, seed=0):
     w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(device, dtype)
     w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(device, dtype)
     return x, w13, w2
+
+
+def _fp8(w13, w2):
+    """The experts quantized per expert and output row as layers/fp8_moe.py does: (w13_q, w13_scale,
+    w2_q, w2_scale), the e4m3 weights and their fp32 scales [E, N]."""
+    from tokenmill.quantization.fp8 import quantize_weight_fp8
+
+    out = []
+    for w in (w13, w2):
+        pairs = [quantize_weight_fp8(w[e]) for e in range(w.shape[0])]
+        out += [torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])]
+    return tuple(out)
 
 
 def _routing(T, E, k, device, kind="random", seed=0, dtype=torch.float32):
@@ -216,6 +229,50 @@ def test_fused_moe_dispatcher_on_cpu_is_the_reference():
     assert torch.equal(fm.fused_moe(x, w13, w2, weights, ids), fm.fused_moe_ref(x, w13, w2, weights, ids))
 
 
+FP8_CASES = [  # (T, H, I, E, k, routing kind, dtype): k = 1 and k = 8, -1 slots, experts with no tokens
+    (5, 32, 24, 8, 2, "ep", torch.float32),
+    (5, 32, 24, 8, 2, "ep", torch.bfloat16),
+    (3, 32, 16, 8, 8, "random", torch.float32),
+    (9, 32, 16, 9, 3, "sparse", torch.float32),
+    (33, 32, 16, 4, 1, "random", torch.float32),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: _moe_case_id(c[:6]) + "-" + str(c[6])[6:])
+def test_fused_moe_fp8_matches_ref(device, case, nan_empty):
+    """e4m3 experts with per-row scales on both paths against the dequantized reference (the
+    interpreter's cost keeps the cases few: the CUDA sweep below covers real shapes)."""
+    T, H, I, E, k, kind, dtype = case
+    x, w13, w2 = _experts(T, H, I, E, torch.float32, device, seed=T + k)
+    x = x.to(dtype)
+    w13_q, w13_s, w2_q, w2_s = _fp8(w13, w2)
+    weights, ids = _routing(T, E, k, device, kind, seed=T)
+    ref = fm.fused_moe_fp8_ref(x, w13_q, w13_s, w2_q, w2_s, weights, ids)
+    # Triton's interpreter rounds to bf16 by truncation, which the five roundings compound
+    tol = 4 * TOL[dtype] if device == "cpu" and dtype == torch.bfloat16 else TOL[dtype]
+    for path in PATHS:
+        if path == "gemv" and T > 17 and device == "cpu":
+            continue  # the interpreter runs a program per pair: decode sizes only
+        cfg = fm.moe_config(E, I, H, T, k, dtype, path=path)
+        out = fm.fused_moe_triton(x, w13_q, w2_q, weights, ids, config=cfg, w13_scale=w13_s, w2_scale=w2_s)
+        assert out.dtype == dtype
+        assert rel_err(out, ref) < tol, (path, case)
+        if kind == "ep":
+            assert (out[0] == 0).all(), "a token with no expert on this rank"
+
+
+def test_fused_moe_fp8_dispatcher_on_cpu_is_the_reference():
+    x, w13, w2 = _experts(3, 16, 8, 4, torch.float32, "cpu")
+    q = _fp8(w13, w2)
+    weights, ids = _routing(3, 4, 2, "cpu")
+    out = fm.fused_moe(x, q[0], q[2], weights, ids, w13_scale=q[1], w2_scale=q[3])
+    assert torch.equal(out, fm.fused_moe_fp8_ref(x, *q, weights, ids))
+    # the reference is the 16/32-bit one on the dequantized weights
+    assert torch.equal(out, fm.fused_moe_ref(x, fm.dequantize_experts_fp8(q[0], q[1], x.dtype),
+                                             fm.dequantize_experts_fp8(q[2], q[3], x.dtype), weights, ids))
+
+
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
 def test_grouped_mm_moe_matches_ref():
     """torch._grouped_mm's path (CUDA in the bench; torch also runs it on the CPU), bf16."""
@@ -333,15 +390,43 @@ def test_fused_moe_cuda_sweep(shape, dtype, nan_empty):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "H{}-I{}-E{}-k{}".format(*s))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fused_moe_fp8_cuda_sweep(shape, dtype, nan_empty):
+    """e4m3 experts at 1 to 512 tokens (counts that are not multiples of the tiles too), every
+    path, against the dequantized reference."""
+    H, I, E, k = shape
+    x_all, w13, w2 = _experts(512, H, I, E, torch.float32, "cuda", seed=19)
+    x_all = x_all.to(dtype)
+    q = _fp8(w13, w2)
+    for T in (1, 3, 8, 17, 64, 100, 512):
+        x = x_all[:T].contiguous()
+        logits = torch.randn(T, E, device="cuda", dtype=dtype)
+        weights, ids = fm.moe_route(logits, k, renormalize=True)
+        ref = fm.fused_moe_fp8_ref(x, *q, weights, ids)
+        for path in (None, "gemv", "grouped"):
+            if path == "gemv" and T > 64:
+                continue
+            cfg = None if path is None else fm.moe_config(E, I, H, T, k, dtype, path=path)
+            out = fm.fused_moe_triton(x, q[0], q[2], weights, ids, config=cfg, w13_scale=q[1], w2_scale=q[3])
+            assert rel_err(out, ref) < TOL[dtype], (T, path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("T", [4, 300])  # the GEMV path and the grouped path
-def test_cuda_no_host_sync_and_graph_capture(T):
+def test_cuda_no_host_sync_and_graph_capture(T, fp8):
     H, I, E, k = 256, 128, 16, 4
     x, w13, w2 = _experts(T, H, I, E, torch.bfloat16, "cuda", seed=13)
     logits = torch.randn(T, E, device="cuda", dtype=torch.bfloat16)
+    scales = {}
+    if fp8:
+        w13, scales["w13_scale"], w2, scales["w2_scale"] = _fp8(w13, w2)
 
     def step():
         weights, ids = fm.moe_route(logits, k, renormalize=True)
-        return fm.fused_moe(x, w13, w2, weights, ids)
+        return fm.fused_moe(x, w13, w2, weights, ids, **scales)
 
     step()  # compiles the kernels
     torch.cuda.synchronize()
@@ -357,7 +442,9 @@ def test_cuda_no_host_sync_and_graph_capture(T):
     x.copy_(torch.randn_like(x))
     graph.replay()
     weights, ids = fm.moe_route_ref(logits, k, True)
-    assert rel_err(out, fm.fused_moe_ref(x, w13, w2, weights, ids)) < TOL[torch.bfloat16]
+    ref = fm.fused_moe_fp8_ref(x, w13, scales["w13_scale"], w2, scales["w2_scale"], weights, ids) if fp8 \
+        else fm.fused_moe_ref(x, w13, w2, weights, ids)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu

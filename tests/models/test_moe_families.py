@@ -301,12 +301,6 @@ def test_lora_and_batch_invariance_refused(models):
         LLMEngine(str(path), EngineConfig(batch_invariant=True, num_kv_blocks=16), dtype="float32", device="cpu")
 
 
-def test_fp8_refuses_experts(models):
-    _, _, path = models["qwen3_moe"]
-    with pytest.raises(ModelLoadError, match="Qwen3MoeForCausalLM.*'fp8'.*experts"):
-        load_model(str(path), dtype="float32", device="cpu", quantization="fp8")
-
-
 def test_config_fields_read_as_hf_reads_them():
     """Each family's quirks: where the expert count, expert width and renormalisation live, Qwen2-MoE's
     qkv_bias field, how each applies sliding_window."""

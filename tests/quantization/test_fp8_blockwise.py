@@ -370,7 +370,8 @@ def test_what_is_wrong_is_refused(checkpoint):
 
 def test_configs_as_checkpoints_ship_them():
     """Qwen3-FP8's / DeepSeek-V3's quantization_config (no modules_to_not_convert, or null), the
-    "ignored_layers" alias naming the LM head, UE8M0 scales; per-tensor fp8 stays per-tensor."""
+    "ignored_layers" alias naming the LM head, UE8M0 scales; per-tensor fp8 stays per-tensor; MoE
+    routers left in full precision are kept apart, other linear layers refused."""
     from tokenmill.loader.quantize import QuantizationPlan, resolve_quantization
 
     block = QuantizationPlan("fp8", True, (128, 128))
@@ -381,8 +382,12 @@ def test_configs_as_checkpoints_ship_them():
     assert resolve_quantization("fp8", {"quantization_config": qwen3}) == block
     assert resolve_quantization(None, {"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}}
                                 ) == QuantizationPlan("fp8", True, None)
-    with pytest.raises(ModelLoadError, match=r"modules_to_not_convert \['model.layers.0.mlp.gate'\]"):
-        resolve_quantization(None, {"quantization_config": {**qwen3, "ignored_layers": ["model.layers.0.mlp.gate"]}})
+    # Qwen3-30B-A3B-FP8's: the MoE routers (and the norms) listed as not converted
+    routers = ["lm_head", "model.layers.0.input_layernorm", "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    assert resolve_quantization(None, {"quantization_config": {**qwen3, "modules_to_not_convert": routers}}) == \
+        QuantizationPlan("fp8", True, (128, 128), ("model.layers.0.mlp.gate", "model.layers.1.mlp.gate"))
+    with pytest.raises(ModelLoadError, match=r"modules_to_not_convert \['model.layers.0.mlp.gate_proj'\]"):
+        resolve_quantization(None, {"quantization_config": {**qwen3, "ignored_layers": ["model.layers.0.mlp.gate_proj"]}})
 
 
 def test_a_dropped_model_is_freed_by_reference_counting(checkpoint):

@@ -23,6 +23,14 @@ product, the down projection and its product with the weight are each rounded to
 dtype); the k slots are summed in fp32 and rounded once, where the reference adds them in the
 model dtype, so the two agree within that dtype's rounding. Ids outside 0..E-1 (another rank's
 experts under expert parallelism, given as -1) contribute nothing on every path.
+
+FP8 experts (layers/fp8_moe.py): w13 and w2 may be e4m3 with one fp32 scale per output row and
+expert (`w13_scale` [E, 2I], `w2_scale` [E, H]; W[e, n] ~ scale[e, n] * w_q[e, n]). Both paths then
+dequantize in the kernel, weight-only: the e4m3 bytes are widened exactly to the activations'
+dtype (bf16 / fp16 / fp32 all hold every e4m3 value), multiplied as before, and each row's fp32 sum
+is multiplied by its scale (a per-row scale factors out of the dot product) before the roundings
+above. The activations stay in the model dtype. The reference is fused_moe_fp8_ref: the weights
+dequantized to the model dtype, then fused_moe_ref.
 """
 
 import math
@@ -64,6 +72,18 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         y = F.linear(F.silu(gate) * up, w2[e]) * topk_weights[token, slot, None].to(x.dtype)
         out.index_add_(0, token, y)
     return out
+
+
+def dequantize_experts_fp8(w_q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stacked e4m3 expert weights [E, N, K] with per-row scales [E, N] -> [E, N, K] in dtype."""
+    return (w_q.float() * scale.float()[..., None]).to(dtype)
+
+
+def fused_moe_fp8_ref(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor,
+                      w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The reference of the FP8 paths: the weights dequantized to x's dtype, then fused_moe_ref."""
+    return fused_moe_ref(x, dequantize_experts_fp8(w13_q, w13_scale, x.dtype),
+                         dequantize_experts_fp8(w2_q, w2_scale, x.dtype), topk_weights, topk_ids)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -410,6 +430,18 @@ def _silu_mul_rounded(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_as(w, dtype: tl.constexpr):
+    """e4m3 weights in dtype, exactly; through fp16, which Hopper converts two bytes an instruction."""
+    return w.to(tl.float16).to(dtype)
+
+
+@triton.jit
+def _row_scales(scale_ptr, expert, stride_se, n, n_ok):
+    """The FP8 weight's fp32 scales of rows n of this expert."""
+    return tl.load(scale_ptr + expert * stride_se + n, mask=n_ok, other=0.0)
+
+
+@triton.jit
 def _tile_coords(pid, num_m, num_n, GROUP_M: tl.constexpr):
     """(row tile, column tile) of program pid, GROUP_M row tiles side by side so that they share
     the weight tiles they read while those are in L2."""
@@ -420,13 +452,14 @@ def _tile_coords(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _grouped_gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ids_ptr, ntp_ptr, num_pairs, I, H, num_m,
-                            stride_we, stride_wn,
+def _grouped_gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ids_ptr, ntp_ptr, scale_ptr, num_pairs, I, H,
+                            num_m, stride_we, stride_wn, stride_se,
                             TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+                            GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr,
+                            W_FP8: tl.constexpr):
     """Grid (num_m * cdiv(I, BLOCK_N),): for BLOCK_M sorted pairs of one expert and BLOCK_N
     features, gate and up from the two halves of w13 and h[pair] = silu(gate) * up. Tiles past
-    num_tokens_post_padded exit at once."""
+    num_tokens_post_padded exit at once. W_FP8: w13 is e4m3 with row scales at scale_ptr."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(ntp_ptr):
         return
@@ -446,6 +479,8 @@ def _grouped_gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ids_ptr, ntp
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if W_FP8:
+            g, u = _e4m3_as(g, x_ptr.dtype.element_ty), _e4m3_as(u, x_ptr.dtype.element_ty)
         if WIDEN:
             a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
         acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PRECISION)
@@ -453,17 +488,20 @@ def _grouped_gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ids_ptr, ntp
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if W_FP8:  # a per-row scale factors out of the dot product
+        acc_g *= _row_scales(scale_ptr, expert, stride_se, n, n_ok)[None, :]
+        acc_u *= _row_scales(scale_ptr, expert, stride_se, n + I, n_ok)[None, :]
     h = _silu_mul_rounded(acc_g, acc_u, h_ptr.dtype.element_ty)
     tl.store(h_ptr + pair.to(tl.int64)[:, None] * I + n[None, :], h, mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _grouped_down_kernel(h_ptr, w_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, ntp_ptr, num_pairs, H, I,
-                         num_m, stride_we, stride_wn,
+def _grouped_down_kernel(h_ptr, w_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, ntp_ptr, scale_ptr, num_pairs,
+                         H, I, num_m, stride_we, stride_wn, stride_se,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr, W_FP8: tl.constexpr):
     """Grid (num_m * cdiv(H, BLOCK_N),): y[pair] = (h[pair] @ w2[expert]^T) * topk_weight[pair]
-    for BLOCK_M sorted pairs of one expert and BLOCK_N features."""
+    for BLOCK_M sorted pairs of one expert and BLOCK_N features (W_FP8: w2 e4m3, row scales)."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(ntp_ptr):
         return
@@ -480,11 +518,15 @@ def _grouped_down_kernel(h_ptr, w_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ids
         k_ok = kk < I - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if W_FP8:
+            b = _e4m3_as(b, h_ptr.dtype.element_ty)
         if WIDEN:
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if W_FP8:
+        acc *= _row_scales(scale_ptr, expert, stride_se, n, n_ok)[None, :]
     dtype = y_ptr.dtype.element_ty
     weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(dtype).to(tl.float32)
     y = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)
@@ -507,10 +549,11 @@ def _sum_slots_kernel(y_ptr, ids_ptr, out_ptr, E, H, TOP_K: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _gemv_gate_up_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, E, I, H, stride_we, stride_wn,
-                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_gate_up_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, scale_ptr, E, I, H, stride_we, stride_wn, stride_se,
+                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_FP8: tl.constexpr):
     """Grid (T * TOP_K, cdiv(I, BLOCK_N)): h[pair] for BLOCK_N features of one (token, slot)
-    pair, from its expert's gate and up rows only; a pair of no expert writes nothing."""
+    pair, from its expert's gate and up rows only; a pair of no expert writes nothing. W_FP8: w13
+    is e4m3 with row scales at scale_ptr."""
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     if (expert < 0) | (expert >= E):
@@ -526,20 +569,31 @@ def _gemv_gate_up_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, E, I, H, stride_we, strid
     for k0 in range(0, H, BLOCK_K):
         k_ok = kk < H - k0
         xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        acc_g += tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * xv
-        acc_u += tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * xv
+        g = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if W_FP8:
+            g, u = _e4m3_as(g, tl.float32), _e4m3_as(u, tl.float32)
+        acc_g += g.to(tl.float32) * xv
+        acc_u += u.to(tl.float32) * xv
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    h = _silu_mul_rounded(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), h_ptr.dtype.element_ty)
+    gate = tl.sum(acc_g, axis=1)
+    up = tl.sum(acc_u, axis=1)
+    if W_FP8:  # a per-row scale factors out of the dot product
+        gate *= _row_scales(scale_ptr, expert, stride_se, n, n_ok)
+        up *= _row_scales(scale_ptr, expert, stride_se, n + I, n_ok)
+    h = _silu_mul_rounded(gate, up, h_ptr.dtype.element_ty)
     tl.store(h_ptr + pair * I + n, h, mask=n_ok)
 
 
 @triton.jit
-def _gemv_down_kernel(h_ptr, w_ptr, out_ptr, topk_w_ptr, ids_ptr, E, H, I, stride_we, stride_wn,
-                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_down_kernel(h_ptr, w_ptr, out_ptr, topk_w_ptr, ids_ptr, scale_ptr, E, H, I, stride_we, stride_wn,
+                      stride_se, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      W_FP8: tl.constexpr):
     """Grid (T, cdiv(H, BLOCK_N)): out[t] for BLOCK_N features, the sum over token t's slots of
-    (h[pair] @ w2[expert]^T) * topk_weight[pair], in slot order, skipping slots of no expert."""
+    (h[pair] @ w2[expert]^T) * topk_weight[pair], in slot order, skipping slots of no expert
+    (W_FP8: w2 e4m3 with row scales at scale_ptr)."""
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
@@ -556,16 +610,24 @@ def _gemv_down_kernel(h_ptr, w_ptr, out_ptr, topk_w_ptr, ids_ptr, E, H, I, strid
             for k0 in range(0, I, BLOCK_K):
                 k_ok = kk < I - k0
                 hv = tl.load(h_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-                acc += tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * hv
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                if W_FP8:
+                    w = _e4m3_as(w, tl.float32)
+                acc += w.to(tl.float32) * hv
                 h_ptrs += BLOCK_K
                 w_ptrs += BLOCK_K
             weight = tl.load(topk_w_ptr + pair).to(dtype).to(tl.float32)
-            total += (tl.sum(acc, axis=1).to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
+            y = tl.sum(acc, axis=1)
+            if W_FP8:
+                y *= _row_scales(scale_ptr, expert, stride_se, n, n_ok)
+            total += (y.to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
     tl.store(out_ptr + t * H + n, total.to(dtype), mask=n_ok)
 
 
-def _check_moe_args(x, w13, w2, topk_weights, topk_ids) -> tuple[int, int, int, int, int]:
-    """(T, H, E, I, k) after checking the shapes and layouts the kernels take."""
+def _check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None
+                    ) -> tuple[int, int, int, int, int]:
+    """(T, H, E, I, k) after checking the shapes and layouts the kernels take (with scales: e4m3
+    weights and their contiguous fp32 row scales)."""
     T, H = x.shape
     E, two_i, h13 = w13.shape
     inter = two_i // 2
@@ -573,32 +635,49 @@ def _check_moe_args(x, w13, w2, topk_weights, topk_ids) -> tuple[int, int, int, 
     assert h13 == H and two_i == 2 * inter and w2.shape == (E, H, inter), (x.shape, w13.shape, w2.shape)
     assert topk_ids.shape == topk_weights.shape == (T, k), (topk_ids.shape, topk_weights.shape)
     assert x.is_contiguous() and w13.stride(-1) == 1 and w2.stride(-1) == 1
-    assert w13.dtype == w2.dtype == x.dtype and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    assert x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if w13_scale is None:
+        assert w13.dtype == w2.dtype == x.dtype and w2_scale is None
+    else:
+        assert w13.dtype == w2.dtype == torch.float8_e4m3fn, (w13.dtype, w2.dtype)
+        assert w13_scale.shape == (E, 2 * inter) and w2_scale.shape == (E, H), (w13_scale.shape, w2_scale.shape)
+        for s in (w13_scale, w2_scale):
+            assert s.dtype == torch.float32 and s.is_contiguous()
     return T, H, E, inter, k
 
 
-def _dot_meta(x: torch.Tensor) -> dict:
+def _dot_meta(x: torch.Tensor, w_scale: Optional[torch.Tensor]) -> dict:
     # the interpreter multiplies 16-bit tl.dot operands wrongly: widen them there
     widen = x.dtype != torch.float32 and not x.is_cuda
-    return dict(DOT_PRECISION="ieee" if x.dtype == torch.float32 or widen else "tf32", WIDEN=widen)
+    return dict(DOT_PRECISION="ieee" if x.dtype == torch.float32 or widen else "tf32", WIDEN=widen,
+                W_FP8=w_scale is not None)
 
 
-def grouped_gate_up(x: torch.Tensor, w13: torch.Tensor, top_k: int, sort: tuple, cfg: dict) -> torch.Tensor:
+def _scale_args(w: torch.Tensor, w_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """(the scale pointer argument, its expert stride): the weight itself stands in when there are
+    no scales (the kernel then never reads it)."""
+    return (w, 0) if w_scale is None else (w_scale, w_scale.stride(0))
+
+
+def grouped_gate_up(x: torch.Tensor, w13: torch.Tensor, top_k: int, sort: tuple, cfg: dict,
+                    w13_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Launch 1 of the grouped path: h [T * k, I] (rows of pairs of no expert unwritten)."""
     sorted_ids, expert_ids, ntp = sort
     num_pairs, inter = x.shape[0] * top_k, w13.shape[1] // 2
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     num_m = expert_ids.numel()
     grid = (num_m * triton.cdiv(inter, cfg["block_n"]),)
+    scale, stride_se = _scale_args(w13, w13_scale)
     _grouped_gate_up_kernel[grid](
-        x, w13, h, sorted_ids, expert_ids, ntp, num_pairs, inter, x.shape[1], num_m, w13.stride(0), w13.stride(1),
-        TOP_K=top_k, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"],
-        **_dot_meta(x), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        x, w13, h, sorted_ids, expert_ids, ntp, scale, num_pairs, inter, x.shape[1], num_m, w13.stride(0),
+        w13.stride(1), stride_se, TOP_K=top_k, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"], **_dot_meta(x, w13_scale), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return h
 
 
-def grouped_down(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, sort: tuple, cfg: dict
-                 ) -> torch.Tensor:
+def grouped_down(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, sort: tuple, cfg: dict,
+                 w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Launch 2 of the grouped path: y [T * k, H], each pair's down projection times its weight."""
     sorted_ids, expert_ids, ntp = sort
     num_pairs, inter = h.shape
@@ -606,10 +685,11 @@ def grouped_down(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, 
     y = torch.empty((num_pairs, hidden), dtype=h.dtype, device=h.device)
     num_m = expert_ids.numel()
     grid = (num_m * triton.cdiv(hidden, cfg["block_n"]),)
+    scale, stride_se = _scale_args(w2, w2_scale)
     _grouped_down_kernel[grid](
-        h, w2, y, topk_weights, sorted_ids, expert_ids, ntp, num_pairs, hidden, inter, num_m, w2.stride(0),
-        w2.stride(1), BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"],
-        **_dot_meta(h), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        h, w2, y, topk_weights, sorted_ids, expert_ids, ntp, scale, num_pairs, hidden, inter, num_m, w2.stride(0),
+        w2.stride(1), stride_se, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        GROUP_M=cfg["group_m"], **_dot_meta(h, w2_scale), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y
 
 
@@ -624,53 +704,65 @@ def sum_slots(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> torc
     return out
 
 
-def gemv_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, cfg: dict) -> torch.Tensor:
+def gemv_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, cfg: dict,
+                 w13_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Launch 1 of the GEMV path: h [T * k, I] (rows of pairs of no expert unwritten)."""
     T, k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     inter = two_i // 2
     h = torch.empty((T * k, inter), dtype=x.dtype, device=x.device)
+    scale, stride_se = _scale_args(w13, w13_scale)
     _gemv_gate_up_kernel[(T * k, triton.cdiv(inter, cfg["block_n"]))](
-        x, w13, h, topk_ids, num_experts, inter, hidden, w13.stride(0), w13.stride(1), TOP_K=k,
-        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        x, w13, h, topk_ids, scale, num_experts, inter, hidden, w13.stride(0), w13.stride(1), stride_se, TOP_K=k,
+        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], W_FP8=w13_scale is not None, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return h
 
 
-def gemv_down(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, cfg: dict
-              ) -> torch.Tensor:
+def gemv_down(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, cfg: dict,
+              w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Launch 2 of the GEMV path: out [T, H]."""
     T, k = topk_ids.shape
     num_experts, hidden, inter = w2.shape
     out = torch.empty((T, hidden), dtype=h.dtype, device=h.device)
+    scale, stride_se = _scale_args(w2, w2_scale)
     _gemv_down_kernel[(T, triton.cdiv(hidden, cfg["block_n"]))](
-        h, w2, out, topk_weights, topk_ids, num_experts, hidden, inter, w2.stride(0), w2.stride(1), TOP_K=k,
-        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        h, w2, out, topk_weights, topk_ids, scale, num_experts, hidden, inter, w2.stride(0), w2.stride(1), stride_se,
+        TOP_K=k, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], W_FP8=w2_scale is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, config: Optional[dict] = None) -> torch.Tensor:
+                     topk_ids: torch.Tensor, config: Optional[dict] = None, w13_scale: Optional[torch.Tensor] = None,
+                     w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Triton fused_moe_ref: x [T, H] contiguous; w13, w2 with unit last stride; fp32, bf16 or
-    fp16. `config` (moe_config's form) overrides the path and tiles chosen for the shape."""
-    T, H, E, inter, k = _check_moe_args(x, w13, w2, topk_weights, topk_ids)
+    fp16. `config` (moe_config's form) overrides the path and tiles chosen for the shape. With
+    w13_scale [E, 2I] and w2_scale [E, H], the weights are e4m3 (fused_moe_fp8_ref's arguments)."""
+    T, H, E, inter, k = _check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     if T == 0:
         return torch.empty_like(x)
     cfg = config or moe_config(E, inter, H, T, k, x.dtype)
     ids = topk_ids.to(torch.int32).contiguous()
     weights = topk_weights.contiguous()
     if cfg["path"] == "gemv":
-        return gemv_down(gemv_gate_up(x, w13, ids, cfg["gate_up"]), w2, weights, ids, cfg["down"])
+        return gemv_down(gemv_gate_up(x, w13, ids, cfg["gate_up"], w13_scale), w2, weights, ids, cfg["down"],
+                         w2_scale)
     assert cfg["gate_up"]["block_m"] == cfg["down"]["block_m"], "one sort serves both launches"
     sort = moe_sort_tokens(ids, E, cfg["gate_up"]["block_m"])
-    h = grouped_gate_up(x, w13, k, sort, cfg["gate_up"])
-    return sum_slots(grouped_down(h, w2, weights, sort, cfg["down"]), ids, E)
+    h = grouped_gate_up(x, w13, k, sort, cfg["gate_up"], w13_scale)
+    return sum_slots(grouped_down(h, w2, weights, sort, cfg["down"], w2_scale), ids, E)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """The experts' MLPs (fused_moe_ref's arguments and result): Triton on CUDA."""
+              topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
+              w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The experts' MLPs (fused_moe_ref's arguments and result; with scales, e4m3 weights as
+    fused_moe_fp8_ref takes them): Triton on CUDA."""
     if use_triton(x):
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale)
+    if w13_scale is not None:
+        return fused_moe_fp8_ref(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
 

@@ -20,8 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.errors import ModelLoadError
 from tokenmill.kernels.skinny_gemm import ADD_RMSNORM, PLAIN, SILU_MUL
 from tokenmill.layers.forward_context import LoRAHook, current_forward_context
+from tokenmill.layers.fp8_moe import Fp8MoEMethod
 from tokenmill.layers.linear import LinearBase, LinearMethodBase, gemv_fits, new_parameter
 from tokenmill.quantization.base import QuantizationConfig
 from tokenmill.quantization.fp8 import (FP8_DTYPE, dequantize_weight_fp8, fp8_linear, fp8_linear_after_norm,
@@ -31,14 +33,20 @@ from tokenmill.quantization.fp8 import (FP8_DTYPE, dequantize_weight_fp8, fp8_li
 
 @dataclass(frozen=True)
 class Fp8Config(QuantizationConfig):
-    """FP8 weights with one scale per output row at run time (module docstring). Mixture-of-experts
-    layers have no FP8 method yet: get_moe_method (the base's) refuses such models at load."""
+    """FP8 weights with one scale per output row at run time (module docstring); the experts of
+    mixture-of-experts layers take layers/fp8_moe.py's Fp8MoEMethod."""
     name: ClassVar[str] = "fp8"
     from_checkpoint: bool = False  # the checkpoint stores e4m3 weights and scales (else: quantized after loading)
     block_size: Optional[tuple[int, int]] = None  # the checkpoint's scales are per bn x bk block
 
     def get_linear_method(self, layer: nn.Module) -> "Fp8LinearMethod":
         return Fp8LinearMethod(self)
+
+    def get_moe_method(self, layer: nn.Module) -> Fp8MoEMethod:
+        if self.from_checkpoint and self.block_size is None:
+            raise ModelLoadError("FP8 checkpoints of mixture-of-experts models with per-tensor or per-channel "
+                                 "scales are not supported yet (block-wise ones and quantization=\"fp8\" are)")
+        return Fp8MoEMethod(self)
 
 
 class Fp8LinearMethod(LinearMethodBase):

@@ -16,6 +16,8 @@ converts them once loaded, and routes and runs the experts (`apply`). Routing an
 are kernels/fused_moe.py's.
 """
 
+import contextlib
+import contextvars
 import re
 from abc import abstractmethod
 from typing import Optional
@@ -32,6 +34,20 @@ from tokenmill.quantization.base import QuantizationConfig, QuantizeMethodBase
 # A per-expert shard id: "<global expert id>.<gate|up|down>"; the fused 3D layout's whole tensors
 # are "gate_up" ([E, 2I, H]) and "down" ([E, H, I]).
 _EXPERT_SHARD = re.compile(r"(\d+)\.(gate|up|down)")
+# The quantization config whose MoE method layers built now take from the start (loader/load.py:
+# an FP8 model's experts are then never allocated in the model dtype first).
+_BUILDING_CONFIG: contextvars.ContextVar[Optional[QuantizationConfig]] = contextvars.ContextVar(
+    "tokenmill_moe_quantization", default=None)
+
+
+@contextlib.contextmanager
+def moe_quantization(config: QuantizationConfig):
+    """FusedMoE layers built inside take config.get_moe_method (which may refuse the model)."""
+    token = _BUILDING_CONFIG.set(config)
+    try:
+        yield
+    finally:
+        _BUILDING_CONFIG.reset(token)
 
 
 class FusedMoEMethodBase(QuantizeMethodBase):
@@ -90,6 +106,9 @@ class FusedMoE(nn.Module):
         self.register_buffer("expert_map", expert_map, persistent=False)
         self.dispatch = MoEDispatch(self.tp)
         self.params_dtype = dtype if dtype is not None else torch.get_default_dtype()
+        config = _BUILDING_CONFIG.get()
+        if method is None and config is not None:
+            method = config.get_moe_method(self)
         self.moe_method = method or UnquantizedFusedMoEMethod()
         self.moe_method.create_weights(self, self.params_dtype, device)
 
@@ -152,9 +171,9 @@ class FusedMoE(nn.Module):
         param.data[local].narrow(0, offset, i).copy_(loaded.narrow(0, self.shard_rank * i, i))
 
     def expected_shards(self, param_name: str) -> list[str]:
-        """The shard ids a complete checkpoint loads into `w13_weight` or `w2_weight` (per expert:
-        the fused layout's whole tensors count as every expert's)."""
-        projs = ("down",) if param_name == "w2_weight" else ("gate", "up")
+        """The shard ids a complete checkpoint loads into `w13_weight` or `w2_weight` (or their
+        `*_scale_inv`; per expert: the fused layout's whole tensors count as every expert's)."""
+        projs = ("down",) if param_name.startswith("w2_") else ("gate", "up")
         return [f"{e}.{p}" for e in self.local_expert_ids for p in projs]
 
     def shards_covered(self, param_name: str, shard_id: str) -> list[str]:

@@ -160,21 +160,20 @@ def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_f
             directory = convert_gguf_to_hf_dir(source.path)
         hf_cfg = _read_config(directory)
     arch = arch_config_from_hf(hf_cfg)
-    from tokenmill.loader.quantize import (convert_block_fp8_checkpoint, expect_fp8_checkpoint, quantize_model,
-                                           resolve_quantization, set_expert_quantization)
+    from tokenmill.loader.quantize import (convert_block_fp8_checkpoint, expect_fp8_checkpoint, expert_quantization,
+                                           log_expert_quantization, quantize_model, resolve_quantization)
 
     plan = resolve_quantization(quantization, hf_cfg)
     torch_dtype = resolve_dtype(dtype, dev, arch.torch_dtype)
     model_cls = get_model_class(arch.architecture)
-    with torch.device(dev):
+    with torch.device(dev), expert_quantization(plan, arch.architecture):  # experts in their final form
         net = model_cls(arch, max_positions=max_positions, dtype=torch_dtype, device=dev)
-    if plan is not None:
-        set_expert_quantization(net, plan, arch.architecture)  # before any weight is read
+    log_expert_quantization(net, plan)
     if plan is not None and plan.from_checkpoint:
         if source.kind == "dummy":
             raise ModelLoadError("an FP8 checkpoint's config with dummy weights: use quantization=\"fp8\" on a "
                                  "full-precision model instead")
-        expect_fp8_checkpoint(net, plan.block_size)
+        expect_fp8_checkpoint(net, plan.block_size, plan.unquantized)
     tokenizer_ref, tokenizer = tokenizer, None
     if source.kind == "dummy":
         from tokenmill.loader.dummy import initialize_dummy_weights

@@ -12,8 +12,14 @@ row-parallel layers, columns), then each layer's rows are requantized to their l
 rounding of the elements whose block scale is not their row's largest (within 1/16 of the element,
 or 2^-10 of the row's scale near zero); rows whose block scales are all equal convert exactly.
 tests/quantization/test_fp8_blockwise.py measures it.
+
+Mixture-of-experts checkpoints (Qwen3-30B-A3B-FP8) store their experts the same way, per expert
+(layers/fp8_moe.py), and keep each layer's router (`model.layers.<i>.mlp.gate`) in full precision,
+listed in `modules_to_not_convert` with the norms: those routers keep their unquantized method.
 """
 
+import contextlib
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,7 +27,8 @@ import torch
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.layers.fp8_linear import Fp8Config
-from tokenmill.layers.fused_moe import set_moe_quantization
+from tokenmill.layers.fp8_moe import Fp8MoEMethod
+from tokenmill.layers.fused_moe import FusedMoE, moe_quantization
 from tokenmill.layers.linear import LinearBase, process_weights_after_loading, set_quantization
 from tokenmill.logger import init_logger
 from tokenmill.quantization import QUANTIZATION_METHODS
@@ -34,6 +41,7 @@ class QuantizationPlan:
     method: str  # "fp8"
     from_checkpoint: bool  # the checkpoint stores FP8 weights and scales (else: quantized after loading)
     block_size: Optional[tuple[int, int]] = None  # the checkpoint's scales are per block (converted at load)
+    unquantized: tuple[str, ...] = ()  # MoE routers the checkpoint keeps in full precision (module names)
 
 
 # the block size of block-wise FP8 checkpoints that tokenmill loads
@@ -42,6 +50,10 @@ SUPPORTED_BLOCK_SIZE = (128, 128)
 
 # compressed-tensors "ignore" entries that name the LM head (which tokenmill never quantizes)
 _LM_HEAD = ("lm_head", "re:.*lm_head", "re:lm_head")
+# modules_to_not_convert entries that are no linear layer (tokenmill never quantizes the norms)
+_NORM = re.compile(r".*norm")
+# a mixture-of-experts layer's router, which FP8 MoE checkpoints leave in full precision
+_ROUTER = re.compile(r"model\.layers\.\d+\.mlp\.gate")
 
 
 def resolve_quantization(requested: Optional[str], hf_config: dict) -> Optional[QuantizationPlan]:
@@ -60,9 +72,9 @@ def resolve_quantization(requested: Optional[str], hf_config: dict) -> Optional[
                                  f"(supported: {', '.join(QUANTIZATION_METHODS)})")
         return QuantizationPlan(requested, False)
     method = checkpoint.get("quant_method") if isinstance(checkpoint, dict) else None
-    block_size = None
+    block_size, routers = None, ()
     if method == "fp8":
-        block_size = _check_fp8(checkpoint)
+        block_size, routers = _check_fp8(checkpoint)
     elif method == "compressed-tensors":
         _check_compressed_tensors(checkpoint)
     else:
@@ -70,12 +82,12 @@ def resolve_quantization(requested: Optional[str], hf_config: dict) -> Optional[
                              f"load (it loads fp8 and compressed-tensors FP8 checkpoints, and full-precision ones)")
     if requested not in (None, "fp8"):
         raise ModelLoadError(f"quantization {requested!r} was asked for, but the checkpoint is already FP8")
-    return QuantizationPlan("fp8", True, block_size)
+    return QuantizationPlan("fp8", True, block_size, routers)
 
 
-def _check_fp8(cfg: dict) -> Optional[tuple[int, int]]:
+def _check_fp8(cfg: dict) -> tuple[Optional[tuple[int, int]], tuple[str, ...]]:
     """HF's `quant_method` fp8 config (FineGrainedFP8Config's fields); returns the block size (None:
-    per-tensor scales)."""
+    per-tensor scales) and the MoE routers left in full precision."""
     fmt = cfg.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ModelLoadError(f"FP8 checkpoint with fmt {fmt!r}: only e4m3 weights are supported")
@@ -84,16 +96,17 @@ def _check_fp8(cfg: dict) -> Optional[tuple[int, int]]:
         raise ModelLoadError(f"FP8 checkpoint with activation_scheme {scheme!r} (dynamic or static are supported)")
     # "ignored_layers" is an alias some checkpoints use (HF reads it as modules_to_not_convert)
     skipped = cfg.get("modules_to_not_convert") or cfg.get("ignored_layers") or []
-    unquantized = [m for m in skipped if m not in _LM_HEAD]
+    routers = tuple(m for m in skipped if _ROUTER.fullmatch(m))
+    unquantized = [m for m in skipped if m not in _LM_HEAD and m not in routers and not _NORM.fullmatch(m)]
     if unquantized:
         raise ModelLoadError(f"FP8 checkpoint with modules_to_not_convert {unquantized[:3]}: layers left unquantized "
-                             f"other than the LM head are not supported")
+                             f"other than the LM head and MoE routers are not supported")
     if cfg.get("modules_to_convert"):
         raise ModelLoadError(f"FP8 checkpoint with modules_to_convert {cfg['modules_to_convert'][:3]}: quantized "
                              f"modules other than the linear layers (e.g. embeddings) are not supported")
     block = cfg.get("weight_block_size")
     if not block:
-        return None
+        return None, routers
     if (not isinstance(block, (list, tuple)) or len(block) != 2
             or tuple(b if isinstance(b, int) else None for b in block) != SUPPORTED_BLOCK_SIZE):
         raise ModelLoadError(f"FP8 checkpoint with weight_block_size {block}: only "
@@ -101,7 +114,7 @@ def _check_fp8(cfg: dict) -> Optional[tuple[int, int]]:
     scale_fmt = cfg.get("scale_fmt", "float")
     if scale_fmt not in ("float", "ue8m0"):
         raise ModelLoadError(f"FP8 checkpoint with scale_fmt {scale_fmt!r} (float or ue8m0 are supported)")
-    return SUPPORTED_BLOCK_SIZE
+    return SUPPORTED_BLOCK_SIZE, routers
 
 
 def _check_compressed_tensors(cfg: dict) -> None:
@@ -126,20 +139,40 @@ def _check_compressed_tensors(cfg: dict) -> None:
                              f"LM head are not supported")
 
 
-def set_expert_quantization(net: torch.nn.Module, plan: QuantizationPlan, architecture: str) -> int:
-    """Before loading: the experts of a mixture-of-experts model take the plan's method, or the
-    plan's config refuses the model (FP8 experts do not exist yet), naming the architecture."""
-    config = Fp8Config(from_checkpoint=plan.from_checkpoint, block_size=plan.block_size)
+@contextlib.contextmanager
+def expert_quantization(plan: Optional[QuantizationPlan], architecture: str):
+    """Around the model's construction: the experts of a mixture-of-experts model take the plan's
+    method (layers/fp8_moe.py) as they are built, so that no expert stack is allocated in the model
+    dtype first, or the plan's config refuses the model (an FP8 checkpoint of experts with
+    per-tensor or per-channel scales), naming the architecture."""
+    if plan is None:
+        yield
+        return
     try:
-        return set_moe_quantization(net, config)
+        with moe_quantization(Fp8Config(from_checkpoint=plan.from_checkpoint, block_size=plan.block_size)):
+            yield
     except ModelLoadError as e:
         raise ModelLoadError(f"{architecture}: {e}") from None
 
 
-def expect_fp8_checkpoint(net: torch.nn.Module, block_size: Optional[tuple[int, int]] = None) -> None:
+def log_expert_quantization(net: torch.nn.Module, plan: Optional[QuantizationPlan]) -> None:
+    count = sum(isinstance(m, FusedMoE) and isinstance(m.moe_method, Fp8MoEMethod) for m in net.modules())
+    if count:
+        logger.info("fp8: the experts of %d mixture-of-experts layers are e4m3 (%s)", count,
+                    "quantized as they load" if not plan.from_checkpoint else "from the checkpoint")
+
+
+def expect_fp8_checkpoint(net: torch.nn.Module, block_size: Optional[tuple[int, int]] = None,
+                          unquantized: tuple[str, ...] = ()) -> None:
     """Make every linear layer take e4m3 weights and their scales from the checkpoint (block_size:
-    one scale per block, `weight_scale_inv`; convert_block_fp8_checkpoint after loading)."""
-    set_quantization(net, Fp8Config(from_checkpoint=True, block_size=block_size))
+    one scale per block, `weight_scale_inv`; convert_block_fp8_checkpoint after loading), except
+    the modules named in `unquantized` (MoE routers; a name of no layer here, as a dense model's,
+    or another pipeline stage's layer, leaves nothing to do)."""
+    config = Fp8Config(from_checkpoint=True, block_size=block_size)
+    keep = set(unquantized)
+    for name, m in net.named_modules():
+        if isinstance(m, LinearBase) and name not in keep:
+            m.set_linear_method(config.get_linear_method(m))
 
 
 @torch.no_grad()

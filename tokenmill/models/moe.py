@@ -22,11 +22,14 @@ from tokenmill.models.config import ModelArchConfig, architecture_spec
 from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP
 
 # One expert's projection, as Qwen-MoE / OLMoE (gate_proj, up_proj, down_proj) and Mixtral (w1, w3, w2) name it.
-_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+# An FP8 checkpoint also stores each projection's block scales (`weight_scale_inv`).
+_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.(weight|weight_scale_inv)")
 _PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 # Every expert's projections in one tensor (transformers 5's in-memory layout).
 _FUSED_EXPERTS = re.compile(r"(.+\.experts)\.(gate_up_proj|down_proj)")
-_EXPERT_PARAMS = ("w13_weight", "w2_weight")
+_EXPERT_PARAMS = ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv")
+# FP8 experts quantized at load (layers/fp8_moe.py): scales their weights' loader sets, in no checkpoint
+_DERIVED_PARAMS = ("w13_weight_scale", "w2_weight_scale")
 
 
 class SparseMoeBlock(nn.Module):
@@ -80,7 +83,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         match = _EXPERT.fullmatch(name)
         if match is not None:
             proj = _PROJ[match.group(3)]
-            param = "w2_weight" if proj == "down" else "w13_weight"
+            param = ("w2_weight" if proj == "down" else "w13_weight") + match.group(4)[len("weight"):]
             return f"{match.group(1)}.{param}", f"{match.group(2)}.{proj}"
         match = _FUSED_EXPERTS.fullmatch(name)
         if match is not None:
@@ -103,6 +106,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         return [f"{target}:{s}" for s in layer.shards_covered(leaf, shard)]
 
     def _expected_names(self, name: str) -> list[str]:
+        if name.rpartition(".")[2] in _DERIVED_PARAMS:
+            return []
         experts = self._experts_of(name)
         if experts is None:
             return super()._expected_names(name)

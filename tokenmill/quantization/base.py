@@ -42,7 +42,7 @@ class QuantizationConfig(ABC):
 
     def get_moe_method(self, layer: nn.Module) -> Optional[QuantizeMethodBase]:
         """The method for a mixture-of-experts layer's experts (layers/fused_moe.py's FusedMoE; None:
-        they keep their unquantized method). By default a format refuses: experts silently left in
-        16 bits would not be the model the user asked for."""
+        they keep their unquantized method). By default a format refuses (FP8 gives layers/fp8_moe.py's
+        method): experts silently left in 16 bits would not be the model the user asked for."""
         raise ModelLoadError(f"quantization {self.name!r} cannot quantize the experts of mixture-of-experts "
                              f"models yet; load this model without quantization")
