@@ -228,3 +228,23 @@ def test_phi4_mini_preset():
 def test_lora_refused(models):
     with pytest.raises(ConfigError, match="enable_lora: LoRA adapters on Phi3ForCausalLM"):
         make_llm(models["phi3"][1], max_model_len=ORIG, enable_lora=True)
+
+
+def test_fp8_quantization_equals_dequantized_weights(models):
+    """quantization="fp8" (per-row scales, after the fused tensors are split and q/k rows permuted) on
+    the Phi-4-mini-like model: the same greedy tokens and prompt logprobs as the model carrying the
+    dequantized weights."""
+    from tests.quantization.test_fp8 import _assert_same_outputs
+    from tokenmill.layers.linear import LinearBase
+    from tokenmill.quantization.fp8 import dequantize_weight_fp8, quantize_weight_fp8
+
+    path = str(models["phi4_mini"][3])
+    quantized = load_model(path, dtype="float32", device="cpu", quantization="fp8")
+    linears = [m for m in quantized.model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.weight.dtype == torch.float8_e4m3fn for m in linears)
+    reference = load_model(path, dtype="float32", device="cpu")
+    for m in reference.model.modules():
+        if isinstance(m, LinearBase):
+            m.weight.data.copy_(dequantize_weight_fp8(*quantize_weight_fp8(m.weight.data), torch.float32))
+    prompts = _prompts("long")[:2] + _prompts("short")[:2]
+    _assert_same_outputs(make_llm(quantized), make_llm(reference), prompts)
