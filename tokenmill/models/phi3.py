@@ -15,6 +15,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from tokenmill.errors import ModelLoadError
 from tokenmill.models.llama import LlamaForCausalLM
 
 
@@ -36,6 +37,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         cfg = self.config
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         for name, tensor in weights:
+            fused = ".qkv_proj." in name or ".gate_up_proj." in name
+            if fused and not name.endswith((".weight", ".bias")):  # an FP8 checkpoint's scales, say
+                raise ModelLoadError(f"checkpoint tensor {name!r}: only unquantized fused Phi-3 projections load")
             if ".qkv_proj." in name:
                 q, k, v = tensor.split([q_size, kv_size, kv_size], dim=0)
                 yield name.replace(".qkv_proj.", ".q_proj."), self._rotary_first(q)
