@@ -40,6 +40,7 @@ from tokenmill.logger import init_logger
 from tokenmill.lora.adapter import model_shapes
 from tokenmill.lora.registry import LoRARegistry
 from tokenmill.lora.request import LoRARequest
+from tokenmill.models.config import architecture_spec
 from tokenmill.engine.compile_watch import CompileWatch, install_hooks
 from tokenmill.runner.async_output import AsyncOutput
 from tokenmill.step_io import ModelRunnerOutput, SchedulerOutput
@@ -56,6 +57,9 @@ CPU_ATTENTION_SLOWDOWN = 2.0
 
 def check_model_options(config: EngineConfig, arch) -> None:
     """Refuse, naming them, the engine options this model cannot run with yet (ConfigError)."""
+    if config.enable_lora and not architecture_spec(arch.architecture).lora:
+        raise ConfigError(f"enable_lora: LoRA adapters on {arch.architecture} are not supported yet (its "
+                          "adapters target the fused qkv_proj / gate_up_proj)")
     if arch.moe is None:
         if config.enable_expert_parallel:
             raise ConfigError(f"enable_expert_parallel: {arch.architecture} has no mixture-of-experts layers")

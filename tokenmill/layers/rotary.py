@@ -1,4 +1,4 @@
-"""Rotary position embedding with a precomputed cos/sin table (default and llama3 frequency scaling)."""
+"""Rotary position embedding with a precomputed cos/sin table (default, llama3 and LongRoPE frequency scaling)."""
 
 import math
 from typing import Optional, Sequence
@@ -13,7 +13,7 @@ def rope_inv_freq(head_dim: int, theta: float, kind: str = "default", factor: fl
                   low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
                   original_max_position: int = 8192,
                   freq_factors: Optional[Sequence[float]] = None) -> torch.Tensor:
-    """The D/2 rotation frequencies, float32."""
+    """The D/2 rotation frequencies, float32 (`head_dim` is the rotated width)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta ** exponents)
     if kind == "llama3":
@@ -27,17 +27,32 @@ def rope_inv_freq(head_dim: int, theta: float, kind: str = "default", factor: fl
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         inv_freq = torch.where(in_band, blended, scaled)
-    if freq_factors is not None:  # GGUF files carry llama3 scaling as per-frequency divisors
+    # Per-frequency divisors: GGUF files carry llama3 scaling so; LongRoPE's short or long factors
+    if freq_factors is not None:
         inv_freq = inv_freq / torch.as_tensor(freq_factors, dtype=torch.float32)
     return inv_freq
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor, device=None):
+    """The table the rotary kernels read: [max_positions, head_dim], cos of the D/2 pair angles, then
+    their sin, float32.
+
+    `inv_freq` may cover fewer pairs than head_dim / 2 (partial rotary): the remaining pairs get
+    cos 1, sin 0 and pass through unchanged; the model lays each head out so that its rotated pairs
+    come first in both halves (models/phi3.py). `scale` multiplies the rotated pairs' cos and sin
+    (LongRoPE's attention factor, which scales q.k by its square).
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor, device=None, scale: float = 1.0):
         super().__init__()
         positions = torch.arange(max_positions, dtype=torch.float32)
         angles = torch.outer(positions, inv_freq)
-        cache = torch.cat((angles.cos(), angles.sin()), dim=-1)  # [max_positions, head_dim]
+        cos, sin = angles.cos() * scale, angles.sin() * scale
+        passed = head_dim // 2 - inv_freq.shape[0]
+        if passed:
+            cos = torch.cat((cos, torch.ones(max_positions, passed)), dim=-1)
+            sin = torch.cat((sin, torch.zeros(max_positions, passed)), dim=-1)
+        cache = torch.cat((cos, sin), dim=-1)  # [max_positions, head_dim]
         self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):

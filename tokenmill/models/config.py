@@ -1,5 +1,6 @@
 """The architecture description tokenmill's models are built from, parsed from an HF config dict."""
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -9,7 +10,7 @@ from tokenmill.errors import ModelLoadError, UnsupportedArchitectureError
 @dataclass
 class RopeConfig:
     theta: float = 10000.0
-    # "default" or "llama3" (the other HF rope types are not implemented).
+    # "default", "llama3" or "longrope" (the other HF rope types are not implemented).
     kind: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
@@ -17,6 +18,11 @@ class RopeConfig:
     original_max_position: int = 8192
     # Per-frequency divisors (GGUF files store llama3 scaling this way, as a tensor).
     freq_factors: Optional[list[float]] = None
+    # LongRoPE (Phi-3): per-frequency divisors for contexts up to original_max_position (short) and
+    # beyond it (long), and the factor cos/sin are multiplied by (HF's attention_factor).
+    short_factor: Optional[list[float]] = None
+    long_factor: Optional[list[float]] = None
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,12 @@ class ModelArchConfig:
     sliding_window: Optional[int] = None
     # Mixture-of-experts MLPs (None: every layer has a dense MLP of intermediate_size).
     moe: Optional[MoEConfig] = None
+    # Rotary turns only the first fraction of each head's dims (Phi-4-mini: 0.75); the rest pass through.
+    partial_rotary_factor: float = 1.0
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def q_size(self) -> int:
@@ -159,6 +171,10 @@ class ArchitectureSpec:
     sliding_window: str = "none"
     # A mixture-of-experts family (models/moe.py builds it).
     moe: Optional[MoESpec] = None
+    # The config's partial_rotary_factor is honoured (Phi-3's family; others ignore it, as HF does).
+    partial_rotary: bool = False
+    # LoRA adapters can be applied (Phi-3's name the fused qkv_proj / gate_up_proj, not mapped yet).
+    lora: bool = True
     # Checkpoint name pieces the family writes otherwise than the Llama/Qwen layout, and ours.
     weight_renames: tuple[tuple[str, str], ...] = ()
 
@@ -177,6 +193,8 @@ _ARCHITECTURES = {
         ArchitectureSpec("MixtralForCausalLM", sliding_window="all",
                          moe=MoESpec(expert_size_key="intermediate_size", renormalize_key=None),
                          weight_renames=((".block_sparse_moe.", ".mlp."),)),
+        # Phi-3 / Phi-3.5 / Phi-4-mini: fused qkv_proj / gate_up_proj in the checkpoint (models/phi3.py).
+        ArchitectureSpec("Phi3ForCausalLM", sliding_window="all", partial_rotary=True, lora=False),
         ArchitectureSpec("OlmoeForCausalLM", qk_norm=True, qk_norm_per_head=False, clip_qkv=True,
                          moe=MoESpec(expert_size_key="intermediate_size")),
     )
@@ -201,24 +219,59 @@ def resolve_architecture(architectures: list[str]) -> ArchitectureSpec:
     )
 
 
-def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+def _rope_from_hf(cfg: dict[str, Any], rotary_dim: int) -> RopeConfig:
     # transformers 5 writes "rope_parameters"; older configs have rope_theta + rope_scaling.
     params = dict(cfg.get("rope_parameters") or {})
     scaling = cfg.get("rope_scaling") or {}
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     merged = {**scaling, **params}
     kind = merged.get("rope_type", merged.get("type", "default")) or "default"
-    if kind not in ("default", "llama3"):
-        raise ModelLoadError(f"rope scaling type {kind!r} is not supported (supported: default, llama3)")
-    return RopeConfig(
+    if kind == "su":  # early Phi-3 configs' name for LongRoPE (HF renames it too)
+        kind = "longrope"
+    if kind not in ("default", "llama3", "longrope"):
+        raise ModelLoadError(f"rope scaling type {kind!r} is not supported (supported: default, llama3, longrope)")
+    original = merged.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    rope = RopeConfig(
         theta=float(theta),
         kind=kind,
         factor=float(merged.get("factor", 1.0)),
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
+        original_max_position=int(original if original is not None else 8192),
         freq_factors=cfg.get("rope_freq_factors"),
     )
+    if kind == "longrope":
+        _longrope_from_hf(rope, merged, cfg, rotary_dim)
+    return rope
+
+
+def _longrope_from_hf(rope: RopeConfig, merged: dict[str, Any], cfg: dict[str, Any], rotary_dim: int) -> None:
+    """LongRoPE's factor lists and attention factor, as HF's _compute_longrope_parameters reads them."""
+    original = merged.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    if original is None:
+        raise ModelLoadError("config.json: longrope scaling needs original_max_position_embeddings")
+    rope.original_max_position = int(original)
+    half = rotary_dim // 2
+    for key in ("short_factor", "long_factor"):
+        values = merged.get(key)
+        if not isinstance(values, list) or len(values) != half:
+            raise ModelLoadError(f"config.json: longrope {key} must be a list of {half} numbers, got {values!r}")
+        setattr(rope, key, [float(v) for v in values])
+    # Without an explicit factor HF takes the context extension max_position_embeddings / original.
+    factor = merged.get("factor")
+    if factor is None:
+        factor = int(cfg.get("max_position_embeddings", 4096)) / rope.original_max_position
+    rope.factor = float(factor)
+    attention = merged.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(rope.original_max_position))
+    rope.attention_factor = float(attention)
+
+
+def _partial_rotary_factor(cfg: dict[str, Any]) -> float:
+    # Hub configs have it top-level; transformers 5 also writes it into rope_parameters.
+    value = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    return 1.0 if value is None else float(value)
 
 
 def _sliding_window_from_hf(cfg: dict[str, Any], style: str, num_layers: int) -> Optional[int]:
@@ -281,6 +334,11 @@ def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
         hidden = int(cfg["hidden_size"])
         num_heads = int(cfg["num_attention_heads"])
         num_layers = int(cfg["num_hidden_layers"])
+        head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+        partial_rotary = _partial_rotary_factor(cfg) if spec.partial_rotary else 1.0
+        if not 0 < partial_rotary <= 1 or int(head_dim * partial_rotary) % 2:
+            raise ModelLoadError(f"config.json: partial_rotary_factor {partial_rotary} must leave an even number "
+                                 f"of rotated dims in (0, head_dim {head_dim}]")
         eos = cfg.get("eos_token_id")
         return ModelArchConfig(
             architecture=spec.name,
@@ -290,7 +348,7 @@ def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -298,12 +356,13 @@ def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
             qk_norm=spec.qk_norm,
             qk_norm_per_head=spec.qk_norm_per_head,
             clip_qkv=float(cfg["clip_qkv"]) if spec.clip_qkv and cfg.get("clip_qkv") is not None else None,
-            rope=_rope_from_hf(cfg),
+            rope=_rope_from_hf(cfg, int(head_dim * partial_rotary)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else (list(eos) if isinstance(eos, list) else [int(eos)]),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             sliding_window=_sliding_window_from_hf(cfg, spec.sliding_window, num_layers),
             moe=_moe_from_hf(cfg, spec.moe) if spec.moe is not None else None,
+            partial_rotary_factor=partial_rotary,
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks the field {e.args[0]!r}") from None

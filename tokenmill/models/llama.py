@@ -1,5 +1,5 @@
 """The Llama-family decoder: Llama 2/3/3.1, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm), SmolLM2;
-the mixture-of-experts families (models/moe.py) reuse it with their own MLPs.
+the mixture-of-experts families (models/moe.py) and Phi-3 (models/phi3.py) reuse it.
 
 Parameter names follow HF's, except that q/k/v and gate/up are fused (`qkv_proj`, `gate_up_proj`);
 `load_weights` maps the checkpoint's separate tensors onto them.
@@ -18,8 +18,11 @@ from tokenmill.layers.linear import (ADD_RMSNORM, SILU_MUL, MergedColumnParallel
                                      RowParallelLinear, default_weight_loader)
 from tokenmill.layers.norm import RMSNorm, ShardedRMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, rope_inv_freq
+from tokenmill.logger import init_logger
 from tokenmill.models.config import ModelArchConfig
 from tokenmill.models.interface import AttentionSpec
+
+logger = init_logger(__name__)
 
 
 def _norm_then_project(proj, hidden: torch.Tensor, residual: Optional[torch.Tensor], norm: RMSNorm):
@@ -147,15 +150,32 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
+def build_rotary(cfg: ModelArchConfig, max_positions: int, device) -> RotaryEmbedding:
+    """The rotary table of a model serving up to max_positions tokens per sequence.
+
+    LongRoPE: HF switches from the short to the long factors once a sequence is longer than
+    original_max_position (and its generate() recomputes the cache then); tokenmill picks one set per
+    engine, by its context length, so that no cached key ever mixes the two (docs/ARCHITECTURE.md).
+    """
+    r = cfg.rope
+    factors, scale = r.freq_factors, 1.0
+    if r.kind == "longrope":
+        long = max_positions > r.original_max_position
+        factors = r.long_factor if long else r.short_factor
+        scale = r.attention_factor
+        logger.info("LongRoPE: %s factors for every sequence (context length %d %s the original %d)",
+                    "long" if long else "short", max_positions, ">" if long else "<=", r.original_max_position)
+    inv_freq = rope_inv_freq(cfg.rotary_dim, r.theta, r.kind, r.factor, r.low_freq_factor, r.high_freq_factor,
+                             r.original_max_position, factors)
+    return RotaryEmbedding(cfg.head_dim, max_positions, inv_freq, device=device, scale=scale)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelArchConfig, max_positions: int, dtype, device, make_mlp: MLPFactory = dense_mlp):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        r = cfg.rope
-        inv_freq = rope_inv_freq(cfg.head_dim, r.theta, r.kind, r.factor, r.low_freq_factor, r.high_freq_factor,
-                                 r.original_max_position, r.freq_factors)
         # One table shared by all layers.
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, inv_freq, device=device)
+        self.rotary = build_rotary(cfg, max_positions, device)
         # A pipeline stage builds only its own layers (the others are empty placeholders).
         self.start, self.end = get_tp_state().layer_range(cfg.num_layers)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, i, dtype, device, make_mlp)

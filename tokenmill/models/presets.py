@@ -61,6 +61,19 @@ PRESETS: dict[str, dict] = {
         "rms_norm_eps": 1e-5, "max_position_embeddings": 32768, "sliding_window": None, "eos_token_id": 2,
         "bos_token_id": 1, "torch_dtype": "bfloat16",
     },
+    # Phi-4-mini (3.8B). From the published config: the shape, partial_rotary_factor 0.75 (96 of 128
+    # dims rotated), tied embeddings, LongRoPE with original 4096 / max 131072 positions. Assumed:
+    # rope theta 10000, eps 1e-5, the token ids, sliding_window 262144 (longer than any context:
+    # off) and the LongRoPE factors, placeholders of the right length (48) that only a dummy-weight
+    # run sees (short 1.0, long 4.0; the attention factor follows from 131072 / 4096 as HF's does).
+    "phi-4-mini": {
+        "architectures": ["Phi3ForCausalLM"], "hidden_size": 3072, "intermediate_size": 8192,
+        "num_hidden_layers": 32, "num_attention_heads": 24, "num_key_value_heads": 8, "vocab_size": 200064,
+        "tie_word_embeddings": True, "partial_rotary_factor": 0.75, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "sliding_window": 262144,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [4.0] * 48},
+        "eos_token_id": 199999, "bos_token_id": 199999, "torch_dtype": "bfloat16",
+    },
     # Small shapes for CPU tests and CI.
     "tiny-llama": {
         "architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 256,
