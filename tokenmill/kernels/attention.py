@@ -101,9 +101,11 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: Optional[
 
 
 def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out=None,
-                        sliding_window: Optional[int] = None, kv_scale: Optional[torch.Tensor] = None):
+                        sliding_window: Optional[int] = None, kv_scale: Optional[torch.Tensor] = None,
+                        softcap: Optional[float] = None):
     """q [T, Hq, D] -> out [T, Hq, D]; softmax(q k^T * scale) v over each request's cached tokens,
-    in fp32 with an explicit mask: the test oracle."""
+    in fp32 with an explicit mask: the test oracle. `softcap` (Gemma 2) turns each score s into
+    softcap * tanh(s / softcap) before the mask."""
     _check_kv_scale(k_cache, kv_scale)
     if out is None:
         out = torch.empty_like(q)
@@ -115,6 +117,8 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
         kb = k.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, S, D]
         vb = v.float().transpose(0, 1).repeat_interleave(group, dim=0)
         scores = torch.matmul(qb, kb.transpose(1, 2)) * scale  # [Hq, q_len, S]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         visible = _visible(q_pos, torch.arange(seq_len, device=q.device), sliding_window)
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)

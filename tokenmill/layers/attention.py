@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from tokenmill.kernels.attention import paged_attention
+from tokenmill.kernels.attention import paged_attention, paged_attention_ref
 from tokenmill.kernels.batch_invariant import paged_attention_invariant
 from tokenmill.kernels.qkv_prep import qkv_prep
 from tokenmill.layers.forward_context import AttentionMetadata, get_forward_context
@@ -27,7 +27,7 @@ class Attention(nn.Module):
     cuda_graph_support = CudaGraphSupport.UNIFORM_BATCH
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int,
-                 sliding_window: Optional[int] = None):
+                 sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None):
         super().__init__()
         self.layer_idx = layer_idx  # which of the forward context's KV caches is this layer's
         self.num_heads = num_heads
@@ -35,6 +35,9 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window  # a query at p sees keys in (p - window, p]; None: all
+        self.logit_softcap = logit_softcap  # scores become cap * tanh(scores / cap) (Gemma 2); None: off
+        if logit_softcap is not None:  # the torch path reads the step's lengths on the host: no full graphs
+            self.cuda_graph_support = CudaGraphSupport.NEVER
         # An FP8 KV cache's (k_scale, v_scale) (kernels/attention.py): from the checkpoint's
         # self_attn.k_scale / v_scale when it has them (LlamaModel.load_weights), else 1.0.
         # Unused by a cache in the model dtype.
@@ -80,6 +83,10 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, meta: AttentionMetadata, kv_caches, out: Optional[torch.Tensor] = None):
         """q [T, Hq, D] (rotated, this step's K/V already cached) attends over this layer's cache."""
         k_cache, v_cache = kv_caches[self.layer_idx]
+        if self.logit_softcap is not None:  # the torch path (CPU and CUDA); the Triton kernels have no cap yet
+            return paged_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                       self.scale, out, sliding_window=self.sliding_window, kv_scale=self.kv_scale,
+                                       softcap=self.logit_softcap)
         if self.batch_invariant:  # one fixed reduction order for every step (kernels/batch_invariant.py)
             return paged_attention_invariant(
                 q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale, out,

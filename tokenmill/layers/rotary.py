@@ -16,6 +16,8 @@ def rope_inv_freq(head_dim: int, theta: float, kind: str = "default", factor: fl
     """The D/2 rotation frequencies, float32 (`head_dim` is the rotated width)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta ** exponents)
+    if kind == "linear":  # positions interpolated by `factor` (Gemma 3's global layers: 8)
+        inv_freq = inv_freq / factor
     if kind == "llama3":
         # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between
         # interpolated, so the model sees its original context's frequencies stretched.

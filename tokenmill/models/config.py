@@ -77,6 +77,23 @@ class ModelArchConfig:
     moe: Optional[MoEConfig] = None
     # Rotary turns only the first fraction of each head's dims (Phi-4-mini: 0.75); the rest pass through.
     partial_rotary_factor: float = 1.0
+    # RMSNorms per decoder layer (Gemma: before and after both attention and the MLP).
+    norms_per_layer: int = 2
+    # Which layers take `sliding_window` (Gemma's interleaved local and global layers); None: all of them.
+    sliding_layers: Optional[tuple[bool, ...]] = None
+    # The rotary of the sliding layers when it differs from the global layers' (Gemma 3's local base).
+    local_rope: Optional[RopeConfig] = None
+    # q.k is multiplied by this (None: head_dim ** -0.5); Gemma's query_pre_attn_scalar ** -0.5.
+    attn_scale: Optional[float] = None
+    # Gemma 2's tanh soft-capping of attention scores and of the final logits: cap * tanh(x / cap).
+    attn_logit_softcap: Optional[float] = None
+    final_logit_softcap: Optional[float] = None
+
+    def layer_window(self, layer: int) -> Optional[int]:
+        """The sliding window of decoder layer `layer` (None: it attends to the whole context)."""
+        if self.sliding_layers is not None and not self.sliding_layers[layer]:
+            return None
+        return self.sliding_window
 
     @property
     def rotary_dim(self) -> int:
@@ -98,7 +115,7 @@ class ModelArchConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim if self.qk_norm_per_head else self.q_size + self.kv_size
-        return attn + 2 * h
+        return attn + self.norms_per_layer * h
 
     def _mlp_parameters(self, layer: int, active: bool) -> int:
         """Layer `layer`'s MLP: all its weights, or (active) those one token multiplies with."""
@@ -167,8 +184,12 @@ class ArchitectureSpec:
     # (every layer, Mistral, Mixtral), "all_if_used" (every layer if `use_sliding_window`, Qwen3-MoE),
     # "layers" (only if `use_sliding_window`, on the layers that `layer_types` or
     # `max_window_layers` name, Qwen2/Qwen3), "alternate_layers" (the same with Qwen2-MoE's default
-    # layer_types: every other layer below max_window_layers).
+    # layer_types: every other layer below max_window_layers), "layer_types" (always, on the layers
+    # `layer_types` names, by default all but every window_pattern-th: Gemma 2 and 3).
     sliding_window: str = "none"
+    window_pattern: int = 0
+    # Gemma: query_pre_attn_scalar, the soft-capping fields, four norms per layer, q/k norm read as is.
+    gemma: bool = False
     # A mixture-of-experts family (models/moe.py builds it).
     moe: Optional[MoESpec] = None
     # The config's partial_rotary_factor is honoured (Phi-3's family; others ignore it, as HF does).
@@ -195,6 +216,10 @@ _ARCHITECTURES = {
                          weight_renames=((".block_sparse_moe.", ".mlp."),)),
         # Phi-3 / Phi-3.5 / Phi-4-mini: fused qkv_proj / gate_up_proj in the checkpoint (models/phi3.py).
         ArchitectureSpec("Phi3ForCausalLM", sliding_window="all", partial_rotary=True, lora=False),
+        # Gemma 2 / Gemma 3 text: (1 + w) norms, GeGLU, scaled embeddings (models/gemma.py).
+        ArchitectureSpec("Gemma2ForCausalLM", sliding_window="layer_types", window_pattern=2, gemma=True),
+        ArchitectureSpec("Gemma3ForCausalLM", qk_norm=True, sliding_window="layer_types", window_pattern=6,
+                         gemma=True),
         ArchitectureSpec("OlmoeForCausalLM", qk_norm=True, qk_norm_per_head=False, clip_qkv=True,
                          moe=MoESpec(expert_size_key="intermediate_size")),
     )
@@ -219,17 +244,26 @@ def resolve_architecture(architectures: list[str]) -> ArchitectureSpec:
     )
 
 
-def _rope_from_hf(cfg: dict[str, Any], rotary_dim: int) -> RopeConfig:
-    # transformers 5 writes "rope_parameters"; older configs have rope_theta + rope_scaling.
+def _rope_from_hf(cfg: dict[str, Any], rotary_dim: int, layer_type: str = "full_attention") -> RopeConfig:
+    # transformers 5 writes "rope_parameters" (Gemma 3: one dict per layer type); older configs have
+    # rope_theta + rope_scaling (Gemma 3: rope_local_base_freq for the sliding layers, unscaled).
     params = dict(cfg.get("rope_parameters") or {})
     scaling = cfg.get("rope_scaling") or {}
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    default_theta = 10000.0
+    if "full_attention" in params or "sliding_attention" in params:
+        params = dict(params.get(layer_type) or {})
+    if layer_type == "sliding_attention":
+        scaling = {}
+        default_theta = cfg.get("rope_local_base_freq", 10000.0)
+    theta = params.get("rope_theta", default_theta if layer_type == "sliding_attention"
+                       else cfg.get("rope_theta", default_theta))
     merged = {**scaling, **params}
     kind = merged.get("rope_type", merged.get("type", "default")) or "default"
     if kind == "su":  # early Phi-3 configs' name for LongRoPE (HF renames it too)
         kind = "longrope"
-    if kind not in ("default", "llama3", "longrope"):
-        raise ModelLoadError(f"rope scaling type {kind!r} is not supported (supported: default, llama3, longrope)")
+    if kind not in ("default", "linear", "llama3", "longrope"):
+        raise ModelLoadError(f"rope scaling type {kind!r} is not supported "
+                             "(supported: default, linear, llama3, longrope)")
     original = merged.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
     rope = RopeConfig(
         theta=float(theta),
@@ -274,10 +308,28 @@ def _partial_rotary_factor(cfg: dict[str, Any]) -> float:
     return 1.0 if value is None else float(value)
 
 
+def _layer_types(cfg: dict[str, Any], pattern: int, num_layers: int) -> list[str]:
+    """Gemma's layer kinds: config.json's `layer_types`, else HF's default from the pattern (every
+    pattern-th layer global; Gemma 3's hub configs say sliding_window_pattern)."""
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        pattern = int(cfg.get("sliding_window_pattern") or pattern)
+        kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if len(kinds) != num_layers or not set(kinds) <= {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(f"config.json: layer_types must name sliding_attention or full_attention for "
+                             f"each of the {num_layers} layers, got {kinds!r}")
+    return list(kinds)
+
+
 def _sliding_window_from_hf(cfg: dict[str, Any], style: str, num_layers: int) -> Optional[int]:
-    """The window every layer attends within, read as HF reads it for the architecture (`style`, see
-    ArchitectureSpec). A window on only some of the layers is refused: the engine runs one window
-    for all layers (or none)."""
+    """The window the sliding layers attend within, read as HF reads it for the architecture (`style`,
+    see ArchitectureSpec). A window on only some of the layers is refused except for the Gemma
+    families ("layer_types"), whose layers say which they are (ModelArchConfig.sliding_layers)."""
+    if style == "layer_types":
+        window = cfg.get("sliding_window")
+        if window is not None and int(window) < 1:
+            raise ModelLoadError(f"config.json: sliding_window must be >= 1, got {window!r}")
+        return None if window is None else int(window)
     window = cfg.get("sliding_window") if style != "none" else None
     if style in ("layers", "alternate_layers", "all_if_used") and not cfg.get("use_sliding_window", False):
         window = None
@@ -324,6 +376,26 @@ def _moe_from_hf(cfg: dict[str, Any], spec: MoESpec) -> MoEConfig:
     return moe
 
 
+def _gemma_fields(cfg: dict[str, Any], spec: ArchitectureSpec, num_layers: int, head_dim: int) -> dict[str, Any]:
+    """What Gemma 2 / 3 add: which layers slide, the local layers' rotary, the attention scale and
+    the soft-caps (HF's defaults where the config leaves them out)."""
+    kinds = _layer_types(cfg, spec.window_pattern, num_layers)
+    act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":  # models/gemma.py's GeGLU is the tanh GELU's
+        raise ModelLoadError(f"config.json: hidden_activation {act!r} is not supported (supported: gelu_pytorch_tanh)")
+    softcaps = {"Gemma2ForCausalLM": (50.0, 30.0)}.get(spec.name, (None, None))
+    attn_cap = cfg.get("attn_logit_softcapping", softcaps[0])
+    final_cap = cfg.get("final_logit_softcapping", softcaps[1])
+    fields = dict(sliding_layers=tuple(kind == "sliding_attention" for kind in kinds),
+                  attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+                  attn_logit_softcap=None if attn_cap is None else float(attn_cap),
+                  final_logit_softcap=None if final_cap is None else float(final_cap),
+                  norms_per_layer=4)
+    if spec.name == "Gemma3ForCausalLM":
+        fields["local_rope"] = _rope_from_hf(cfg, head_dim, "sliding_attention")
+    return fields
+
+
 def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
     """Parse an HF config.json dict; raises ModelLoadError naming what is missing."""
     archs = cfg.get("architectures") or []
@@ -363,6 +435,7 @@ def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
             sliding_window=_sliding_window_from_hf(cfg, spec.sliding_window, num_layers),
             moe=_moe_from_hf(cfg, spec.moe) if spec.moe is not None else None,
             partial_rotary_factor=partial_rotary,
+            **(_gemma_fields(cfg, spec, num_layers, head_dim) if spec.gemma else {}),
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks the field {e.args[0]!r}") from None

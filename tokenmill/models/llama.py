@@ -5,6 +5,7 @@ Parameter names follow HF's, except that q/k/v and gate/up are fused (`qkv_proj`
 `load_weights` maps the checkpoint's separate tensors onto them.
 """
 
+import dataclasses
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -63,11 +64,12 @@ class LlamaAttention(nn.Module):
         self.prepares_qkv = (cfg.qk_norm and not self.per_head_norm) or cfg.clip_qkv is not None
         self.rotary = rotary
         # A window as long as the rotary table (the longest context) hides no key: off, at no cost.
-        window = cfg.sliding_window
+        window = cfg.layer_window(layer_idx)
         if window is not None and window >= rotary.cos_sin_cache.shape[0]:
             window = None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, scale=cfg.head_dim ** -0.5,
-                              layer_idx=layer_idx, sliding_window=window)
+        scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, scale=scale,
+                              layer_idx=layer_idx, sliding_window=window, logit_softcap=cfg.attn_logit_softcap)
         divide(cfg.num_heads, tp)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
@@ -171,14 +173,19 @@ def build_rotary(cfg: ModelArchConfig, max_positions: int, device) -> RotaryEmbe
 
 
 class LlamaModel(nn.Module):
+    decoder_layer = LlamaDecoderLayer  # a family with other layers gives its own (models/gemma.py)
+
     def __init__(self, cfg: ModelArchConfig, max_positions: int, dtype, device, make_mlp: MLPFactory = dense_mlp):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        # One table shared by all layers.
+        # One table shared by all layers (Gemma 3: one for the global layers, one for the sliding ones).
         self.rotary = build_rotary(cfg, max_positions, device)
+        self.local_rotary = None
+        if cfg.local_rope is not None:
+            self.local_rotary = build_rotary(dataclasses.replace(cfg, rope=cfg.local_rope), max_positions, device)
         # A pipeline stage builds only its own layers (the others are empty placeholders).
         self.start, self.end = get_tp_state().layer_range(cfg.num_layers)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, i, dtype, device, make_mlp)
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, self._layer_rotary(cfg, i), i, dtype, device, make_mlp)
                                     if self.start <= i < self.end else MissingLayer() for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
 
@@ -192,7 +199,7 @@ class LlamaModel(nn.Module):
         if pipe is not None and not pipe.is_first:
             hidden, residual = pipe.recv(input_ids.shape[0])
         else:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden, residual = self.embed(input_ids), None
         end = self.end if num_layers is None else min(self.end, num_layers)
         for layer in self.layers[self.start:end]:
             hidden, residual = layer(positions, hidden, residual)
@@ -201,6 +208,13 @@ class LlamaModel(nn.Module):
             return hidden
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def _layer_rotary(self, cfg: ModelArchConfig, layer: int) -> RotaryEmbedding:
+        sliding = cfg.sliding_layers is None or cfg.sliding_layers[layer]
+        return self.local_rotary if self.local_rotary is not None and sliding else self.rotary
 
 
 class MissingLayer(nn.Module):
@@ -221,12 +235,14 @@ class LlamaForCausalLM(nn.Module):
     }
     # Builds each decoder layer's MLP (a family with other MLPs gives its own: models/moe.py).
     make_mlp: MLPFactory = staticmethod(dense_mlp)
+    # The decoder stack (a family with other layers gives its own: models/gemma.py).
+    model_class = LlamaModel
 
     def __init__(self, cfg: ModelArchConfig, max_positions: Optional[int] = None,
                  dtype: torch.dtype = torch.float32, device="cpu"):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings, dtype, device, self.make_mlp)
+        self.model = self.model_class(cfg, max_positions or cfg.max_position_embeddings, dtype, device, self.make_mlp)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

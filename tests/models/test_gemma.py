@@ -1,0 +1,117 @@
+"""Gemma 3 text and Gemma 2 from tiny random models saved by HF transformers: sliding and global
+layers interleaved with a window of WINDOW tokens (Gemma 3: its own rotary base on the sliding layers
+and linear scaling on the global ones, q/k norm; Gemma 2: attention and final logit soft-capping),
+an attention scale from query_pre_attn_scalar unlike head_dim ** -0.5, (1 + w) norms with random w.
+
+Logits within 1e-4 relative of HF's fp32 on prompts shorter and longer than the window, and greedy
+tokens through a busy engine (mixed lengths, chunked prefill, preemption) equal to HF's generate with
+its default cache (for Gemma, sliding-window layers keep only the window: the same as full attention
+masked by the window, which is what tokenmill computes over full KV blocks)."""
+
+import pytest
+import torch
+
+from tests.engine.conftest import assert_no_leaks, make_llm
+from tests.helpers import full_logits
+from tests.models.moe_helpers import EOS, VOCAB, save_random_model
+from tokenmill.loader import load_model
+from tokenmill.models.gemma import GemmaForCausalLM
+from tokenmill.sampling_params import SamplingParams
+
+WINDOW = 8
+MAX_POSITIONS = 256
+KINDS = ["gemma3", "gemma2"]
+LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+
+
+def hf_gemma_config(kind: str):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=96, num_hidden_layers=len(LAYER_TYPES), max_position_embeddings=MAX_POSITIONS,
+                  rms_norm_eps=1e-6, eos_token_id=EOS, bos_token_id=None, pad_token_id=EOS, sliding_window=WINDOW,
+                  query_pre_attn_scalar=24, tie_word_embeddings=True)
+    if kind == "gemma3":
+        rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+        return tf.Gemma3TextConfig(**common, layer_types=LAYER_TYPES, rope_parameters=rope)
+    # Gemma 2's default alternation (sliding, global, ...); caps small enough to bite on random weights
+    return tf.Gemma2Config(**common, attn_logit_softcapping=1.5, final_logit_softcapping=4.0)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """kind -> (HF model, tokenmill's load)."""
+    out = {}
+    for kind in KINDS:
+        path = tmp_path_factory.mktemp(kind)
+        hf = save_random_model(hf_gemma_config(kind), path)
+        out[kind] = hf, load_model(str(path), dtype="float32", device="cpu")
+    return out
+
+
+def test_config_read_as_hf_reads_it(models):
+    for kind, (hf, loaded) in models.items():
+        arch, model = loaded.arch, loaded.model
+        assert isinstance(model, GemmaForCausalLM)
+        assert arch.num_parameters() == sum(p.numel() for p in hf.parameters())
+        windows = [layer.self_attn.attn.sliding_window for layer in model.model.layers]
+        scales = {layer.self_attn.attn.scale for layer in model.model.layers}
+        assert scales == {24 ** -0.5}
+        if kind == "gemma3":
+            assert windows == [WINDOW if t == "sliding_attention" else None for t in LAYER_TYPES]
+            assert arch.rope.kind == "linear" and arch.rope.factor == 8.0 and arch.local_rope.theta == 10_000.0
+            assert model.model.layers[2].self_attn.rotary is model.model.rotary
+            assert model.model.layers[0].self_attn.rotary is model.model.local_rotary
+        else:
+            assert windows == [WINDOW, None, WINDOW, None]
+            assert (arch.attn_logit_softcap, arch.final_logit_softcap) == (1.5, 4.0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_match_hf(kind, models):
+    """Shorter and longer than the window (and than a KV block), in one batch."""
+    hf, loaded = models[kind]
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, WINDOW, 30, 100)]
+    for seq, logits in zip(seqs, full_logits(loaded.model, seqs)):
+        with torch.no_grad():
+            ref = hf(torch.tensor([seq])).logits[0].float()
+        err = ((logits - ref).norm() / ref.norm()).item()
+        assert err < 1e-4, f"{kind}, {len(seq)} tokens: relative error {err}"
+
+
+NEW_TOKENS = 16
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(2)
+    return [torch.randint(3, EOS, (n,), generator=gen).tolist() for n in (5, 11, 20, 37)]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(models):
+    """kind -> HF generate's greedy continuation of each prompt, one at a time (its default cache)."""
+    out = {}
+    for kind, (hf, _) in models.items():
+        conts = []
+        for prompt in _prompts():
+            with torch.no_grad():
+                seq = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                  do_sample=False, pad_token_id=EOS)
+            conts.append(seq[0, len(prompt):].tolist())
+        out[kind] = conts
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_busy_engine_greedy_matches_hf(kind, models, hf_greedy):
+    """Chunks of 16 tokens, a KV cache too small for the batch (preemption)."""
+    llm = make_llm(models[kind][1], max_model_len=64, max_num_batched_tokens=16, num_kv_blocks=5)
+    prompts = _prompts()
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    for i, (out, ref) in enumerate(zip(outs, hf_greedy[kind])):
+        assert out.outputs[0].token_ids == ref, f"{kind}: prompt {i} ({len(prompts[i])} tokens)"
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_no_leaks(llm)
