@@ -51,6 +51,9 @@ class _Family:
     # The HF config can list layers without experts (Qwen's mlp_only_layers); elsewhere every layer has them.
     dense_layers: bool = False
     shared_expert: bool = False
+    # Gemma: llama.cpp's converter stores each RMSNorm weight as 1 + w (HF's checkpoints hold w), and
+    # the layer has four norms, named otherwise than Llama's two.
+    gemma: bool = False
 
 
 _DENSE = {
@@ -58,6 +61,8 @@ _DENSE = {
     "mistral": _Family("MistralForCausalLM", "mistral", permute_qk=True),
     "qwen2": _Family("Qwen2ForCausalLM", "qwen2"),
     "qwen3": _Family("Qwen3ForCausalLM", "qwen3"),
+    "gemma2": _Family("Gemma2ForCausalLM", "gemma2", gemma=True),
+    "gemma3": _Family("Gemma3ForCausalLM", "gemma3_text", gemma=True),
 }
 # llama.cpp writes Mixtral as arch "llama" with `llama.expert_count`; the others have archs of their own.
 _MOE = {
@@ -67,7 +72,7 @@ _MOE = {
     "qwen3moe": _Family("Qwen3MoeForCausalLM", "qwen3_moe", moe_block="mlp", renormalize=True, dense_layers=True),
     "olmoe": _Family("OlmoeForCausalLM", "olmoe", moe_block="mlp"),
 }
-_SUPPORTED = "llama, mistral, qwen2, qwen3; with experts: llama (Mixtral), olmoe, qwen2moe, qwen3moe"
+_SUPPORTED = "llama, mistral, qwen2, qwen3, gemma2, gemma3; with experts: llama (Mixtral), olmoe, qwen2moe, qwen3moe"
 
 # GGUF tensor name -> HF name ("{i}" is the layer index).
 _LAYER_NAMES = {
@@ -76,6 +81,9 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
+# Gemma's four norms per layer (ffn_norm is the norm before the MLP, as in Llama).
+_GEMMA_NORM_NAMES = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                     "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _ROUTER = "ffn_gate_inp"
 _SHARED_EXPERT_NAMES = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
@@ -156,6 +164,8 @@ def hf_config_from_gguf(gguf: GGUFFile) -> dict[str, Any]:
     }
     if family.moe_block is not None:
         cfg.update(_moe_config(gguf, arch, family, cfg, get))
+    if family.gemma:
+        cfg.update(_gemma_config(gguf, arch, cfg))
     if "rope_freqs.weight" in gguf.tensors:
         info = gguf.tensors["rope_freqs.weight"]
         cfg["rope_freq_factors"] = dequantize(gguf.raw(info), info.ggml_type, info.shape).float().tolist()
@@ -224,6 +234,29 @@ def _moe_config(gguf: GGUFFile, arch: str, family: _Family, cfg: dict[str, Any],
     return fields
 
 
+def _gemma_config(gguf: GGUFFile, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's HF config fields from llama.cpp's keys. The layer kinds are HF's default (Gemma 2:
+    alternate; Gemma 3: every 6th layer global), as llama.cpp hardcodes them; the sliding layers'
+    rotary base is HF's default (10k) and the global layers' is rope.freq_base."""
+    md = gguf.metadata
+    fields: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
+                              # llama.cpp scales q by head_dim ** -0.5 except for Gemma 3 27B (hidden / heads)
+                              "query_pre_attn_scalar": cfg["head_dim"]}
+    if cfg["hidden_size"] == 5376 and cfg["num_attention_heads"] == 32 and arch == "gemma3":
+        fields["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    window = md.get(f"{arch}.attention.sliding_window")
+    fields["sliding_window"] = None if window is None else int(window)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if md.get(f"{arch}.{key}") is not None:
+            fields[key] = float(md[f"{arch}.{key}"])
+        elif arch == "gemma3":
+            fields[key] = None
+    scaling = md.get(f"{arch}.rope.scaling.type")
+    if scaling is not None and scaling != "none":
+        fields["rope_scaling"] = {"rope_type": scaling, "factor": float(md.get(f"{arch}.rope.scaling.factor", 1.0))}
+    return fields
+
+
 def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's reordering of q/k rows.
 
@@ -238,7 +271,7 @@ def _hf_name(name: str, family: _Family) -> str:
     base, _, suffix = name.rpartition(".")
     if base.startswith("blk."):
         _, idx, piece = base.split(".", 2)
-        hf = _LAYER_NAMES.get(piece)
+        hf = _GEMMA_NORM_NAMES.get(piece) if family.gemma and piece in _GEMMA_NORM_NAMES else _LAYER_NAMES.get(piece)
         if family.moe_block is not None and piece == _ROUTER:
             hf = f"{family.moe_block}.gate"
         elif family.shared_expert:
@@ -252,15 +285,17 @@ def _hf_name(name: str, family: _Family) -> str:
 
 
 def _read(gguf: GGUFFile, info, shape: tuple[int, ...], expert: Optional[int] = None,
-          heads: Optional[int] = None) -> torch.Tensor:
+          heads: Optional[int] = None, minus_one: bool = False) -> torch.Tensor:
     """One tensor (or one expert's slab of a stacked one) as float32 of `shape`; `heads`: undo
-    llama.cpp's q/k row interleave over that many heads."""
+    llama.cpp's q/k row interleave over that many heads; `minus_one`: a Gemma norm stored as 1 + w."""
     raw, stored = gguf.raw(info), info.shape
     if expert is not None:
         # Expert e's rows are bytes [e * n, (e + 1) * n): rows are whole quantization blocks.
         n = info.nbytes // stored[0]
         raw, stored = raw[expert * n : (expert + 1) * n], stored[1:]
     tensor = dequantize(raw, info.ggml_type, stored).float().reshape(shape)
+    if minus_one:
+        tensor = tensor - 1.0
     return _unpermute_rows(tensor, heads) if heads else tensor
 
 
@@ -298,8 +333,9 @@ def plan_gguf_weights(gguf: GGUFFile, cfg: dict[str, Any]) -> list[PlannedWeight
         shape = info.shape
         if piece == "ffn_gate_inp_shexp" and len(shape) == 1:
             shape = (1, *shape)  # llama.cpp keeps the shared expert's gate as [H]; HF's is a [1, H] Linear
+        minus_one = family.gemma and name.endswith("norm.weight")
         plan.append((_hf_name(name, family), shape,
-                     functools.partial(_read, gguf, info, shape, heads=heads.get(piece))))
+                     functools.partial(_read, gguf, info, shape, heads=heads.get(piece), minus_one=minus_one)))
     return plan
 
 
