@@ -115,3 +115,22 @@ def test_busy_engine_greedy_matches_hf(kind, models, hf_greedy):
         assert out.outputs[0].token_ids == ref, f"{kind}: prompt {i} ({len(prompts[i])} tokens)"
     assert llm.engine.scheduler.num_preemptions > 0
     assert_no_leaks(llm)
+
+
+def test_gemma3_27b_preset_read_as_hf_reads_it():
+    """The hub layout (rope_theta + rope_scaling for the global layers, rope_local_base_freq,
+    sliding_window_pattern): the same layer kinds and rotary as HF's config class makes of it; 27B."""
+    import transformers as tf
+
+    from tokenmill.models.config import arch_config_from_hf
+    from tokenmill.models.presets import get_preset
+
+    preset = get_preset("gemma-3-27b")
+    arch = arch_config_from_hf(preset)
+    hf = tf.Gemma3TextConfig(**{k: v for k, v in preset.items() if k not in ("architectures", "torch_dtype")})
+    assert arch.sliding_layers == tuple(kind == "sliding_attention" for kind in hf.layer_types)
+    full, local = hf.rope_parameters["full_attention"], hf.rope_parameters["sliding_attention"]
+    assert (arch.rope.kind, arch.rope.factor, arch.rope.theta) == (full["rope_type"], full["factor"], full["rope_theta"])
+    assert (arch.local_rope.kind, arch.local_rope.theta) == (local["rope_type"], local["rope_theta"])
+    assert arch.attn_scale == hf.query_pre_attn_scalar ** -0.5
+    assert 26.9e9 < arch.num_parameters() < 27.1e9

@@ -74,6 +74,19 @@ PRESETS: dict[str, dict] = {
         "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [4.0] * 48},
         "eos_token_id": 199999, "bos_token_id": 199999, "torch_dtype": "bfloat16",
     },
+    # Gemma 3 27B (text). From the published config as the brief states it: the shape, window 1024 on
+    # five of every six layers, the global layers' rope theta 1M with linear scaling 8. Assumed:
+    # query_pre_attn_scalar 168 (hidden / heads, as llama.cpp scales the 27B), local rope base 10000,
+    # eps 1e-6, tied embeddings, 131072 positions, the token ids (<bos> 2, <eos> 1 and <end_of_turn> 106).
+    "gemma-3-27b": {
+        "architectures": ["Gemma3ForCausalLM"], "hidden_size": 5376, "intermediate_size": 21504,
+        "num_hidden_layers": 62, "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
+        "vocab_size": 262208, "tie_word_embeddings": True, "query_pre_attn_scalar": 168, "sliding_window": 1024,
+        "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 131072, "hidden_activation": "gelu_pytorch_tanh",
+        "eos_token_id": [1, 106], "bos_token_id": 2, "torch_dtype": "bfloat16",
+    },
     # Small shapes for CPU tests and CI.
     "tiny-llama": {
         "architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 256,
