@@ -217,9 +217,10 @@ _ARCHITECTURES = {
         # Phi-3 / Phi-3.5 / Phi-4-mini: fused qkv_proj / gate_up_proj in the checkpoint (models/phi3.py).
         ArchitectureSpec("Phi3ForCausalLM", sliding_window="all", partial_rotary=True, lora=False),
         # Gemma 2 / Gemma 3 text: (1 + w) norms, GeGLU, scaled embeddings (models/gemma.py).
-        ArchitectureSpec("Gemma2ForCausalLM", sliding_window="layer_types", window_pattern=2, gemma=True),
+        # LoRA not tested on them yet: refused.
+        ArchitectureSpec("Gemma2ForCausalLM", sliding_window="layer_types", window_pattern=2, gemma=True, lora=False),
         ArchitectureSpec("Gemma3ForCausalLM", qk_norm=True, sliding_window="layer_types", window_pattern=6,
-                         gemma=True),
+                         gemma=True, lora=False),
         ArchitectureSpec("OlmoeForCausalLM", qk_norm=True, qk_norm_per_head=False, clip_qkv=True,
                          moe=MoESpec(expert_size_key="intermediate_size")),
     )
