@@ -288,10 +288,10 @@ def _find_tile(qsl_ptr, num_reqs, pid, TOKENS_PER_TILE: tl.constexpr, BLOCK_B: t
 
 @triton.jit
 def _attn_kv_tile(
-    acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale, window,
+    acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale, window, softcap,
     stride_kb, stride_ks, stride_vb, stride_vs,
     MASKED: tl.constexpr, SLIDING: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, FMA_SCORES: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, FMA_SCORES: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One online-softmax step over keys [start, start + BLOCK_N) (exp2 domain). FMA_SCORES: the
     exponent is one explicit fma(q.k, scale, -max), masked tile or not (batch-invariant mode);
@@ -316,6 +316,13 @@ def _attn_kv_tile(
     # An FP8 cache's bytes widen to q's dtype (no-op otherwise); its scale is in qk_scale.
     qk = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PRECISION)
     s = qk * qk_scale
+    if SOFTCAP:
+        # cap * tanh(score / cap) in the exp2 domain: s and softcap (cap * log2(e)) both carry
+        # log2(e). tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2|x|): no overflow at any x.
+        x = s / softcap
+        e = tl.exp(-2.0 * tl.abs(x))
+        th = (1.0 - e) / (1.0 + e)
+        s = softcap * tl.where(x < 0, -th, th)
     if MASKED:
         visible = n_live[None, :] & (n[None, :] <= q_pos[:, None])
         if SLIDING:
@@ -326,7 +333,7 @@ def _attn_kv_tile(
     if MASKED:
         # A row may see no key yet (split ranges, padding rows): keep exp2 away from inf - inf.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    if FMA_SCORES:
+    if FMA_SCORES and not SOFTCAP:
         e = tl.fma(qk, tl.full(qk.shape, 1.0, tl.float32) * qk_scale, tl.zeros_like(qk) - m_use[:, None])
         if MASKED:
             e = tl.where(visible, e, float("-inf"))
@@ -372,11 +379,11 @@ def _key_range(ctx, tok0, q_len, split, num_splits, window, TOKENS_PER_TILE: tl.
 
 @triton.jit
 def _attend_keys(
-    q, q_pos, lo, edge, mid, hi, bt_row, k_base, v_base, qk_scale, window,
+    q, q_pos, lo, edge, mid, hi, bt_row, k_base, v_base, qk_scale, window, softcap,
     stride_kb, stride_ks, stride_vb, stride_vs,
     SLIDING: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_ALL: tl.constexpr,
-    FMA_SCORES: tl.constexpr,
+    FMA_SCORES: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Online softmax of a query tile over keys [lo, hi): (acc, l, m), unnormalised. MASK_ALL: every
     tile takes the masked code, so a key tile rounds the same in every step (FMA_SCORES in
@@ -389,22 +396,22 @@ def _attend_keys(
         mid = hi
     for start in range(lo, edge, BLOCK_N):  # the window's lower edge (empty without a window)
         acc, l_i, m_i = _attn_kv_tile(
-            acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale, window,
+            acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale, window, softcap,
             stride_kb, stride_ks, stride_vb, stride_vs,
-            True, SLIDING, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION, FMA_SCORES,
+            True, SLIDING, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION, FMA_SCORES, SOFTCAP,
         )
     for start in range(edge, mid, BLOCK_N):
         acc, l_i, m_i = _attn_kv_tile(
-            acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale, window,
+            acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale, window, softcap,
             stride_kb, stride_ks, stride_vb, stride_vs,
-            False, SLIDING, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION, FMA_SCORES,
+            False, SLIDING, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION, FMA_SCORES, SOFTCAP,
         )
     # The diagonal and the ragged end: masked. Fully-masked tiles past hi are never visited.
     for start in range(mid, hi, BLOCK_N):
         acc, l_i, m_i = _attn_kv_tile(
-            acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale, window,
+            acc, l_i, m_i, q, q_pos, start, hi, bt_row, k_base, v_base, qk_scale, window, softcap,
             stride_kb, stride_ks, stride_vb, stride_vs,
-            True, SLIDING, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION, FMA_SCORES,
+            True, SLIDING, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION, FMA_SCORES, SOFTCAP,
         )
     return acc, l_i, m_i
 
@@ -413,13 +420,14 @@ def _attend_keys(
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr,
     qsl_ptr, seq_lens_ptr, block_tables_ptr, kv_scale_ptr,
-    num_reqs, num_q_heads, num_splits, qk_scale, window,
+    num_reqs, num_q_heads, num_splits, qk_scale, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, DECODE_ONLY: tl.constexpr,
     SPLIT_KV: tl.constexpr, SLIDING: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, MASK_ALL: tl.constexpr, FMA_SCORES: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Grid (query tiles, kv heads, num_splits); num_splits is a runtime int so that CUDA graphs of
     different batch sizes share one compiled kernel (SPLIT_KV only says whether it is > 1).
@@ -463,8 +471,8 @@ def _paged_attn_kernel(
     acc, l_i, m_i = _attend_keys(
         q, ctx + tok, lo, edge, mid, hi, block_tables_ptr + req.to(tl.int64) * stride_bt,
         k_cache_ptr + kv_head.to(tl.int64) * stride_kh, v_cache_ptr + kv_head.to(tl.int64) * stride_vh,
-        qk_scale, window, stride_kb, stride_ks, stride_vb, stride_vs,
-        SLIDING, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION, MASK_ALL, FMA_SCORES,
+        qk_scale, window, softcap, stride_kb, stride_ks, stride_vb, stride_vs,
+        SLIDING, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PRECISION, MASK_ALL, FMA_SCORES, SOFTCAP,
     )
     if KV_FP8:
         acc = acc * tl.load(kv_scale_ptr + 1)
@@ -636,7 +644,8 @@ def paged_attention_triton(
     max_query_len: Optional[int] = None, max_seq_len: Optional[int] = None,
     num_splits: Optional[int] = None, block_m: Optional[int] = None, block_n: Optional[int] = None,
     num_warps: Optional[int] = None, num_stages: Optional[int] = None, sliding_window: Optional[int] = None,
-    kv_scale: Optional[torch.Tensor] = None, mask_all: bool = False, fma_scores: bool = False, **_unused_hints,
+    kv_scale: Optional[torch.Tensor] = None, mask_all: bool = False, fma_scores: bool = False,
+    softcap: Optional[float] = None, **_unused_hints,
 ):
     """Triton paged attention, same semantics as paged_attention_ref; no host/device sync.
 
@@ -645,7 +654,8 @@ def paged_attention_triton(
     split-KV count), block_m / block_n / num_warps / num_stages (override attention_config),
     mask_all (every key tile through the masked code) and fma_scores (one explicit fma for the
     softmax exponent, masked or not): two ways to batch invariance (kernels/batch_invariant.py).
-    sliding_window (None: off) and kv_scale (an FP8 cache's scales) are semantics, not hints. Only
+    sliding_window (None: off), kv_scale (an FP8 cache's scales) and softcap (Gemma 2's
+    cap * tanh(score / cap); None: off) are semantics, not hints. Only
     output rows of real requests are written.
     """
     tokens, num_q_heads, head_dim = q.shape
@@ -674,6 +684,7 @@ def paged_attention_triton(
         q, k_cache, v_cache, out, ws_acc, ws_m, ws_l,
         query_start_loc, seq_lens, block_tables, scale_arg,
         num_reqs, num_q_heads, plan.num_splits, scale * LOG2E, sliding_window or 0,
+        float(softcap or 1.0) * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
@@ -682,7 +693,7 @@ def paged_attention_triton(
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, PAGE_SIZE=page_size,
         BLOCK_B=1 if plan.decode_only else 128,  # fixed: one compile for every batch size
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=fp8, MASK_ALL=mask_all,
-        FMA_SCORES=fma_scores,
+        FMA_SCORES=fma_scores, SOFTCAP=softcap is not None,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if plan.num_splits > 1:
@@ -719,13 +730,18 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, kv_scale: Optional[torc
 
 
 def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out=None,
-                    sliding_window: Optional[int] = None, kv_scale: Optional[torch.Tensor] = None, **hints):
-    """Dispatch: Triton on CUDA, torch's fused attention elsewhere (paged_attention_sdpa); hints
-    (max_query_len, max_seq_len, num_splits, tile overrides) feed the Triton path."""
+                    sliding_window: Optional[int] = None, kv_scale: Optional[torch.Tensor] = None,
+                    softcap: Optional[float] = None, **hints):
+    """Dispatch: Triton on CUDA, torch's fused attention elsewhere (paged_attention_sdpa; with a
+    softcap the explicit reference); hints (max_query_len, max_seq_len, num_splits, tile overrides)
+    feed the Triton path."""
     if use_triton(q):
         return paged_attention_triton(
             q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out,
-            sliding_window=sliding_window, kv_scale=kv_scale, **hints
+            sliding_window=sliding_window, kv_scale=kv_scale, softcap=softcap, **hints
         )
+    if softcap is not None:
+        return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out,
+                                   sliding_window, kv_scale, softcap)
     return paged_attention_sdpa(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out,
                                 sliding_window, kv_scale)

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from tokenmill.kernels.attention import paged_attention, paged_attention_ref
+from tokenmill.kernels.attention import paged_attention
 from tokenmill.kernels.batch_invariant import paged_attention_invariant
 from tokenmill.kernels.qkv_prep import qkv_prep
 from tokenmill.layers.forward_context import AttentionMetadata, get_forward_context
@@ -36,8 +36,6 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window  # a query at p sees keys in (p - window, p]; None: all
         self.logit_softcap = logit_softcap  # scores become cap * tanh(scores / cap) (Gemma 2); None: off
-        if logit_softcap is not None:  # the torch path reads the step's lengths on the host: no full graphs
-            self.cuda_graph_support = CudaGraphSupport.NEVER
         # An FP8 KV cache's (k_scale, v_scale) (kernels/attention.py): from the checkpoint's
         # self_attn.k_scale / v_scale when it has them (LlamaModel.load_weights), else 1.0.
         # Unused by a cache in the model dtype.
@@ -83,16 +81,14 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, meta: AttentionMetadata, kv_caches, out: Optional[torch.Tensor] = None):
         """q [T, Hq, D] (rotated, this step's K/V already cached) attends over this layer's cache."""
         k_cache, v_cache = kv_caches[self.layer_idx]
-        if self.logit_softcap is not None:  # the torch path (CPU and CUDA); the Triton kernels have no cap yet
-            return paged_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                       self.scale, out, sliding_window=self.sliding_window, kv_scale=self.kv_scale,
-                                       softcap=self.logit_softcap)
         if self.batch_invariant:  # one fixed reduction order for every step (kernels/batch_invariant.py)
+            if self.logit_softcap is not None:
+                raise NotImplementedError("batch-invariant attention has no logit soft-capping (Gemma 2)")
             return paged_attention_invariant(
                 q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale, out,
                 sliding_window=self.sliding_window, kv_scale=self.kv_scale, max_query_len=meta.max_query_len)
         return paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale, out,
             sliding_window=self.sliding_window, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-            num_splits=meta.num_splits, kv_scale=self.kv_scale,
+            num_splits=meta.num_splits, kv_scale=self.kv_scale, softcap=self.logit_softcap,
         )
