@@ -134,3 +134,12 @@ def test_gemma3_27b_preset_read_as_hf_reads_it():
     assert (arch.local_rope.kind, arch.local_rope.theta) == (local["rope_type"], local["rope_theta"])
     assert arch.attn_scale == hf.query_pre_attn_scalar ** -0.5
     assert 26.9e9 < arch.num_parameters() < 27.1e9
+
+
+def test_refused_options(models):
+    from tokenmill.config import ConfigError
+
+    with pytest.raises(ConfigError, match="enable_lora: LoRA adapters on Gemma3ForCausalLM"):
+        make_llm(models["gemma3"][1], max_model_len=64, enable_lora=True)
+    with pytest.raises(ConfigError, match="batch_invariant: Gemma2ForCausalLM's attention soft-capping"):
+        make_llm(models["gemma2"][1], max_model_len=64, batch_invariant=True)
