@@ -66,8 +66,8 @@ def test_alone_together_and_under_load_are_identical(engines):
 
 
 def test_greedy_equals_hf(engines, chat_prompt_ids, hf_greedy):
-    """Under batch-invariant numerics the greedy tokens are still HF's fp32 greedy tokens."""
-    whole, chunked = engines
+    """Under batch-invariant numerics the greedy tokens are still HF's fp32 greedy tokens (on the
+    whole-prompt engine: the chunked one gives its tokens bit for bit, as the test above proves)."""
+    whole, _ = engines
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
-    for llm in (whole, chunked):
-        assert [o.outputs[0].token_ids for o in llm.generate(chat_prompt_ids, greedy, use_tqdm=False)] == hf_greedy
+    assert [o.outputs[0].token_ids for o in whole.generate(chat_prompt_ids, greedy, use_tqdm=False)] == hf_greedy

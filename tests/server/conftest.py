@@ -137,6 +137,18 @@ def start_server():
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def small_server():
+    """One `tokenmill serve` with SMALL_ENGINE alone (no other flag) for the session: the modules
+    that need exactly that server share it (tests/server/test_openai_client.py and the server
+    without speculation of tests/server/test_spec_decode_server.py). Tests must not stop it."""
+    server = ServerProcess(SMALL_ENGINE)
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
 def stream_and_kill(server, body: dict, pid: int, after_events: int = 3) -> tuple[list[str], float]:
     """Stream a /completions request and SIGKILL process `pid` once `after_events` events came;
     returns the stream's data events (to its end) and when the kill happened (time.monotonic)."""

@@ -2,7 +2,8 @@
 greedy outputs equal those of a server without speculation, several tokens arrive in one chunk,
 usage and max_tokens hold, and /metrics counts the drafts (only on the server that speculates).
 
-Two servers with the embedded model, started side by side (each load takes seconds on a CPU).
+Two servers with the embedded model: the session's plain one (shared with
+tests/server/test_openai_client.py) and one with speculation.
 """
 
 import asyncio
@@ -25,16 +26,13 @@ PASSAGE = "The cat sat on the mat. The dog sat on the log. " * 3
 
 
 @pytest.fixture(scope="module")
-def servers():
-    started = {"plain": ServerProcess(SMALL_ENGINE),
-               "spec": ServerProcess(SMALL_ENGINE + ["--speculative-config", json.dumps(NGRAM)])}
+def servers(small_server):
+    """The session's plain SMALL_ENGINE server (tests/server/conftest.py) and one that speculates."""
+    spec = ServerProcess(SMALL_ENGINE + ["--speculative-config", json.dumps(NGRAM)])
     try:
-        for server in started.values():
-            server.wait_ready()
-        yield started
+        yield {"plain": small_server, "spec": spec.wait_ready()}
     finally:
-        for server in started.values():
-            server.stop()
+        spec.stop()
 
 
 def _client(server: ServerProcess):
