@@ -14,7 +14,7 @@ from tests.server.conftest import SMALL_ENGINE
 lm_eval = pytest.importorskip("lm_eval")
 
 DATA = os.path.join(os.path.dirname(__file__), os.pardir, "data", "lm_eval")
-DOCS = 8  # of the task's 22: each one is 4 requests through the server and 4 HF forward passes
+DOCS = 4  # of the task's 22: each one is 4 requests through the server and 4 HF forward passes
 
 
 @pytest.mark.slow
