@@ -170,7 +170,7 @@ def test_metrics_cross_from_the_engine_thread(speculate):
     assert re.search(r"^# TYPE tokenmill:spec_decode_acceptance_rate gauge$", text, re.M)
 
 
-@pytest.mark.slow  # 22 schemas x 2 servers, concurrently: about 15 s on two idle CPU cores
+@pytest.mark.slow  # 22 schemas + their 11 greedy ones, 16 at a time
 def test_json_schemas_through_the_openai_client_with_and_without_speculation(servers):
     """Every schema of the engine tests, sent by the openai client as response_format json_schema
     (greedy and sampled) to the server with speculation, and the greedy ones to the one without
