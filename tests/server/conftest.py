@@ -149,6 +149,18 @@ def small_server():
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def chunked_server():
+    """One SMALL_ENGINE server with an 8-token step budget (prompts prefill in chunks) for the
+    session: tests/server/test_prompt_logprobs_server.py and tests/server/test_lm_eval.py share it
+    (prompt logprobs across chunks). Tests must not stop it."""
+    server = ServerProcess(SMALL_ENGINE + ["--max-num-batched-tokens", "8"])
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
 def stream_and_kill(server, body: dict, pid: int, after_events: int = 3) -> tuple[list[str], float]:
     """Stream a /completions request and SIGKILL process `pid` once `after_events` events came;
     returns the stream's data events (to its end) and when the kill happened (time.monotonic)."""
