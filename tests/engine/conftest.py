@@ -62,3 +62,17 @@ def hf_greedy(hf_smollm, chat_prompt_ids):
                                      do_sample=False, pad_token_id=2)
         refs.append(out[0, len(ids):].tolist())
     return refs
+
+
+@pytest.fixture(scope="session")
+def features_alone(smollm):
+    """tests/engine/test_features_together.py's feature requests and each one's run alone on a plain
+    engine (the reference of the busy runs there and in tests/engine/test_tensor_parallel.py):
+    (requests, the plain greedy reference of the `animals` prompt, the banned token, outputs alone)."""
+    from tests.engine.test_features_together import feature_requests
+
+    plain = make_llm(smollm)
+    requests, reference, banned = feature_requests(plain)
+    alone = [plain.generate([p], q, use_tqdm=False)[0] for p, q in requests]
+    assert_no_leaks(plain)
+    return requests, reference, banned, alone

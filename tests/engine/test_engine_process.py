@@ -161,16 +161,14 @@ def test_a_second_api_server_gets_its_own_outputs(client, chat_prompt_ids, hf_gr
     run_all(client, {})  # the first goes on alone
 
 
-def test_every_feature_together_through_the_engine_process(smollm):
+def test_every_feature_together_through_the_engine_process(features_alone):
     """test_features_together's requests (grammars with n-gram speculation, bad words, allowed
     tokens, logit bias, prompt logprobs, n=2), with chunked prefill, preemption, the prefix cache
     and a step-time target, through an engine process: token for token each request run alone in
     process."""
-    from tests.engine.test_features_together import BUSY, feature_requests
+    from tests.engine.test_features_together import BUSY
 
-    plain = make_llm(smollm)
-    requests, _, _ = feature_requests(plain)
-    alone = [plain.generate([p], q, use_tqdm=False)[0] for p, q in requests]
+    requests, _, _, alone = features_alone  # each run alone in process (tests/engine/conftest.py)
     busy = EngineCoreClient.launch(EngineLaunch(None, EngineConfig(step_time_target_ms=20.0, **BUSY),
                                                 dtype="float32", device="cpu"))
     try:

@@ -43,15 +43,13 @@ def feature_requests(plain) -> tuple[list, list[int], int]:
     return requests, reference, banned
 
 
-def test_features_together(smollm):
-    plain = make_llm(smollm)
+def test_features_together(smollm, features_alone):
     # A step-time target too: it changes the chunks, never the tokens.
     busy = make_llm(smollm, step_time_target_ms=20.0, **BUSY)
-    requests, reference, banned = feature_requests(plain)
+    requests, reference, banned, alone = features_alone
     schema = SCHEMAS[0]
     animals = requests[3][0]
     prompts, params = [p for p, _ in requests], [q for _, q in requests]
-    alone = [plain.generate([p], q, use_tqdm=False)[0] for p, q in requests]
     together = busy.generate(prompts, params, use_tqdm=False)
     stats = busy.engine
     assert stats.scheduler.num_preemptions > 0 and stats.spec_stats.accepted > 0
@@ -67,13 +65,13 @@ def test_features_together(smollm):
     assert not busy.engine.structured.matchers
 
 
-def test_features_together_with_lora_adapters(smollm, adapters):
+def test_features_together_with_lora_adapters(smollm, adapters, features_alone):
     """The same busy run with LoRA adapters on most requests (more adapters than slots, so some wait
     for a slot) and a seeded sampled request: each request equals its run alone with its adapter;
     the adapters' requests really speculate, preempt and take grammars."""
     plain = make_llm(smollm, enable_lora=True, max_loras=3, max_lora_rank=16)
     busy = make_llm(smollm, step_time_target_ms=20.0, enable_lora=True, max_loras=2, max_lora_rank=16, **BUSY)
-    requests, _, banned = feature_requests(make_llm(smollm))
+    requests, _, banned, _ = features_alone
     animals = requests[3][0]
     # speculation, a grammar, bad words + logit bias, n=2 with prompt logprobs, seeded sampling
     requests = [requests[i] for i in (0, 2, 3, 5)] + [(animals, SamplingParams(temperature=0.8, seed=3,
@@ -93,15 +91,21 @@ def test_features_together_with_lora_adapters(smollm, adapters):
     assert not busy.engine.structured.matchers
 
 
+@pytest.fixture(scope="module")
+def fp8_smollm():
+    """The embedded model with FP8 weights, loaded once for the module (engines share a load)."""
+    from tokenmill.loader import load_model
+
+    return load_model(None, dtype="float32", device="cpu", quantization="fp8")
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_features_together_with_fp8_weights(kv_cache_dtype):
+def test_features_together_with_fp8_weights(kv_cache_dtype, fp8_smollm):
     """The busy run (speculation, grammars, bad words, n = 2 with prompt logprobs, preemption, a
     step-time target) on the embedded model with FP8 weights, and with the FP8 KV cache: each
     request equals its run alone on a plain engine over the same FP8 weights and cache type, and
     nothing leaks."""
-    from tokenmill.loader import load_model
-
-    fp8 = load_model(None, dtype="float32", device="cpu", quantization="fp8")
+    fp8 = fp8_smollm
     plain = make_llm(fp8, kv_cache_dtype=kv_cache_dtype)
     busy = make_llm(fp8, step_time_target_ms=20.0, kv_cache_dtype=kv_cache_dtype, **BUSY)
     requests, _, banned = feature_requests(plain)

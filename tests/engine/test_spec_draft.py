@@ -111,6 +111,9 @@ def test_layer_truncated_and_its_draft_model_twin(smollm, chat_prompt_ids, plain
 @pytest.mark.parametrize("regime", list(REGIMES))
 @pytest.mark.parametrize("method", list(PROPOSERS))
 def test_greedy_equals_plain_greedy_in_every_regime(method, regime, smollm, chat_prompt_ids, plain_greedy):
+    # Half the prompts: 4 of ~37 + 16 tokens (+ lookahead) still overflow 10 blocks (preemptions)
+    # and still exceed a 24-token step (chunks).
+    chat_prompt_ids, plain_greedy = chat_prompt_ids[:4], plain_greedy[:4]
     llm = spec_llm(smollm, method, **REGIMES[regime])
     check_greedy(llm, chat_prompt_ids, plain_greedy, rounds=2 if "prefix-cache" in regime else 1)
     engine = llm.engine

@@ -137,6 +137,30 @@ def start_server():
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def small_server():
+    """One `tokenmill serve` with SMALL_ENGINE alone (no other flag) for the session: the modules
+    that need exactly that server share it (tests/server/test_openai_client.py and the server
+    without speculation of tests/server/test_spec_decode_server.py). Tests must not stop it."""
+    server = ServerProcess(SMALL_ENGINE)
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def chunked_server():
+    """One SMALL_ENGINE server with an 8-token step budget (prompts prefill in chunks) for the
+    session: tests/server/test_prompt_logprobs_server.py and tests/server/test_lm_eval.py share it
+    (prompt logprobs across chunks). Tests must not stop it."""
+    server = ServerProcess(SMALL_ENGINE + ["--max-num-batched-tokens", "8"])
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
 def stream_and_kill(server, body: dict, pid: int, after_events: int = 3) -> tuple[list[str], float]:
     """Stream a /completions request and SIGKILL process `pid` once `after_events` events came;
     returns the stream's data events (to its end) and when the kill happened (time.monotonic)."""

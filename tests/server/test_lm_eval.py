@@ -9,16 +9,14 @@ import shutil
 import pytest
 import torch
 
-from tests.server.conftest import SMALL_ENGINE
-
 lm_eval = pytest.importorskip("lm_eval")
 
 DATA = os.path.join(os.path.dirname(__file__), os.pardir, "data", "lm_eval")
-DOCS = 8  # of the task's 22: each one is 4 requests through the server and 4 HF forward passes
+DOCS = 4  # of the task's 22: each one is 4 requests through the server and 4 HF forward passes
 
 
 @pytest.mark.slow
-def test_lm_eval_local_completions_matches_hf(start_server, smollm, hf_smollm, tmp_path, monkeypatch):
+def test_lm_eval_local_completions_matches_hf(chunked_server, smollm, hf_smollm, tmp_path, monkeypatch):
     from lm_eval.models.openai_completions import LocalCompletionsAPI
     from lm_eval.tasks import TaskManager
 
@@ -27,7 +25,7 @@ def test_lm_eval_local_completions_matches_hf(start_server, smollm, hf_smollm, t
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    server = start_server(SMALL_ENGINE + ["--max-num-batched-tokens", "16"])
+    server = chunked_server  # 8-token steps: contexts prefill in chunks (tests/server/conftest.py)
     task_dir = tmp_path / "tasks"
     task_dir.mkdir()
     shutil.copy(os.path.join(DATA, "tiny_mc.jsonl"), task_dir / "tiny_mc.jsonl")

@@ -1,6 +1,6 @@
 """The official `openai` client against `tokenmill serve` with the embedded model, plus a load test.
 
-One server for the module (the model loads once). Generations are short: the embedded model decodes
+One server (the session's SMALL_ENGINE server: the model loads once). Generations are short: the embedded model decodes
 only a few steps per second on a CPU.
 """
 
@@ -8,8 +8,6 @@ import asyncio
 
 import httpx
 import pytest
-
-from tests.server.conftest import SMALL_ENGINE
 
 openai = pytest.importorskip("openai")
 
@@ -19,8 +17,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def server(start_server):
-    return start_server(SMALL_ENGINE)
+def server(small_server):
+    return small_server  # the session's SMALL_ENGINE server (tests/server/conftest.py)
 
 
 @pytest.fixture(scope="module")

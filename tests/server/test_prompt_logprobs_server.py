@@ -6,15 +6,13 @@ import openai
 import pytest
 import torch
 
-from tests.server.conftest import SMALL_ENGINE
-
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
 
 @pytest.fixture(scope="module")
-def server(start_server):
-    # A small token budget: the prompt is prefilled in chunks.
-    return start_server(SMALL_ENGINE + ["--max-num-batched-tokens", "8"])
+def server(chunked_server):
+    # A small token budget (8): the prompt is prefilled in chunks. Shared: tests/server/conftest.py.
+    return chunked_server
 
 
 @pytest.fixture(scope="module")
