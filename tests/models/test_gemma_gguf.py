@@ -5,7 +5,7 @@ own GGUF load of the same file in fp32, and the prompts tokenize alike.
 
 HF's side (its sentencepiece conversion and numpy dequantization of the file) takes about a minute
 on two busy cores, so the default test compares with HF's tokens recorded from that load (HF_GREEDY);
-the slow test recomputes them with HF. The prompts are shorter than the 512-token window: the
+`pytest -m reference tests/models/test_gemma_gguf.py` recomputes them with HF and compares again. The prompts are shorter than the 512-token window: the
 sliding layers are checked against HF on tiny models (tests/models/test_gemma.py)."""
 
 import os
@@ -70,7 +70,7 @@ def test_greedy_matches_recorded_hf(greedy_outputs):
         assert tokens == hf_tokens, text
 
 
-@pytest.mark.slow  # about 2 minutes: HF's conversion of the file
+@pytest.mark.reference  # 1-2 minutes: HF's own conversion of the file (`pytest -m reference` runs it)
 def test_greedy_matches_hf(greedy_outputs, hf_model):
     tokenizer, hf = hf_model
     for text, (prompt, tokens) in zip(PROMPTS, greedy_outputs):
