@@ -17,7 +17,7 @@ import torch
 
 from tests.engine.conftest import assert_no_leaks, make_llm
 from tests.helpers import full_logits
-from tests.models.moe_helpers import EOS, VOCAB, save_byte_tokenizer
+from tests.models.moe_helpers import EOS, VOCAB, save_random_model
 from tokenmill.config import ConfigError
 from tokenmill.loader import load_model
 from tokenmill.models.config import arch_config_from_hf
@@ -53,21 +53,7 @@ def hf_phi3_config(kind: str):
 
 
 def save_random_phi3(kind: str, path):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_phi3_config(kind), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0)
-            else:
-                p.normal_(0.0, 0.05)
-    model.save_pretrained(path, safe_serialization=True)
-    save_byte_tokenizer(path)
-    return model.eval()
+    return save_random_model(hf_phi3_config(kind), path)
 
 
 @pytest.fixture(scope="module")
