@@ -34,6 +34,7 @@ dequantized to the model dtype, then fused_moe_ref.
 """
 
 import math
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Optional
 
@@ -156,8 +157,62 @@ def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool)
     return weights, ids
 
 
-def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights [T, k] in the logits' dtype, topk_ids [T, k] int32): Triton on CUDA."""
+@dataclass(frozen=True)
+class GroupedTopK:
+    """DeepSeek's routing (moe_route_grouped_ref): scores "softmax" (V2) or "sigmoid" (V3); the experts
+    in num_groups equal groups, a group scored by its best expert ("max", V2) or the sum of its two
+    best ("top2_sum", V3), only the topk_groups best groups' experts chosen; weights multiplied by
+    scaling_factor (routed_scaling_factor)."""
+
+    scoring: str = "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
+    group_score: str = "max"
+    scaling_factor: float = 1.0
+
+    def __post_init__(self):
+        if self.scoring not in ("softmax", "sigmoid") or self.group_score not in ("max", "top2_sum"):
+            raise ValueError(f"unknown routing {self}")
+
+
+def moe_route_grouped_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool, grouping: GroupedTopK,
+                          correction_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's DeepseekV2TopkRouter / DeepseekV3TopkRouter in float32: scores, then (with groups) the
+    experts outside the topk_groups best groups masked, the top_k of what is left chosen, weights
+    the chosen experts' scores, renormalised (+1e-20, as V3) if asked, times scaling_factor.
+
+    correction_bias [E] (V3's e_score_correction_bias) is added to the scores for the choice only:
+    the weights are the unbiased scores. Softmax scores are masked to 0 as V2 does (its weights are
+    the masked scores), sigmoid ones to -inf. Returns (weights [T, k] float32, ids [T, k] int32)."""
+    scores = router_logits.float()
+    scores = torch.softmax(scores, dim=-1) if grouping.scoring == "softmax" else torch.sigmoid(scores)
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    T, E = scores.shape
+    G = grouping.num_groups
+    if G > 1:
+        grouped = choice.view(T, G, E // G)
+        if grouping.group_score == "max":
+            group_scores = grouped.max(dim=-1).values
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        best = group_scores.topk(grouping.topk_groups, dim=-1).indices
+        keep = torch.zeros((T, G), dtype=torch.bool, device=scores.device).scatter_(1, best, True)
+        fill = 0.0 if grouping.scoring == "softmax" else -float("inf")
+        choice = choice.masked_fill(~keep.repeat_interleave(E // G, dim=1), fill)
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = (choice if correction_bias is None else scores).gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * grouping.scaling_factor, ids.to(torch.int32)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, grouping: Optional[GroupedTopK] = None,
+              correction_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights [T, k] in the logits' dtype, topk_ids [T, k] int32): Triton on CUDA. With
+    `grouping` (DeepSeek), moe_route_grouped_ref's torch ops on every device (no host sync, so CUDA
+    graphs hold it; its weights are float32)."""
+    if grouping is not None:
+        return moe_route_grouped_ref(router_logits, top_k, renormalize, grouping, correction_bias)
     if use_triton(router_logits):
         return moe_route_triton(router_logits, top_k, renormalize)
     return moe_route_ref(router_logits, top_k, renormalize)

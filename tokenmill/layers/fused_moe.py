@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from tokenmill.distributed import divide, get_tp_state
-from tokenmill.kernels.fused_moe import fused_moe, moe_route
+from tokenmill.kernels.fused_moe import GroupedTopK, fused_moe, moe_route
 from tokenmill.layers.linear import new_parameter
 from tokenmill.layers.moe_dispatch import MoEDispatch, expert_range
 from tokenmill.quantization.base import QuantizationConfig, QuantizeMethodBase
@@ -68,7 +68,7 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         layer.w2_weight = new_parameter(layer, (e, h, i), dtype, device)
 
     def apply(self, layer: "FusedMoE", x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = moe_route(router_logits, layer.top_k, layer.renormalize)
+        weights, ids = layer.route(router_logits)
         if layer.expert_map is not None:  # other ranks' experts become -1, which the kernel skips
             ids = layer.expert_map[ids.long()]
         return fused_moe(x, layer.w13_weight, layer.w2_weight, weights, ids)
@@ -79,8 +79,14 @@ class FusedMoE(nn.Module):
     experts' SiLU MLPs weighted and summed (the module docstring has the layout)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-                 dtype=None, device=None, method: Optional[FusedMoEMethodBase] = None):
+                 dtype=None, device=None, method: Optional[FusedMoEMethodBase] = None,
+                 grouping: Optional[GroupedTopK] = None, correction_bias: bool = False):
+        """grouping: DeepSeek's grouped / sigmoid routing (None: softmax top-k); correction_bias: an
+        fp32 `e_score_correction_bias` [E] parameter added to the scores for the choice only (V3)."""
         super().__init__()
+        self.grouping = grouping
+        self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device),
+                                                     requires_grad=False) if correction_bias else None)
         self.tp = get_tp_state()
         self.tp_rank, self.tp_size = self.tp.tp_rank, self.tp.tp_size
         self.num_experts = num_experts
@@ -111,6 +117,10 @@ class FusedMoE(nn.Module):
             method = config.get_moe_method(self)
         self.moe_method = method or UnquantizedFusedMoEMethod()
         self.moe_method.create_weights(self, self.params_dtype, device)
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], global expert ids [T, k] int32) of every token: the routing step of each method."""
+        return moe_route(router_logits, self.top_k, self.renormalize, self.grouping, self.e_score_correction_bias)
 
     @property
     def num_local_experts(self) -> int:

@@ -20,6 +20,14 @@ class AttentionSpec:
     scale: float
     dtype: torch.dtype
     sliding_window: Optional[int] = None  # keys older than this many positions are not attended
+    # Multi-head latent attention (layers/mla.py): the cache holds one row of head_dim numbers per
+    # token (the compressed latent and the rope'd key; num_kv_heads 1), no separate V plane.
+    latent: bool = False
+
+    @property
+    def cache_planes(self) -> int:
+        """Tensors per layer in the KV cache: K and V, or the one latent."""
+        return 1 if self.latent else 2
 
 
 class CausalLM(Protocol):

@@ -1,0 +1,234 @@
+"""DeepSeek-V2 and DeepSeek-V3 from tiny random models saved by HF transformers (fp32): multi-head
+latent attention over a latent KV cache, grouped routing (V2: softmax, group_limited_greedy; V3:
+sigmoid with a random e_score_correction_bias, renormalised), shared experts, a dense first layer,
+V2's q_proj and V3's low-rank q, interleaved rope, routed_scaling_factor != 1.
+
+Logits within 1e-4 relative of HF's for the expanded prefill path (one batch of mixed lengths) and
+for the absorbed latent decode path (one decode step after a prefill); greedy tokens through a busy
+engine (mixed lengths together, chunked prefill, preemption: decode steps absorbed, prefill and mixed
+steps expanded) equal to HF's generate; V3's multi-token-prediction layer skipped at load; the latent
+cache's size; what is not supported refused by name."""
+
+import logging
+
+import pytest
+import torch
+
+from tests.engine.conftest import assert_no_leaks, make_llm
+from tests.helpers import full_logits, scratch_kv_caches
+from tests.models.moe_helpers import EOS, VOCAB, save_random_model
+from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.kernels.fused_moe import GroupedTopK, moe_route_grouped_ref
+from tokenmill.layers.forward_context import AttentionMetadata, forward_context
+from tokenmill.loader import load_model
+from tokenmill.models.deepseek import DeepseekForCausalLM
+from tokenmill.sampling_params import SamplingParams
+
+KINDS = ["v2", "v3"]
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_hidden_layers=3, intermediate_size=96,
+              moe_intermediate_size=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+              n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
+              topk_group=2, max_position_embeddings=256, rms_norm_eps=1e-6, eos_token_id=EOS, bos_token_id=None,
+              pad_token_id=EOS)
+
+
+def hf_deepseek_config(kind: str):
+    import transformers as tf
+
+    if kind == "v2":  # V2-Lite's q_proj; group-limited greedy routing
+        return tf.DeepseekV2Config(**COMMON, q_lora_rank=None, topk_method="group_limited_greedy",
+                                   routed_scaling_factor=1.5)
+    return tf.DeepseekV3Config(**COMMON, q_lora_rank=24, routed_scaling_factor=2.5, norm_topk_prob=True)
+
+
+def _add_mtp_layer(path, num_layers: int) -> None:
+    """Give the checkpoint a multi-token-prediction layer's tensors, as V3's hub checkpoints have."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    tensors[f"model.layers.{num_layers}.enorm.weight"] = torch.ones(COMMON["hidden_size"])
+    tensors[f"model.layers.{num_layers}.self_attn.kv_b_proj.weight"] = torch.zeros(4, 4)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """kind -> (HF model, tokenmill's load, the directory)."""
+    out = {}
+    for kind in KINDS:
+        path = tmp_path_factory.mktemp(kind)
+        hf = save_random_model(hf_deepseek_config(kind), path)
+        if kind == "v3":  # a bias that changes the choice (HF initialises it to zero)
+            with torch.no_grad():
+                for layer in hf.model.layers[COMMON["first_k_dense_replace"]:]:
+                    layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.2)
+            hf.save_pretrained(path)
+            _add_mtp_layer(path, COMMON["num_hidden_layers"])
+        out[kind] = hf, load_model(str(path), dtype="float32", device="cpu"), path
+    return out
+
+
+def test_config_read_as_hf_reads_it(models):
+    for kind, (hf, loaded, _) in models.items():
+        arch, model = loaded.arch, loaded.model
+        assert isinstance(model, DeepseekForCausalLM)
+        assert arch.num_parameters() == sum(p.numel() for p in hf.parameters())
+        mla, moe = arch.mla, arch.moe
+        assert (mla.kv_lora_rank, mla.qk_rope_head_dim, mla.q_lora_rank) == (32, 8, None if kind == "v2" else 24)
+        assert {layer.self_attn.attn.scale for layer in model.model.layers} == {24 ** -0.5}
+        assert moe.dense_layers == (0,) and moe.shared_expert_intermediate_size == 32 and not moe.shared_expert_gated
+        assert [type(layer.mlp).__name__ for layer in model.model.layers] == ["LlamaMLP", "DeepseekMoE", "DeepseekMoE"]
+        if kind == "v2":
+            assert (moe.scoring, moe.group_score, moe.renormalize, moe.routed_scaling_factor) == ("softmax", "max",
+                                                                                                    False, 1.5)
+        else:
+            assert (moe.scoring, moe.group_score, moe.renormalize, moe.score_correction_bias) == ("sigmoid",
+                                                                                                  "top2_sum", True, True)
+            bias = model.model.layers[1].mlp.experts.e_score_correction_bias
+            assert torch.equal(bias, hf.model.layers[1].mlp.gate.e_score_correction_bias)
+        spec = model.attention_spec()
+        assert spec.latent and (spec.num_kv_heads, spec.head_dim) == (1, 40)
+
+
+def test_grouped_routing_matches_hf_routers(models):
+    """moe_route_grouped_ref against HF's own router modules (V2 softmax group-limited, V3 sigmoid + bias)."""
+    for kind, (hf, loaded, _) in models.items():
+        router, moe = hf.model.layers[1].mlp.gate, loaded.arch.moe
+        x = torch.randn(50, COMMON["hidden_size"], generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            logits, ref_w, ref_ids = router(x)
+        bias = getattr(router, "e_score_correction_bias", None)
+        grouping = GroupedTopK(moe.scoring, moe.num_groups, moe.topk_groups, moe.group_score,
+                               moe.routed_scaling_factor)
+        weights, ids = moe_route_grouped_ref(logits, moe.top_k, moe.renormalize, grouping, bias)
+        ref_ids, order = ref_ids.sort(dim=-1)
+        ids, mine = ids.long().sort(dim=-1)
+        assert torch.equal(ids, ref_ids), kind
+        torch.testing.assert_close(weights.gather(1, mine), ref_w.gather(1, order), rtol=1e-6, atol=1e-7)
+
+
+def _relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_logits_match_hf(kind, models):
+    """The expanded path: every position of sequences shorter and longer than a KV block, one batch."""
+    hf, loaded, _ = models[kind]
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 16, 40)]
+    for seq, logits in zip(seqs, full_logits(loaded.model, seqs)):
+        with torch.no_grad():
+            ref = hf(torch.tensor([seq])).logits[0].float()
+        assert _relative_error(logits, ref) < 1e-4, f"{kind}, {len(seq)} tokens"
+
+
+@torch.no_grad()
+def _decode_step_logits(model, sequences: list[list[int]], block_size: int = 16) -> torch.Tensor:
+    """Prefill all but the last token of each sequence, then one decode step (max_query_len 1: the
+    absorbed latent path) for the last tokens together; returns that step's logits [B, vocab]."""
+    blocks = [-(-len(s) // block_size) for s in sequences]
+    caches = scratch_kv_caches(model, sum(blocks) + 1, block_size)
+    tables = torch.zeros(len(sequences), max(blocks), dtype=torch.int32)
+    first = 1
+    for i, n in enumerate(blocks):
+        tables[i, :n] = torch.arange(first, first + n)
+        first += n
+
+    def step(chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
+        ids, positions, slots, qsl = [], [], [], [0]
+        for i, (chunk, start) in enumerate(zip(chunks, starts)):
+            for p in range(start, start + len(chunk)):
+                positions.append(p)
+                slots.append(int(tables[i, p // block_size]) * block_size + p % block_size)
+            ids += chunk
+            qsl.append(qsl[-1] + len(chunk))
+        seq_lens = [s + len(c) for c, s in zip(chunks, starts)]
+        meta = AttentionMetadata(torch.tensor(qsl, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
+                                 tables, torch.tensor(slots), max_query_len=max(len(c) for c in chunks),
+                                 max_seq_len=max(seq_lens))
+        with forward_context(meta, caches):
+            hidden = model(torch.tensor(ids), torch.tensor(positions))
+        return model.compute_logits(hidden[torch.tensor(qsl[1:]) - 1])
+
+    step([s[:-1] for s in sequences], [0] * len(sequences))
+    return step([s[-1:] for s in sequences], [len(s) - 1 for s in sequences])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_logits_match_hf(kind, models):
+    """The absorbed path: W_UK in the query, attention over the cached latents, W_UV after."""
+    hf, loaded, _ = models[kind]
+    gen = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (3, 17, 45)]
+    ours = _decode_step_logits(loaded.model, seqs)
+    for seq, logits in zip(seqs, ours):
+        with torch.no_grad():
+            ref = hf(torch.tensor([seq])).logits[0, -1].float()
+        assert _relative_error(logits, ref) < 1e-4, f"{kind}, {len(seq)} tokens"
+
+
+NEW_TOKENS = 12
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(2)
+    return [torch.randint(3, EOS, (n,), generator=gen).tolist() for n in (5, 11, 23, 37)]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(models):
+    """kind -> HF generate's greedy continuation of each prompt alone."""
+    out = {}
+    for kind, (hf, _, _) in models.items():
+        conts = []
+        for prompt in _prompts():
+            with torch.no_grad():
+                seq = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                  do_sample=False, pad_token_id=EOS)
+            conts.append(seq[0, len(prompt):].tolist())
+        out[kind] = conts
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_busy_engine_greedy_matches_hf(kind, models, hf_greedy):
+    """Chunks of 16 tokens, a KV cache too small for the batch (preemption); the latent cache's size."""
+    llm = make_llm(models[kind][1], max_model_len=64, max_num_batched_tokens=16, num_kv_blocks=5)
+    runner = llm.engine.runner
+    mla = models[kind][1].arch.mla
+    assert runner.kv_spec.planes == 1 and runner.kv_spec.bytes_per_token == 3 * mla.cache_width * 4
+    prompts = _prompts()
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    for i, (out, ref) in enumerate(zip(outs, hf_greedy[kind])):
+        assert out.outputs[0].token_ids == ref, f"{kind}: prompt {i} ({len(prompts[i])} tokens)"
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_no_leaks(llm)
+
+
+def test_mtp_layers_skipped_at_load(models, caplog):
+    """V3's checkpoint has a layer past num_hidden_layers (multi-token prediction): skipped, logged."""
+    logger = logging.getLogger("tokenmill")  # it does not propagate to the root, where caplog listens
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("INFO", logger="tokenmill"):
+            load_model(str(models["v3"][2]), dtype="float32", device="cpu")
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "skipped the checkpoint's multi-token-prediction layers [3]" in caplog.text
+
+
+def test_refused_options(models):
+    from tokenmill.engine.llm_engine import check_model_options
+
+    arch = models["v3"][1].arch
+    with pytest.raises(ConfigError, match="enable_lora: LoRA adapters on DeepseekV3ForCausalLM"):
+        check_model_options(EngineConfig(enable_lora=True), arch)
+    with pytest.raises(ConfigError, match="kv_cache_dtype fp8: DeepseekV3ForCausalLM's latent KV cache"):
+        check_model_options(EngineConfig(kv_cache_dtype="fp8"), arch)
+    with pytest.raises(ConfigError, match="tensor_parallel_size 2: DeepseekV3ForCausalLM's latent attention"):
+        check_model_options(EngineConfig(tensor_parallel_size=2), arch)
+    with pytest.raises(ConfigError, match="speculative decoding on DeepseekV3ForCausalLM"):
+        check_model_options(EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), arch)
