@@ -10,7 +10,7 @@ from tokenmill.errors import ModelLoadError, UnsupportedArchitectureError
 @dataclass
 class RopeConfig:
     theta: float = 10000.0
-    # "default", "llama3" or "longrope" (the other HF rope types are not implemented).
+    # "default", "linear", "llama3", "longrope" or "yarn" (the other HF rope types are not implemented).
     kind: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
@@ -23,6 +23,11 @@ class RopeConfig:
     short_factor: Optional[list[float]] = None
     long_factor: Optional[list[float]] = None
     attention_factor: float = 1.0
+    # YaRN: the rotation counts that bound the blend between interpolated and original frequencies,
+    # and whether those bounds are rounded outward to whole dimensions (HF's `truncate`, default on).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -262,9 +267,9 @@ def _rope_from_hf(cfg: dict[str, Any], rotary_dim: int, layer_type: str = "full_
     kind = merged.get("rope_type", merged.get("type", "default")) or "default"
     if kind == "su":  # early Phi-3 configs' name for LongRoPE (HF renames it too)
         kind = "longrope"
-    if kind not in ("default", "linear", "llama3", "longrope"):
+    if kind not in ("default", "linear", "llama3", "longrope", "yarn"):
         raise ModelLoadError(f"rope scaling type {kind!r} is not supported "
-                             "(supported: default, linear, llama3, longrope)")
+                             "(supported: default, linear, llama3, longrope, yarn)")
     original = merged.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
     rope = RopeConfig(
         theta=float(theta),
@@ -277,7 +282,37 @@ def _rope_from_hf(cfg: dict[str, Any], rotary_dim: int, layer_type: str = "full_
     )
     if kind == "longrope":
         _longrope_from_hf(rope, merged, cfg, rotary_dim)
+    if kind == "yarn":
+        _yarn_from_hf(rope, merged, cfg)
     return rope
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched by `factor`: 0.1 * mscale * ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_from_hf(rope: RopeConfig, merged: dict[str, Any], cfg: dict[str, Any]) -> None:
+    """YaRN's parameters as HF's _compute_yarn_parameters reads them (DeepSeek's mscale pair included)."""
+    original = merged.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    if original is None:
+        raise ModelLoadError("config.json: yarn scaling needs original_max_position_embeddings")
+    rope.original_max_position = int(original)
+    factor = merged.get("factor")
+    if factor is None:
+        factor = int(cfg.get("max_position_embeddings", original)) / rope.original_max_position
+    rope.factor = float(factor)
+    rope.beta_fast = float(merged.get("beta_fast") or 32)
+    rope.beta_slow = float(merged.get("beta_slow") or 1)
+    rope.truncate = bool(merged.get("truncate", True))
+    attention = merged.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = merged.get("mscale"), merged.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention = yarn_mscale(rope.factor, mscale) / yarn_mscale(rope.factor, mscale_all_dim)
+        else:
+            attention = yarn_mscale(rope.factor)
+    rope.attention_factor = float(attention)
 
 
 def _longrope_from_hf(rope: RopeConfig, merged: dict[str, Any], cfg: dict[str, Any], rotary_dim: int) -> None:
