@@ -432,8 +432,28 @@ def _gemma_fields(cfg: dict[str, Any], spec: ArchitectureSpec, num_layers: int, 
     return fields
 
 
+# Gemma3TextConfig's defaults, for hub configs whose text_config names only what differs from them.
+_GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                             num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+                             max_position_embeddings=131_072, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                             query_pre_attn_scalar=256, sliding_window=4096, tie_word_embeddings=True)
+
+
+def _language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma3ForConditionalGeneration config as its text model's: the vision tower is not served
+    (models/gemma.py skips its weights)."""
+    if "Gemma3ForConditionalGeneration" not in (cfg.get("architectures") or []):
+        return cfg
+    text = {**_GEMMA3_TEXT_DEFAULTS, **(cfg.get("text_config") or {})}
+    for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
+        if key in cfg and key not in (cfg.get("text_config") or {}):
+            text[key] = cfg[key]
+    return {**text, "architectures": ["Gemma3ForCausalLM"]}
+
+
 def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
     """Parse an HF config.json dict; raises ModelLoadError naming what is missing."""
+    cfg = _language_model_config(cfg)
     archs = cfg.get("architectures") or []
     if not archs:
         raise ModelLoadError("config.json has no 'architectures' field")
