@@ -1,7 +1,8 @@
 """DeepSeek-V2 and DeepSeek-V3 from tiny random models saved by HF transformers (fp32): multi-head
 latent attention over a latent KV cache, grouped routing (V2: softmax, group_limited_greedy; V3:
 sigmoid with a random e_score_correction_bias, renormalised), shared experts, a dense first layer,
-V2's q_proj and V3's low-rank q, interleaved rope, routed_scaling_factor != 1.
+V2's q_proj and V3's low-rank q, interleaved rope, routed_scaling_factor != 1; V2 with DeepSeek-V2-Lite's
+YaRN rope scaling (factor 40, mscale = mscale_all_dim = 0.707: the softmax scale times mscale ** 2).
 
 Logits within 1e-4 relative of HF's for the expanded prefill path (one batch of mixed lengths) and
 for the absorbed latent decode path (one decode step after a prefill); greedy tokens through a busy
@@ -10,6 +11,7 @@ steps expanded) equal to HF's generate; V3's multi-token-prediction layer skippe
 cache's size; what is not supported refused by name."""
 
 import logging
+import math
 
 import pytest
 import torch
@@ -31,13 +33,17 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_hidde
               topk_group=2, max_position_embeddings=256, rms_norm_eps=1e-6, eos_token_id=EOS, bos_token_id=None,
               pad_token_id=EOS)
 
+# DeepSeek-V2-Lite's rope scaling, as its config.json has it
+V2_LITE_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, beta_fast=32, beta_slow=1, mscale=0.707,
+                    mscale_all_dim=0.707, original_max_position_embeddings=4096)
+
 
 def hf_deepseek_config(kind: str):
     import transformers as tf
 
-    if kind == "v2":  # V2-Lite's q_proj; group-limited greedy routing
+    if kind == "v2":  # V2-Lite's q_proj and YaRN; group-limited greedy routing
         return tf.DeepseekV2Config(**COMMON, q_lora_rank=None, topk_method="group_limited_greedy",
-                                   routed_scaling_factor=1.5)
+                                   routed_scaling_factor=1.5, rope_parameters=V2_LITE_YARN)
     return tf.DeepseekV3Config(**COMMON, q_lora_rank=24, routed_scaling_factor=2.5, norm_topk_prob=True)
 
 
@@ -76,7 +82,10 @@ def test_config_read_as_hf_reads_it(models):
         assert arch.num_parameters() == sum(p.numel() for p in hf.parameters())
         mla, moe = arch.mla, arch.moe
         assert (mla.kv_lora_rank, mla.qk_rope_head_dim, mla.q_lora_rank) == (32, 8, None if kind == "v2" else 24)
-        assert {layer.self_attn.attn.scale for layer in model.model.layers} == {24 ** -0.5}
+        mscale = 0.1 * 0.707 * math.log(40.0) + 1.0 if kind == "v2" else 1.0
+        scales = {layer.self_attn.attn.scale for layer in model.model.layers}
+        assert len(scales) == 1 and scales.pop() == pytest.approx(24 ** -0.5 * mscale ** 2, rel=1e-12)
+        assert arch.rope.kind == ("yarn" if kind == "v2" else "default")
         assert moe.dense_layers == (0,) and moe.shared_expert_intermediate_size == 32 and not moe.shared_expert_gated
         assert [type(layer.mlp).__name__ for layer in model.model.layers] == ["LlamaMLP", "DeepseekMoE", "DeepseekMoE"]
         if kind == "v2":
