@@ -241,3 +241,37 @@ def test_refused_options(models):
         check_model_options(EngineConfig(tensor_parallel_size=2), arch)
     with pytest.raises(ConfigError, match="speculative decoding on DeepseekV3ForCausalLM"):
         check_model_options(EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), arch)
+
+
+def test_v2_lite_preset_read_as_hf_reads_it():
+    """The deepseek-v2-lite preset: HF's own model of it (on the meta device) has as many parameters
+    as tokenmill counts (15.7B); the roofline counts one latent row (512 + 64) per token and layer."""
+    import transformers as tf
+
+    from tokenmill.bench.roofline import attention_flops_per_pair, kv_bytes_per_token
+    from tokenmill.models.config import arch_config_from_hf
+    from tokenmill.models.presets import get_preset
+
+    preset = get_preset("deepseek-v2-lite")
+    arch = arch_config_from_hf(preset)
+    hf_config = tf.DeepseekV2Config(**{k: v for k, v in preset.items() if k not in ("architectures", "torch_dtype")})
+    with torch.device("meta"):
+        hf = tf.DeepseekV2ForCausalLM(hf_config)
+    assert arch.num_parameters() == sum(p.numel() for p in hf.parameters())
+    assert 15.6e9 < arch.num_parameters() < 15.8e9 and 2.5e9 < arch.num_active_parameters() < 2.8e9
+    assert arch.rope.kind == "yarn" and arch.rope.factor == 40
+    assert arch.attn_scale == pytest.approx(hf.model.layers[0].self_attn.scaling, rel=1e-12)
+    assert kv_bytes_per_token(arch, 2) == 27 * (512 + 64) * 2
+    assert attention_flops_per_pair(arch) == 2 * 16 * (192 + 128)  # the expanded form is the cheaper
+
+
+def test_dummy_weights_preset_generates():
+    """load_format dummy (the bench's path) on the tiny-deepseek preset: every parameter filled, and
+    an engine decodes from it (prefill expanded, decode absorbed)."""
+    loaded = load_model("tiny-deepseek", load_format="dummy", seed=1)
+    assert all(p.isfinite().all() for p in loaded.model.parameters())
+    llm = make_llm(loaded, max_model_len=64)
+    outs = llm.generate([[5, 6, 7], list(range(3, 40))], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
+    assert_no_leaks(llm)
