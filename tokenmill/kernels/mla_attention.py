@@ -182,10 +182,11 @@ MIN_TOKENS_PER_SPLIT = 256  # a split shorter than this costs more in merging th
 MAX_SPLITS = 64
 
 
-def mla_num_splits(batch: int, num_heads: int, max_seq_len: Optional[int], device: torch.device) -> int:
+def mla_num_splits(batch: int, num_heads: int, max_seq_len: Optional[int], device: torch.device,
+                   block_h: int = BLOCK_H) -> int:
     """Splits of the context per request: enough programs for about two waves over the SMs, no split
     shorter than MIN_TOKENS_PER_SPLIT when the longest context is known (None inside CUDA graphs)."""
-    programs = batch * triton.cdiv(num_heads, BLOCK_H)
+    programs = batch * triton.cdiv(num_heads, block_h)
     splits = triton.cdiv(2 * sm_count(device), programs)
     if max_seq_len is not None:
         splits = min(splits, triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT))
@@ -194,9 +195,12 @@ def mla_num_splits(batch: int, num_heads: int, max_seq_len: Optional[int], devic
 
 def mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, scale: float, num_splits: Optional[int] = None,
-                      max_seq_len: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      max_seq_len: Optional[int] = None, out: Optional[torch.Tensor] = None,
+                      block_h: int = BLOCK_H, block_n: int = BLOCK_N, num_warps: Optional[int] = None,
+                      num_stages: int = 2) -> torch.Tensor:
     """mla_decode_ref in two launches (no host sync: CUDA-graph safe when num_splits is given or
-    max_seq_len is None)."""
+    max_seq_len is None). block_h / block_n / num_warps / num_stages: the split kernel's launch
+    choices (benchmarks/mla_decode_bench.py sweeps them)."""
     B, H, R = q_lat.shape
     P = q_pe.shape[-1]
     assert cache.shape[-1] == R + P and cache.shape[2] == 1 and cache.stride(-1) == 1
@@ -206,16 +210,18 @@ def mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
     if B == 0:
         return out
     if num_splits is None:
-        num_splits = mla_num_splits(B, H, max_seq_len, q_lat.device)
+        num_splits = mla_num_splits(B, H, max_seq_len, q_lat.device, block_h)
     part_out = torch.empty((B, num_splits, H, R), dtype=torch.float32, device=q_lat.device)
     part_lse = torch.empty((B, num_splits, H), dtype=torch.float32, device=q_lat.device)
     block_r, block_p = triton.next_power_of_2(R), triton.next_power_of_2(P)
-    _mla_decode_split_kernel[(B, num_splits, triton.cdiv(H, BLOCK_H))](
+    if num_warps is None:
+        num_warps = 8 if block_r >= 256 else 4
+    _mla_decode_split_kernel[(B, num_splits, triton.cdiv(H, block_h))](
         q_lat, q_pe, cache, block_tables, seq_lens, part_out, part_lse, H, R, P, num_splits,
         scale * 1.4426950408889634, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         cache.stride(0), cache.stride(1), block_tables.stride(0),
-        PAGE=cache.shape[1], BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_R=block_r, BLOCK_P=block_p,
-        IEEE=q_lat.dtype == torch.float32, num_warps=8 if block_r >= 256 else 4, num_stages=2)
+        PAGE=cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=block_p,
+        IEEE=q_lat.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
     _mla_merge_kernel[(B, H)](part_out, part_lse, out, H, R, num_splits, out.stride(0), out.stride(1),
                               BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_R=block_r, num_warps=4)
     return out

@@ -9,8 +9,8 @@ head [W_UK[h]; W_UV[h]]. Two ways to attend:
   q_lat = W_UK[h]^T q_nope, the latent kernel attends over the cache rows as they are, and W_UV is
   applied to its output. Reads R + P numbers per cached token instead of H * (nope + 2v).
 - prefill and mixed steps: each request's whole cached context (earlier chunks included) is
-  expanded through kv_b_proj into per-head keys and values and attended to with a causal mask, in
-  torch: plain attention over what HF computes, so the two paths check each other.
+  expanded through kv_b_proj into per-head keys and values and attended to with a lower-right causal
+  mask through torch's SDPA: plain attention over what HF computes, so the two paths check each other.
 
 The absorbed kernel serves only uniform single-token decode steps, so the backend declares
 CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE (full graphs for decode batches, piecewise otherwise).
@@ -19,7 +19,9 @@ CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE (full graphs for decode batches, pi
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from tokenmill.kernels.mla_attention import gather_latent, mla_cache_write, mla_decode
 from tokenmill.layers.attention import CudaGraphSupport
@@ -97,8 +99,10 @@ class MLAAttention(nn.Module):
         return out
 
     def _prefill(self, q: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
-        """Each request's queries over its whole context, expanded from the cached latent (the host
-        reads the step's query starts and lengths: prefill steps are never inside a full graph)."""
+        """Each request's queries over its whole context, expanded from the cached latent, through
+        SDPA with a lower-right causal mask (the chunk's queries are the context's last positions; on
+        CUDA a memory-efficient kernel, so no [q, context] score matrix is held). The host reads the
+        step's query starts and lengths: prefill steps are never inside a full graph."""
         nope, R = self.qk_nope_head_dim, self.kv_lora_rank
         out = q.new_zeros((q.shape[0], self.num_heads, self.v_head_dim))
         starts = meta.query_start_loc.tolist()
@@ -108,13 +112,9 @@ class MLAAttention(nn.Module):
                 continue
             rows = gather_latent(cache, meta.block_tables[b], seq_len)
             kv = self.kv_b_proj(rows[:, :R]).view(seq_len, self.num_heads, nope + self.v_head_dim)
-            qb = q[lo:hi].float()
-            k_nope, v = kv[..., :nope].float(), kv[..., nope:].float()
-            scores = torch.einsum("qhd,khd->hqk", qb[..., :nope], k_nope)
-            scores += torch.einsum("qhd,kd->hqk", qb[..., nope:], rows[:, R:].float())
-            # query i of this chunk sits at position seq_len - (hi - lo) + i and sees keys up to it
-            query_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
-            hidden = torch.arange(seq_len, device=q.device)[None, :] > query_pos[:, None]
-            probs = torch.softmax((scores * self.scale).masked_fill(hidden, -float("inf")), dim=-1)
-            out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+            k = torch.cat((kv[..., :nope], rows[:, None, R:].expand(seq_len, self.num_heads, -1)), dim=-1)
+            attn = F.scaled_dot_product_attention(
+                q[lo:hi].transpose(0, 1)[None], k.transpose(0, 1)[None], kv[..., nope:].transpose(0, 1)[None],
+                attn_mask=causal_lower_right(hi - lo, seq_len), scale=self.scale)
+            out[lo:hi] = attn[0].transpose(0, 1)
         return out
