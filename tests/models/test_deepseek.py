@@ -275,3 +275,10 @@ def test_dummy_weights_preset_generates():
                         use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
     assert_no_leaks(llm)
+
+
+def test_fp8_weights_refused(models):
+    from tokenmill.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="FP8 weights on DeepseekV2ForCausalLM are not supported yet"):
+        load_model(str(models["v2"][2]), dtype="float32", device="cpu", quantization="fp8")
