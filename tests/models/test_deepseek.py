@@ -7,8 +7,9 @@ YaRN rope scaling (factor 40, mscale = mscale_all_dim = 0.707: the softmax scale
 Logits within 1e-4 relative of HF's for the expanded prefill path (one batch of mixed lengths) and
 for the absorbed latent decode path (one decode step after a prefill); greedy tokens through a busy
 engine (mixed lengths together, chunked prefill, preemption: decode steps absorbed, prefill and mixed
-steps expanded) equal to HF's generate; V3's multi-token-prediction layer skipped at load; the latent
-cache's size; what is not supported refused by name."""
+steps expanded) equal to HF's generate, also under tensor parallelism (heads split over 2 ranks); V3's
+multi-token-prediction layer skipped at load; the latent cache's size; the V2-Lite preset's parameter
+count; dummy weights; what is not supported refused by name."""
 
 import logging
 import math
@@ -217,6 +218,25 @@ def test_busy_engine_greedy_matches_hf(kind, models, hf_greedy):
     assert_no_leaks(llm)
 
 
+def test_tensor_parallel_matches_hf(models, hf_greedy):
+    """TP = 2 (gloo, one worker process) on V3: each rank 2 of the 4 heads (q_b_proj, kv_b_proj and
+    o_proj split by head) over the whole latent cache, experts split by width; greedy tokens are HF's."""
+    from tokenmill.entrypoints.llm import LLM
+
+    llm = LLM(str(models["v3"][2]), tensor_parallel_size=2, dtype="float32", device="cpu", num_kv_blocks=64,
+              max_num_seqs=8)
+    try:
+        outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS),
+                            use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy["v3"]
+        attn = llm.engine.loaded.model.model.layers[0].self_attn
+        assert attn.num_heads == attn.attn.num_heads == 2
+        assert tuple(attn.attn.kv_b_proj.weight.shape) == (2 * (16 + 16), 32)  # this rank's 2 heads
+        assert tuple(attn.o_proj.weight.shape) == (64, 2 * 16)
+    finally:
+        llm.engine.close()
+
+
 def test_mtp_layers_skipped_at_load(models, caplog):
     """V3's checkpoint has a layer past num_hidden_layers (multi-token prediction): skipped, logged."""
     logger = logging.getLogger("tokenmill")  # it does not propagate to the root, where caplog listens
@@ -237,8 +257,6 @@ def test_refused_options(models):
         check_model_options(EngineConfig(enable_lora=True), arch)
     with pytest.raises(ConfigError, match="kv_cache_dtype fp8: DeepseekV3ForCausalLM's latent KV cache"):
         check_model_options(EngineConfig(kv_cache_dtype="fp8"), arch)
-    with pytest.raises(ConfigError, match="tensor_parallel_size 2: DeepseekV3ForCausalLM's latent attention"):
-        check_model_options(EngineConfig(tensor_parallel_size=2), arch)
     with pytest.raises(ConfigError, match="speculative decoding on DeepseekV3ForCausalLM"):
         check_model_options(EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), arch)
 

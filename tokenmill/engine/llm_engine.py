@@ -86,9 +86,6 @@ def _check_mla_options(config: EngineConfig, arch) -> None:
     name = arch.architecture
     if config.kv_cache_dtype != "auto":
         raise ConfigError(f"kv_cache_dtype {config.kv_cache_dtype}: {name}'s latent KV cache is in the model dtype only")
-    if config.tensor_parallel_size > 1:
-        raise ConfigError(f"tensor_parallel_size {config.tensor_parallel_size}: {name}'s latent attention is not "
-                          "split over tensor-parallel ranks yet")
     if config.speculative_config is not None:
         raise ConfigError(f"speculative decoding on {name} is not supported yet (its verify steps are untested "
                           "with latent attention)")

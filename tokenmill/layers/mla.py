@@ -12,6 +12,9 @@ head [W_UK[h]; W_UV[h]]. Two ways to attend:
   expanded through kv_b_proj into per-head keys and values and attended to with a lower-right causal
   mask through torch's SDPA: plain attention over what HF computes, so the two paths check each other.
 
+Tensor parallelism splits the heads: each rank holds its heads' rows of kv_b_proj (and of q and
+o_proj, models/deepseek.py) and the whole latent cache, which every head shares.
+
 The absorbed kernel serves only uniform single-token decode steps, so the backend declares
 CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE (full graphs for decode batches, piecewise otherwise).
 """
@@ -23,10 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
+from tokenmill.distributed import divide, get_tp_size
 from tokenmill.kernels.mla_attention import gather_latent, mla_cache_write, mla_decode
 from tokenmill.layers.attention import CudaGraphSupport
 from tokenmill.layers.forward_context import AttentionMetadata, get_forward_context
-from tokenmill.layers.linear import ReplicatedLinear
+from tokenmill.layers.linear import ColumnParallelLinear
 
 
 class MLAAttention(nn.Module):
@@ -34,9 +38,10 @@ class MLAAttention(nn.Module):
 
     def __init__(self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
                  v_head_dim: int, scale: float, layer_idx: int, dtype=None, device=None):
+        """num_heads: the model's; this rank attends with num_heads / tensor-parallel size of them."""
         super().__init__()
         self.layer_idx = layer_idx  # which of the forward context's caches is this layer's
-        self.num_heads = num_heads
+        self.num_heads = divide(num_heads, get_tp_size())
         self.kv_lora_rank = kv_lora_rank
         self.qk_nope_head_dim = qk_nope_head_dim
         self.qk_rope_head_dim = qk_rope_head_dim
@@ -44,8 +49,9 @@ class MLAAttention(nn.Module):
         self.v_head_dim = v_head_dim
         self.scale = scale
         # The up-projection both paths use (the checkpoint's self_attn.kv_b_proj): expansion, or absorption.
-        self.kv_b_proj = ReplicatedLinear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False,
-                                          dtype=dtype, device=device)
+        # Its rows are grouped by head, so a column-parallel split gives each rank whole heads.
+        self.kv_b_proj = ColumnParallelLinear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False,
+                                              dtype=dtype, device=device)
 
     @property
     def cache_width(self) -> int:

@@ -1,7 +1,7 @@
 """DeepSeek-V2 / V2-Lite / V3 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM): the Llama decoder's
 stack with multi-head latent attention (layers/mla.py) and DeepSeek's mixture of experts.
 
-- Attention: q from q_proj (V2-Lite) or the low-rank q_a_proj -> q_a_layernorm -> q_b_proj (V2,
+- Attention (heads split over tensor-parallel ranks): q from q_proj (V2-Lite) or the low-rank q_a_proj -> q_a_layernorm -> q_b_proj (V2,
   V3); kv_a_proj_with_mqa gives the latent (then kv_a_layernorm) and the shared rope'd key; the
   MLA layer caches the two and owns kv_b_proj (the checkpoint's self_attn.kv_b_proj). The softmax
   scale is (nope + rope) ** -0.5, times YaRN's mscale(mscale_all_dim) ** 2 (models/config.py).
@@ -25,7 +25,8 @@ from torch import nn
 
 from tokenmill.kernels.fused_moe import GroupedTopK
 from tokenmill.layers.fused_moe import FusedMoE
-from tokenmill.layers.linear import ReplicatedLinear
+from tokenmill.distributed import divide, get_tp_size
+from tokenmill.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from tokenmill.layers.mla import MLAAttention
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -53,19 +54,21 @@ class DeepseekAttention(nn.Module):
         m, h, heads = cfg.mla, cfg.hidden_size, cfg.num_heads
         if max(m.qk_head_dim, m.v_head_dim) > m.cache_width:  # the piecewise buffers are a cache row wide
             raise ValueError(f"MLA head dims {m.qk_head_dim}/{m.v_head_dim} wider than a cache row {m.cache_width}")
-        linear = lambda i, o: ReplicatedLinear(i, o, bias=False, dtype=dtype, device=device)  # noqa: E731
-        self.num_heads = heads
+        # Tensor parallelism splits the heads (q and o_proj by head, kv_b_proj in the MLA layer); the
+        # low-rank q_a and the latent's kv_a are computed whole on every rank.
+        kw = dict(bias=False, dtype=dtype, device=device)
+        self.num_heads = divide(heads, get_tp_size())
         self.mla = m
         self.q_lora = m.q_lora_rank is not None
         if self.q_lora:
-            self.q_a_proj = linear(h, m.q_lora_rank)
+            self.q_a_proj = ReplicatedLinear(h, m.q_lora_rank, **kw)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, cfg.rms_norm_eps, dtype=dtype, device=device)
-            self.q_b_proj = linear(m.q_lora_rank, heads * m.qk_head_dim)
+            self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, heads * m.qk_head_dim, **kw)
         else:
-            self.q_proj = linear(h, heads * m.qk_head_dim)
-        self.kv_a_proj_with_mqa = linear(h, m.cache_width)
+            self.q_proj = ColumnParallelLinear(h, heads * m.qk_head_dim, **kw)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(h, m.cache_width, **kw)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.o_proj = linear(heads * m.v_head_dim, h)
+        self.o_proj = RowParallelLinear(heads * m.v_head_dim, h, **kw)
         self.rotary = rotary
         self.attn = MLAAttention(heads, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim,
                                  cfg.attn_scale, layer_idx, dtype=dtype, device=device)
