@@ -8,7 +8,7 @@ Logits within 1e-4 relative of HF's for the expanded prefill path (one batch of 
 for the absorbed latent decode path (one decode step after a prefill); greedy tokens through a busy
 engine (mixed lengths together, chunked prefill, preemption: decode steps absorbed, prefill and mixed
 steps expanded) equal to HF's generate, also under tensor parallelism (heads split over 2 ranks); V3's
-multi-token-prediction layer skipped at load; the latent cache's size; the V2-Lite preset's parameter
+multi-token-prediction layer skipped at load; a prefix-cache hit; the latent cache's size; the V2-Lite preset's parameter
 count; dummy weights; what is not supported refused by name."""
 
 import logging
@@ -300,3 +300,16 @@ def test_fp8_weights_refused(models):
 
     with pytest.raises(ModelLoadError, match="FP8 weights on DeepseekV2ForCausalLM are not supported yet"):
         load_model(str(models["v2"][2]), dtype="float32", device="cpu", quantization="fp8")
+
+
+def test_prefix_cache_hit_matches_hf(models, hf_greedy):
+    """A prompt whose first 32 tokens are already cached (a finished request's blocks): its prefill
+    attends over the cached latent rows it did not compute, and greedy tokens are still HF's."""
+    llm = make_llm(models["v2"][1], max_model_len=64, enable_prefix_caching=True)
+    prompt = _prompts()[3]  # 37 tokens: two full blocks of 16 are shared
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    first = llm.generate([prompt], greedy, use_tqdm=False)[0]
+    again = llm.generate([prompt], greedy, use_tqdm=False)[0]
+    assert llm.engine.kv.prefix_hits >= 32
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == hf_greedy["v2"][3]
+    assert_no_leaks(llm)
