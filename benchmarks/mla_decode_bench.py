@@ -5,8 +5,8 @@ For each batch size and context length (every request the same context), the spl
 triton's do_bench (median); its bandwidth counts the latent cache bytes it must read,
 batch x context x (512 + 64) x 2, and is compared with the device's copy bandwidth (y.copy_(x),
 read + write, as the roofline measures it). Target: >= 70% of copy bandwidth at 4k-32k contexts.
---sweep also times the launch choices (block_n, num_warps, num_stages, block_h) at each shape and
-reports the best, for tuning the module's defaults.
+--sweep also times the launch choices (block_n, num_warps, num_stages, block_h) and the split counts
+at each shape and reports the best, for tuning the module's defaults and mla_num_splits.
 
     python benchmarks/mla_decode_bench.py --out $OUT/mla_decode.json [--sweep] [--heads 16 128]
 """
@@ -26,6 +26,7 @@ from tokenmill.kernels.mla_attention import BLOCK_H, BLOCK_N, mla_decode_triton,
 logger = logging.getLogger("mla_decode_bench")
 R, P, PAGE = 512, 64, 16
 SWEEP = dict(block_n=(16, 32, 64), num_warps=(4, 8), num_stages=(1, 2, 3), block_h=(16, 32, 64))
+SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)  # --sweep also times these against mla_num_splits' choice
 
 
 def make_inputs(batch: int, context: int, heads: int, dtype=torch.bfloat16):
@@ -86,10 +87,15 @@ def main() -> None:
             if best is not None:
                 row["best"] = {"ms": best[0], "launch": best[1],
                                "fraction_of_copy": latent_bytes / (best[0] * 1e-3) / copy_bw}
+            by_splits = {n: time_ms(inputs, num_splits=n, min_split=0) for n in SPLITS}  # exactly n splits
+            fastest = min(by_splits, key=by_splits.get)
+            row["splits"] = {"ms": by_splits, "best": fastest,
+                             "best_fraction_of_copy": latent_bytes / (by_splits[fastest] * 1e-3) / copy_bw}
         rows.append(row)
         logger.info("heads %3d batch %3d context %6d: %8.3f ms, %6.0f GB/s, %.0f%% of copy%s", heads, batch, context,
                     ms, row["gb_per_s"], 100 * row["fraction_of_copy"],
-                    f" (best {100 * row['best']['fraction_of_copy']:.0f}% {row['best']['launch']})"
+                    f" (best {100 * row['best']['fraction_of_copy']:.0f}% {row['best']['launch']}; "
+                    f"best splits {row['splits']['best']}: {100 * row['splits']['best_fraction_of_copy']:.0f}%)"
                     if "best" in row else "")
         del inputs
         torch.cuda.empty_cache()

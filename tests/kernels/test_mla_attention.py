@@ -39,17 +39,19 @@ def test_decode_matches_reference(device, heads, page, num_splits):
     seq_lens = [1, 37, 70, 0, 5]
     q_lat, q_pe, cache, tables, lens = make_decode_batch(seq_lens, heads, page, torch.float32, device)
     ref = mla_decode_ref(q_lat, q_pe, cache, tables, lens, 0.3)
-    out = mla_decode_triton(q_lat, q_pe, cache, tables, lens, 0.3, num_splits=num_splits)
+    out = mla_decode_triton(q_lat, q_pe, cache, tables, lens, 0.3, num_splits=num_splits, min_split=0)
     assert rel_err(out, ref) < 1e-5
     assert torch.equal(out[3], torch.zeros_like(out[3]))  # no context: zeros, not NaN
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_splits_from_context_length(device):
-    """num_splits chosen by the launcher from the longest context (the eager path)."""
+    """num_splits chosen by the launcher from the longest context (the eager path); and a grid of
+    more splits than min_split lets a context use (as a CUDA graph fixes it): the rest stay empty."""
     q_lat, q_pe, cache, tables, lens = make_decode_batch([300, 9], 2, 16, torch.float32, device, seed=1)
     ref = mla_decode_ref(q_lat, q_pe, cache, tables, lens, 0.2)
     assert rel_err(mla_decode_triton(q_lat, q_pe, cache, tables, lens, 0.2, max_seq_len=300), ref) < 1e-5
+    assert rel_err(mla_decode_triton(q_lat, q_pe, cache, tables, lens, 0.2, num_splits=8, min_split=64), ref) < 1e-5
 
 
 @pytest.mark.parametrize("device", DEVICES)

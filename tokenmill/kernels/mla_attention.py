@@ -100,13 +100,15 @@ def mla_cache_write(cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tenso
 @triton.jit
 def _mla_decode_split_kernel(
     q_lat_ptr, q_pe_ptr, cache_ptr, tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
-    H, R, P, num_splits, qk_scale,
+    H, R, P, num_splits, min_split, qk_scale,
     stride_lb, stride_lh, stride_pb, stride_ph, stride_cblock, stride_ctok, stride_table,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Grid (B, num_splits, cdiv(H, BLOCK_H)): request b's heads [hb * BLOCK_H, ...) over split s of
-    its context; writes the split's normalised output [BLOCK_H, R] and log-sum-exp (base 2)."""
+    its context; writes the split's normalised output [BLOCK_H, R] and log-sum-exp (base 2). A split
+    covers at least min_split tokens (a multiple of BLOCK_N), so a short context fills only its first
+    splits, decided on the device: num_splits is an upper bound a CUDA graph can fix."""
     b = tl.program_id(0)
     split = tl.program_id(1)
     heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -117,7 +119,7 @@ def _mla_decode_split_kernel(
     p_ok = p < P
     seq_len = tl.load(seq_lens_ptr + b)
     # Each split covers a whole number of BLOCK_N tiles; the last ones may be empty.
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split)
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
@@ -151,7 +153,8 @@ def _mla_decode_split_kernel(
     out = acc / tl.where(has, l, 1.0)[:, None]
     lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), -float("inf"))
     part = (b64 * num_splits + split) * H + heads
-    tl.store(part_out_ptr + part[:, None] * R + r[None, :], out, mask=h_ok[:, None] & r_ok[None, :])
+    # an empty split writes only its lse (-inf): the merge reads nothing else of it
+    tl.store(part_out_ptr + part[:, None] * R + r[None, :], out, mask=(h_ok & has)[:, None] & r_ok[None, :])
     tl.store(part_lse_ptr + part, lse, mask=h_ok)
 
 
@@ -169,7 +172,8 @@ def _mla_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, H, R, num_splits, str
     top = tl.max(lse, axis=0)
     top = tl.where(top == -float("inf"), 0.0, top)
     w = tl.exp2(lse - top)
-    o = tl.load(part_out_ptr + part[:, None] * R + r[None, :], mask=s_ok[:, None] & (r < R)[None, :], other=0.0)
+    full = s_ok & (lse > -float("inf"))  # empty splits' outputs were never written
+    o = tl.load(part_out_ptr + part[:, None] * R + r[None, :], mask=full[:, None] & (r < R)[None, :], other=0.0)
     total = tl.sum(w, axis=0)
     res = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + r, res.to(out_ptr.dtype.element_ty), mask=r < R)
@@ -178,8 +182,11 @@ def _mla_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, H, R, num_splits, str
 # Launch choices (to be tuned on the H100 / H200: benchmarks/mla_gpu_check.sh)
 BLOCK_H = 16  # heads per program: tl.dot needs 16 rows; V2-Lite's 16 heads read each latent tile once
 BLOCK_N = 32  # latent rows per tile: [32, 512] bf16 = 32 KiB
-MIN_TOKENS_PER_SPLIT = 256  # a split shorter than this costs more in merging than it gains
-MAX_SPLITS = 64
+# A split's partial output (H x R fp32, written and read again) costs 64 KiB at 16 heads, about a
+# fifth of what 256 latent rows of 576 bf16 numbers cost to read: shorter splits cost more in merging
+# than they gain in parallelism.
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 128
 
 
 def mla_num_splits(batch: int, num_heads: int, max_seq_len: Optional[int], device: torch.device,
@@ -197,10 +204,11 @@ def mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
                       seq_lens: torch.Tensor, scale: float, num_splits: Optional[int] = None,
                       max_seq_len: Optional[int] = None, out: Optional[torch.Tensor] = None,
                       block_h: int = BLOCK_H, block_n: int = BLOCK_N, num_warps: Optional[int] = None,
-                      num_stages: int = 2) -> torch.Tensor:
+                      num_stages: int = 2, min_split: int = MIN_TOKENS_PER_SPLIT) -> torch.Tensor:
     """mla_decode_ref in two launches (no host sync: CUDA-graph safe when num_splits is given or
-    max_seq_len is None). block_h / block_n / num_warps / num_stages: the split kernel's launch
-    choices (benchmarks/mla_decode_bench.py sweeps them)."""
+    max_seq_len is None). num_splits is the most splits per request (each at least min_split
+    tokens, rounded up to block_n); block_h / block_n / num_warps / num_stages: the split kernel's
+    launch choices (benchmarks/mla_decode_bench.py sweeps them)."""
     B, H, R = q_lat.shape
     P = q_pe.shape[-1]
     assert cache.shape[-1] == R + P and cache.shape[2] == 1 and cache.stride(-1) == 1
@@ -218,7 +226,7 @@ def mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
         num_warps = 8 if block_r >= 256 else 4
     _mla_decode_split_kernel[(B, num_splits, triton.cdiv(H, block_h))](
         q_lat, q_pe, cache, block_tables, seq_lens, part_out, part_lse, H, R, P, num_splits,
-        scale * 1.4426950408889634, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
+        triton.cdiv(min_split, block_n) * block_n, scale * 1.4426950408889634, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         cache.stride(0), cache.stride(1), block_tables.stride(0),
         PAGE=cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=block_p,
         IEEE=q_lat.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
