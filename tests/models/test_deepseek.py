@@ -135,9 +135,10 @@ def test_prefill_logits_match_hf(kind, models):
 
 
 @torch.no_grad()
-def _decode_step_logits(model, sequences: list[list[int]], block_size: int = 16) -> torch.Tensor:
-    """Prefill all but the last token of each sequence, then one decode step (max_query_len 1: the
-    absorbed latent path) for the last tokens together; returns that step's logits [B, vocab]."""
+def _last_step_logits(model, sequences: list[list[int]], last: list[int], block_size: int = 16) -> torch.Tensor:
+    """Prefill all but the last `last[i]` tokens of each sequence, then one step of those tokens
+    together (all 1: a decode step, max_query_len 1; else a mixed step); returns the logits of each
+    sequence's final token in that step [B, vocab]."""
     blocks = [-(-len(s) // block_size) for s in sequences]
     caches = scratch_kv_caches(model, sum(blocks) + 1, block_size)
     tables = torch.zeros(len(sequences), max(blocks), dtype=torch.int32)
@@ -162,17 +163,19 @@ def _decode_step_logits(model, sequences: list[list[int]], block_size: int = 16)
             hidden = model(torch.tensor(ids), torch.tensor(positions))
         return model.compute_logits(hidden[torch.tensor(qsl[1:]) - 1])
 
-    step([s[:-1] for s in sequences], [0] * len(sequences))
-    return step([s[-1:] for s in sequences], [len(s) - 1 for s in sequences])
+    step([s[:-n] for s, n in zip(sequences, last)], [0] * len(sequences))
+    return step([s[-n:] for s, n in zip(sequences, last)], [len(s) - n for s, n in zip(sequences, last)])
 
 
+@pytest.mark.parametrize("last", [[1, 1, 1], [1, 6, 1]], ids=["decode", "mixed"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_decode_logits_match_hf(kind, models):
-    """The absorbed path: W_UK in the query, attention over the cached latents, W_UV after."""
+def test_decode_logits_match_hf(kind, last, models):
+    """The absorbed path (W_UK in the query, attention over the cached latents, W_UV after): a decode
+    step, and a mixed step whose one-token requests take it beside a 6-token chunk's expanded path."""
     hf, loaded, _ = models[kind]
     gen = torch.Generator().manual_seed(4)
     seqs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (3, 17, 45)]
-    ours = _decode_step_logits(loaded.model, seqs)
+    ours = _last_step_logits(loaded.model, seqs, last)
     for seq, logits in zip(seqs, ours):
         with torch.no_grad():
             ref = hf(torch.tensor([seq])).logits[0, -1].float()

@@ -5,18 +5,21 @@ key k_pe (kernels/mla_attention.py has the layout), not per-head K/V. Head h's k
 [W_UK[h] c, k_pe] and its value W_UV[h] c, with kv_b_proj's weight [H * (nope + v), R] = per
 head [W_UK[h]; W_UV[h]]. Two ways to attend:
 
-- decode (every request computes one token: max_query_len == 1): W_UK is absorbed into the query,
-  q_lat = W_UK[h]^T q_nope, the latent kernel attends over the cache rows as they are, and W_UV is
-  applied to its output. Reads R + P numbers per cached token instead of H * (nope + 2v).
-- prefill and mixed steps: each request's whole cached context (earlier chunks included) is
-  expanded through kv_b_proj into per-head keys and values and attended to with a lower-right causal
-  mask through torch's SDPA: plain attention over what HF computes, so the two paths check each other.
+- absorbed, for every request that computes one token (all of a decode step, max_query_len == 1,
+  and the decodes of a mixed step): W_UK is absorbed into the query, q_lat = W_UK[h]^T q_nope, the
+  latent kernel attends over the cache rows as they are, and W_UV is applied to its output. Reads
+  R + P numbers per cached token instead of H * (nope + 2v).
+- expanded, for each longer chunk (prefill, chunked prefill, verify): the request's whole cached
+  context (earlier chunks included) is expanded through kv_b_proj into per-head keys and values and
+  attended to with a lower-right causal mask through torch's SDPA: plain attention over what HF
+  computes, so the two paths check each other.
 
 Tensor parallelism splits the heads: each rank holds its heads' rows of kv_b_proj (and of q and
 o_proj, models/deepseek.py) and the whole latent cache, which every head shares.
 
-The absorbed kernel serves only uniform single-token decode steps, so the backend declares
-CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE (full graphs for decode batches, piecewise otherwise).
+Only a step where every request computes one token picks its path without reading query lengths on
+the host, so the backend declares CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE (full graphs for
+decode batches; other steps eager or piecewise).
 """
 
 from typing import Optional
@@ -82,45 +85,57 @@ class MLAAttention(nn.Module):
         as wide as a cache row) -> [T, H, v], written into out[..., :v] when given."""
         cache = kv_caches[self.layer_idx][0]
         q = q[..., : self.qk_head_dim]
-        if meta.max_query_len == 1:
-            result = self._decode(q, meta, cache)
+        if meta.max_query_len == 1:  # row b is request b; rows past the batch are padding, left zero
+            batch = min(q.shape[0], meta.seq_lens.shape[0])
+            result = q.new_zeros((q.shape[0], self.num_heads, self.v_head_dim))
+            result[:batch] = self._absorbed(q[:batch], cache, meta.block_tables, meta.seq_lens, meta.num_splits,
+                                            meta.max_seq_len)
         else:
-            result = self._prefill(q, meta, cache)
+            result = self._mixed(q, meta, cache)
         if out is None:
             return result
         out[..., : self.v_head_dim].copy_(result)
         return out
 
-    def _decode(self, q: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
-        """One token per request (row b is request b; rows past the batch are padding, left zero)."""
+    def _absorbed(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  num_splits: Optional[int], max_seq_len: Optional[int]) -> torch.Tensor:
+        """q [B, H, nope + rope], one query per request at the end of its context -> [B, H, v]:
+        W_UK into the query, the latent kernel over the cached rows, W_UV after."""
         w_uk, w_uv = self._up_weights()
         nope = self.qk_nope_head_dim
-        batch = min(q.shape[0], meta.seq_lens.shape[0])
-        q_lat = torch.bmm(q[:batch, :, :nope].transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, R]
-        q_pe = q[:batch, :, nope:]
-        o_lat = mla_decode(q_lat, q_pe, cache, meta.block_tables, meta.seq_lens, self.scale,
-                           num_splits=meta.num_splits, max_seq_len=meta.max_seq_len)
-        out = q.new_zeros((q.shape[0], self.num_heads, self.v_head_dim))
-        out[:batch] = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
-        return out
+        q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, R]
+        o_lat = mla_decode(q_lat, q[..., nope:], cache, block_tables, seq_lens, self.scale,
+                           num_splits=num_splits, max_seq_len=max_seq_len)
+        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
-    def _prefill(self, q: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
-        """Each request's queries over its whole context, expanded from the cached latent, through
-        SDPA with a lower-right causal mask (the chunk's queries are the context's last positions; on
-        CUDA a memory-efficient kernel, so no [q, context] score matrix is held). The host reads the
-        step's query starts and lengths: prefill steps are never inside a full graph."""
-        nope, R = self.qk_nope_head_dim, self.kv_lora_rank
+    def _mixed(self, q: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
+        """A step with prefill chunks (and maybe decodes): the one-token requests together through the
+        absorbed path, each longer chunk over its expanded context (the host reads the step's query
+        starts and context lengths: such steps are never inside a full graph)."""
         out = q.new_zeros((q.shape[0], self.num_heads, self.v_head_dim))
         starts = meta.query_start_loc.tolist()
-        for b, seq_len in enumerate(meta.seq_lens.tolist()):
+        seq_lens = meta.seq_lens.tolist()
+        decodes = [b for b in range(len(seq_lens)) if starts[b + 1] - starts[b] == 1]
+        if decodes:
+            reqs = torch.tensor(decodes, device=q.device)
+            rows = meta.query_start_loc[reqs].long()
+            out[rows] = self._absorbed(q[rows], cache, meta.block_tables[reqs], meta.seq_lens[reqs], None,
+                                       max(seq_lens[b] for b in decodes))
+        for b, seq_len in enumerate(seq_lens):
             lo, hi = starts[b], starts[b + 1]
-            if hi <= lo:
-                continue
-            rows = gather_latent(cache, meta.block_tables[b], seq_len)
-            kv = self.kv_b_proj(rows[:, :R]).view(seq_len, self.num_heads, nope + self.v_head_dim)
-            k = torch.cat((kv[..., :nope], rows[:, None, R:].expand(seq_len, self.num_heads, -1)), dim=-1)
-            attn = F.scaled_dot_product_attention(
-                q[lo:hi].transpose(0, 1)[None], k.transpose(0, 1)[None], kv[..., nope:].transpose(0, 1)[None],
-                attn_mask=causal_lower_right(hi - lo, seq_len), scale=self.scale)
-            out[lo:hi] = attn[0].transpose(0, 1)
+            if hi - lo > 1:
+                out[lo:hi] = self._expanded(q[lo:hi], cache, meta.block_tables[b], seq_len)
         return out
+
+    def _expanded(self, q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """One request's chunk q [n, H, nope + rope], the last n positions of its seq_len-token context
+        -> [n, H, v]: the cached latent expanded through kv_b_proj into per-head keys and values, then
+        SDPA with a lower-right causal mask (on CUDA a memory-efficient kernel: no [n, context] scores held)."""
+        nope, R = self.qk_nope_head_dim, self.kv_lora_rank
+        rows = gather_latent(cache, block_table, seq_len)
+        kv = self.kv_b_proj(rows[:, :R]).view(seq_len, self.num_heads, nope + self.v_head_dim)
+        k = torch.cat((kv[..., :nope], rows[:, None, R:].expand(seq_len, self.num_heads, -1)), dim=-1)
+        attn = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], kv[..., nope:].transpose(0, 1)[None],
+            attn_mask=causal_lower_right(q.shape[0], seq_len), scale=self.scale)
+        return attn[0].transpose(0, 1)
