@@ -103,7 +103,7 @@ def _mla_decode_split_kernel(
     H, R, P, num_splits, min_split, qk_scale,
     stride_lb, stride_lh, stride_pb, stride_ph, stride_cblock, stride_ctok, stride_table,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_P: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid (B, num_splits, cdiv(H, BLOCK_H)): request b's heads [hb * BLOCK_H, ...) over split s of
     its context; writes the split's normalised output [BLOCK_H, R] and log-sum-exp (base 2). A split
@@ -131,7 +131,6 @@ def _mla_decode_split_kernel(
     m = tl.full([BLOCK_H], -float("inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-    precision: tl.constexpr = "ieee" if IEEE else "tf32"
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < end
@@ -139,14 +138,14 @@ def _mla_decode_split_kernel(
         row = cache_ptr + page * stride_cblock + (n % PAGE).to(tl.int64) * stride_ctok
         kv = tl.load(row[:, None] + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)  # [N, R]
         kpe = tl.load(row[:, None] + R + p[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0.0)  # [N, P]
-        s = tl.dot(q_lat, tl.trans(kv), input_precision=precision)
-        s += tl.dot(q_pe, tl.trans(kpe), input_precision=precision)
+        s = tl.dot(q_lat, tl.trans(kv), input_precision=DOT_PRECISION)
+        s += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
         s = tl.where(n_ok[None, :], s * qk_scale, -float("inf"))  # qk_scale includes log2(e)
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         prob = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(prob, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(prob.to(kv.dtype), kv, input_precision=precision)
+        acc = acc * alpha[:, None] + tl.dot(prob.to(kv.dtype), kv, input_precision=DOT_PRECISION)
         m = m_new
 
     has = l > 0
@@ -221,17 +220,20 @@ def mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
         num_splits = mla_num_splits(B, H, max_seq_len, q_lat.device, block_h)
     part_out = torch.empty((B, num_splits, H, R), dtype=torch.float32, device=q_lat.device)
     part_lse = torch.empty((B, num_splits, H), dtype=torch.float32, device=q_lat.device)
-    block_r, block_p = triton.next_power_of_2(R), triton.next_power_of_2(P)
+    # tl.dot needs 16 along every dimension on the GPU (tiny test models have P = 8); masks pad
+    block_r, block_p = max(16, triton.next_power_of_2(R)), max(16, triton.next_power_of_2(P))
     if num_warps is None:
         num_warps = 8 if block_r >= 256 else 4
     _mla_decode_split_kernel[(B, num_splits, triton.cdiv(H, block_h))](
         q_lat, q_pe, cache, block_tables, seq_lens, part_out, part_lse, H, R, P, num_splits,
-        triton.cdiv(min_split, block_n) * block_n, scale * 1.4426950408889634, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
+        triton.cdiv(min_split, block_n) * block_n, scale * 1.4426950408889634,  # exp2 domain
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         cache.stride(0), cache.stride(1), block_tables.stride(0),
         PAGE=cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=block_p,
-        IEEE=q_lat.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
+        DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        num_stages=num_stages)
     _mla_merge_kernel[(B, H)](part_out, part_lse, out, H, R, num_splits, out.stride(0), out.stride(1),
-                              BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_R=block_r, num_warps=4)
+                              BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_R=block_r, num_warps=4)
     return out
 
 

@@ -525,7 +525,8 @@ def _deepseek_fields(cfg: dict[str, Any], version: str, num_heads: int) -> dict[
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported (supported: silu)")
     q_lora = cfg.get("q_lora_rank")
-    mla = MLAConfig(kv_lora_rank=int(cfg.get("kv_lora_rank", 512)), qk_nope_head_dim=int(cfg.get("qk_nope_head_dim", 128)),
+    mla = MLAConfig(kv_lora_rank=int(cfg.get("kv_lora_rank", 512)),
+                    qk_nope_head_dim=int(cfg.get("qk_nope_head_dim", 128)),
                     qk_rope_head_dim=int(cfg.get("qk_rope_head_dim", 64)), v_head_dim=int(cfg.get("v_head_dim", 128)),
                     q_lora_rank=int(q_lora) if q_lora else None,
                     rope_interleave=True if version == "v2" else bool(cfg.get("rope_interleave", True)))
@@ -535,7 +536,8 @@ def _deepseek_fields(cfg: dict[str, Any], version: str, num_heads: int) -> dict[
     if version == "v2":
         method = cfg.get("topk_method") or "greedy"
         if method not in _V2_TOPK_METHODS:
-            raise ModelLoadError(f"config.json: topk_method {method!r} is not supported (supported: {_V2_TOPK_METHODS})")
+            raise ModelLoadError(f"config.json: topk_method {method!r} is not supported "
+                                 f"(supported: {', '.join(_V2_TOPK_METHODS)})")
         if method == "greedy":
             num_groups = topk_groups = 1
         routing = dict(scoring="softmax", group_score="max", renormalize=False)

@@ -1,10 +1,11 @@
 """DeepSeek-V2 / V2-Lite / V3 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM): the Llama decoder's
 stack with multi-head latent attention (layers/mla.py) and DeepSeek's mixture of experts.
 
-- Attention (heads split over tensor-parallel ranks): q from q_proj (V2-Lite) or the low-rank q_a_proj -> q_a_layernorm -> q_b_proj (V2,
-  V3); kv_a_proj_with_mqa gives the latent (then kv_a_layernorm) and the shared rope'd key; the
-  MLA layer caches the two and owns kv_b_proj (the checkpoint's self_attn.kv_b_proj). The softmax
-  scale is (nope + rope) ** -0.5, times YaRN's mscale(mscale_all_dim) ** 2 (models/config.py).
+- Attention (heads split over tensor-parallel ranks): q from q_proj (V2-Lite) or the low-rank
+  q_a_proj -> q_a_layernorm -> q_b_proj (V2, V3); kv_a_proj_with_mqa gives the latent (then
+  kv_a_layernorm) and the shared rope'd key; the MLA layer caches the two and owns kv_b_proj (the
+  checkpoint's self_attn.kv_b_proj). The softmax scale is (nope + rope) ** -0.5, times YaRN's
+  mscale(mscale_all_dim) ** 2 (models/config.py).
 - Rotary: DeepSeek's rope dims are interleaved pairs (V2's complex rotation; V3's rope_interleave);
   the rope rows of q and kv_a are permuted at load to (evens, odds), where the rotate-half kernels
   rotate the same pairs: V3's output layout exactly, V2's up to the same permutation of q and k, so q.k
