@@ -316,3 +316,29 @@ def test_prefix_cache_hit_matches_hf(models, hf_greedy):
     assert llm.engine.kv.prefix_hits >= 32
     assert first.outputs[0].token_ids == again.outputs[0].token_ids == hf_greedy["v2"][3]
     assert_no_leaks(llm)
+
+
+@torch.no_grad()
+def test_attend_reads_and_writes_cache_row_wide_buffers(models):
+    """The piecewise graphs' contract (their q and output buffers are a cache row wide, shared by
+    every layer): attend reads q's first nope + rope dims, writes the output's first v dims, and
+    gives what it gives for a q of its own width, for a prefill and a decode step."""
+    model = models["v3"][1].model
+    attn = model.model.layers[0].self_attn.attn
+    width = model.attention_spec().head_dim  # 40: R + P
+    caches = scratch_kv_caches(model, 4)
+    gen = torch.Generator().manual_seed(5)
+    caches[0][0].copy_(torch.randn(caches[0][0].shape, generator=gen))
+    tables = torch.tensor([[1, 2], [3, 0]], dtype=torch.int32)
+    steps = [AttentionMetadata(torch.tensor([0, 5, 8], dtype=torch.int32), torch.tensor([20, 3], dtype=torch.int32),
+                               tables, torch.zeros(8, dtype=torch.int64), max_query_len=5, max_seq_len=20),
+             AttentionMetadata(torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([20, 3], dtype=torch.int32),
+                               tables, torch.zeros(2, dtype=torch.int64), max_query_len=1, max_seq_len=20)]
+    for meta in steps:
+        tokens = int(meta.query_start_loc[-1])
+        wide_q = torch.randn(tokens, attn.num_heads, width, generator=gen)
+        wide_out = torch.full((tokens, attn.num_heads, width), 7.0)
+        attn.attend(wide_q, meta, caches, out=wide_out)
+        ref = attn.attend(wide_q[..., : attn.qk_head_dim].contiguous(), meta, caches)
+        torch.testing.assert_close(wide_out[..., : attn.v_head_dim], ref, rtol=1e-6, atol=1e-6)
+        assert (wide_out[..., attn.v_head_dim:] == 7.0).all()
