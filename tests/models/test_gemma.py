@@ -36,7 +36,9 @@ def hf_gemma_config(kind: str):
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
         return tf.Gemma3TextConfig(**common, layer_types=LAYER_TYPES, rope_parameters=rope)
     # Gemma 2's default alternation (sliding, global, ...); caps small enough to bite on random weights
-    return tf.Gemma2Config(**common, attn_logit_softcapping=1.5, final_logit_softcapping=4.0)
+    # Eager attention named: older transformers ran Gemma 2 through SDPA, which drops the soft-cap.
+    return tf.Gemma2Config(**common, attn_logit_softcapping=1.5, final_logit_softcapping=4.0,
+                           attn_implementation="eager")
 
 
 @pytest.fixture(scope="module")
