@@ -116,6 +116,27 @@ def test_grouped_routing_by_hand():
     torch.testing.assert_close(weights, probs[:, :2] * 1.5)
 
 
+GROUPINGS = {  # (E, k, renormalize, grouping, with bias)
+    "v3": (64, 6, True, fm.GroupedTopK("sigmoid", 8, 3, "top2_sum", 2.5), True),
+    "v2": (40, 4, False, fm.GroupedTopK("softmax", 8, 3, "max", 1.5), False),  # groups of 5: not a power of 2
+    "greedy": (24, 3, False, fm.GroupedTopK("softmax", 1, 1, "max", 1.0), False),
+    "sigmoid-ungrouped": (16, 2, True, fm.GroupedTopK("sigmoid", 1, 1, "top2_sum", 1.0), True),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", sorted(GROUPINGS))
+def test_grouped_route_matches_ref(device, case):
+    E, k, renormalize, grouping, with_bias = GROUPINGS[case]
+    gen = torch.Generator().manual_seed(6)
+    logits = (torch.randn(37, E + 3, generator=gen) * 2)[:, :E].to(device)  # a row stride past E
+    bias = (torch.randn(E, generator=gen) * 0.3).to(device) if with_bias else None
+    ref_w, ref_ids = fm.moe_route_grouped_ref(logits, k, renormalize, grouping, bias)
+    weights, ids = fm.moe_route_grouped_triton(logits, k, renormalize, grouping, bias)
+    assert torch.equal(ids, ref_ids) and weights.dtype == torch.float32
+    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
+
+
 def test_fused_moe_layer_routes_through_its_grouping():
     """FusedMoE's routing step takes the grouping and its e_score_correction_bias parameter."""
     from tokenmill.layers.fused_moe import FusedMoE

@@ -102,7 +102,8 @@ def test_config_read_as_hf_reads_it(models):
 
 
 def test_grouped_routing_matches_hf_routers(models):
-    """moe_route_grouped_ref against HF's own router modules (V2 softmax group-limited, V3 sigmoid + bias)."""
+    """moe_route_grouped_ref against HF's own router modules (V2 softmax group-limited, V3 sigmoid +
+    bias), and the plain softmax top-k against V2's greedy router (V2-Lite's)."""
     for kind, (hf, loaded, _) in models.items():
         router, moe = hf.model.layers[1].mlp.gate, loaded.arch.moe
         x = torch.randn(50, COMMON["hidden_size"], generator=torch.Generator().manual_seed(3))
@@ -116,6 +117,22 @@ def test_grouped_routing_matches_hf_routers(models):
         ids, mine = ids.long().sort(dim=-1)
         assert torch.equal(ids, ref_ids), kind
         torch.testing.assert_close(weights.gather(1, mine), ref_w.gather(1, order), rtol=1e-6, atol=1e-7)
+    # V2-Lite's routing (greedy, scale 1): FusedMoE's plain softmax top-k, unrenormalised
+    import transformers as tf
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    from tokenmill.kernels.fused_moe import moe_route
+
+    config = tf.DeepseekV2Config(**COMMON, topk_method="greedy", routed_scaling_factor=1.0)
+    router = DeepseekV2TopkRouter(config)
+    with torch.no_grad():
+        router.weight.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(7))
+        logits, ref_w, ref_ids = router(x)
+    weights, ids = moe_route(logits, 2, False)
+    ref_ids, order = ref_ids.sort(dim=-1)
+    ids, mine = ids.long().sort(dim=-1)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights.gather(1, mine), ref_w.gather(1, order), rtol=1e-6, atol=1e-7)
 
 
 def _relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -342,3 +359,13 @@ def test_attend_reads_and_writes_cache_row_wide_buffers(models):
         ref = attn.attend(wide_q[..., : attn.qk_head_dim].contiguous(), meta, caches)
         torch.testing.assert_close(wide_out[..., : attn.v_head_dim], ref, rtol=1e-6, atol=1e-6)
         assert (wide_out[..., attn.v_head_dim:] == 7.0).all()
+
+
+def test_v2_lite_greedy_routing_is_plain_top_k():
+    """V2-Lite's routing (greedy, one group, scale 1, no renormalisation) takes FusedMoE's plain
+    softmax top-k (the routing kernel of the other families); V3's takes the grouped routing."""
+    from tokenmill.models.config import arch_config_from_hf
+    from tokenmill.models.presets import get_preset
+
+    assert not arch_config_from_hf(get_preset("deepseek-v2-lite")).moe.grouped_routing
+    assert arch_config_from_hf(get_preset("tiny-deepseek")).moe.grouped_routing

@@ -107,8 +107,9 @@ class DeepseekMoE(nn.Module):
         super().__init__()
         moe = cfg.moe
         self.gate = DeepseekRouter(cfg.hidden_size, moe.num_experts, device)
-        grouping = GroupedTopK(moe.scoring, moe.num_groups, moe.topk_groups, moe.group_score,
-                               moe.routed_scaling_factor)
+        # V2-Lite's greedy softmax routing is plain top-k: the softmax routing kernel serves it
+        grouping = (GroupedTopK(moe.scoring, moe.num_groups, moe.topk_groups, moe.group_score,
+                                moe.routed_scaling_factor) if moe.grouped_routing else None)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size, moe.intermediate_size, moe.renormalize,
                                 dtype=dtype, device=device, grouping=grouping,
                                 correction_bias=moe.score_correction_bias)
