@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # DeepSeek's multi-head latent attention on the GPU in one call: its GPU tests (the latent decode
 # kernel against its reference at kv_lora_rank 512 / rope 64 with 16 and 128 heads and 4k-32k contexts
-# in bf16, inside a CUDA graph; the interpreter tests' CUDA cases; the tiny DeepSeek-V2 / V3 models on
-# CUDA with graphs and eager against HF), the decode kernel's bandwidth over the latent bytes against
+# in bf16, inside a CUDA graph; the interpreter tests' CUDA cases; DeepSeek's grouped routing kernel;
+# the tiny DeepSeek-V2 / V3 models on CUDA with graphs and eager against HF), the decode kernel's bandwidth over the latent bytes against
 # copy bandwidth (benchmarks/mla_decode_bench.py; target >= 70%), on request its launch sweep, and the
 # DeepSeek-V2-Lite workloads (latency-deepseek with graphs and eager, offline-deepseek).
 #   OUT=/tmp/x bash benchmarks/mla_gpu_check.sh
@@ -23,7 +23,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > 
 git rev-parse HEAD > "$OUT/git.txt" 2>&1
 
 part tests "$PY" -m pytest -q -rs --maxfail=8 -p no:cacheprovider -m gpu --junitxml "$OUT/mla_tests.xml" \
-    tests/gpu/test_mla_cuda.py tests/kernels/test_mla_attention.py tests/gpu/test_families_cuda.py -k "mla or deepseek or decode or cache"
+    tests/gpu/test_mla_cuda.py tests/kernels/test_mla_attention.py tests/gpu/test_families_cuda.py \
+    tests/kernels/test_fused_moe.py -k "mla or deepseek or grouped"
 part kbench "$PY" benchmarks/mla_decode_bench.py ${KBENCH_ARGS:---heads 16 128} --out "$OUT/mla_decode.json"
 part sweep "$PY" benchmarks/mla_decode_bench.py --heads 16 --batches 1 8 64 --contexts 4096 32768 --sweep \
     --out "$OUT/mla_sweep.json"
