@@ -238,21 +238,28 @@ def test_busy_engine_greedy_matches_hf(kind, models, hf_greedy):
     assert_no_leaks(llm)
 
 
-def test_tensor_parallel_matches_hf(models, hf_greedy):
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "tp-ep"])
+def test_tensor_parallel_matches_hf(models, hf_greedy, expert_parallel):
     """TP = 2 (gloo, one worker process) on V3: each rank 2 of the 4 heads (q_b_proj, kv_b_proj and
-    o_proj split by head) over the whole latent cache, experts split by width; greedy tokens are HF's."""
+    o_proj split by head) over the whole latent cache; the experts split by width, or with expert
+    parallelism 4 whole experts per rank (the grouped routing's global ids mapped to them); greedy
+    tokens are HF's."""
     from tokenmill.entrypoints.llm import LLM
 
-    llm = LLM(str(models["v3"][2]), tensor_parallel_size=2, dtype="float32", device="cpu", num_kv_blocks=64,
-              max_num_seqs=8)
+    llm = LLM(str(models["v3"][2]), tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+              dtype="float32", device="cpu", num_kv_blocks=64, max_num_seqs=8)
     try:
         outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS),
                             use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == hf_greedy["v3"]
-        attn = llm.engine.loaded.model.model.layers[0].self_attn
+        layers = llm.engine.loaded.model.model.layers
+        attn = layers[0].self_attn
         assert attn.num_heads == attn.attn.num_heads == 2
         assert tuple(attn.attn.kv_b_proj.weight.shape) == (2 * (16 + 16), 32)  # this rank's 2 heads
         assert tuple(attn.o_proj.weight.shape) == (64, 2 * 16)
+        experts = layers[1].mlp.experts
+        expected = (4, 2 * 32, 64) if expert_parallel else (8, 2 * 16, 64)
+        assert tuple(experts.w13_weight.shape) == expected
     finally:
         llm.engine.close()
 
