@@ -1,6 +1,7 @@
 """The MLA latent decode kernel on CUDA at DeepSeek's shapes (kv_lora_rank 512, rope 64; 16 heads as
 V2-Lite, 128 as V3), contexts of 4k-32k in bf16 (and fp32), against its torch reference; inside a
-CUDA graph (fixed splits, the context lengths changed between replays); and the cache write."""
+CUDA graph (fixed splits, the context lengths changed between replays); the cache write; and
+DeepSeek-V3's grouped routing kernel at its real shape."""
 
 import pytest
 import torch
@@ -74,3 +75,19 @@ def test_cache_write_bf16():
     mla_cache_write_ref(ref, compressed[:, :R], compressed[:, R:], slots)
     mla_cache_write_triton(out, compressed[:, :R], compressed[:, R:], slots)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_grouped_routing_at_v3_shape(tokens):
+    """DeepSeek-V3's routing on CUDA (256 experts in 8 groups, the best 4 groups, top 8, sigmoid with
+    the correction bias, renormalised, x 2.5): the Triton kernel against its reference."""
+    from tokenmill.kernels.fused_moe import GroupedTopK, moe_route_grouped_ref, moe_route_grouped_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    logits = torch.randn(tokens, 256, generator=gen, device="cuda")
+    bias = torch.randn(256, generator=gen, device="cuda") * 0.1
+    grouping = GroupedTopK("sigmoid", 8, 4, "top2_sum", 2.5)
+    ref_w, ref_ids = moe_route_grouped_ref(logits, 8, True, grouping, bias)
+    weights, ids = moe_route_grouped_triton(logits, 8, True, grouping, bias)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
