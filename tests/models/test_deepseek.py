@@ -151,6 +151,19 @@ def test_prefill_logits_match_hf(kind, models):
         assert _relative_error(logits, ref) < 1e-4, f"{kind}, {len(seq)} tokens"
 
 
+def test_prefill_in_query_slices_matches_hf(models, monkeypatch):
+    """The expanded path over slices of a chunk's queries (each slice seeing the keys up to its last
+    query), as it runs when heads x queries x keys would exceed SCORES_BUDGET: 7 queries a slice here."""
+    from tokenmill.layers import mla
+
+    hf, loaded, _ = models["v3"]
+    monkeypatch.setattr(mla, "SCORES_BUDGET", 4 * 7 * 40)  # 4 heads, the 40-token sequence: 7 queries
+    seq = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(8)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq])).logits[0].float()
+    assert _relative_error(full_logits(loaded.model, [seq])[0], ref) < 1e-4
+
+
 @torch.no_grad()
 def _last_step_logits(model, sequences: list[list[int]], last: list[int], block_size: int = 16) -> torch.Tensor:
     """Prefill all but the last `last[i]` tokens of each sequence, then one step of those tokens

@@ -36,6 +36,10 @@ from tokenmill.layers.forward_context import AttentionMetadata, get_forward_cont
 from tokenmill.layers.linear import ColumnParallelLinear
 
 
+# Query slices of the expanded path hold at most this many scores (heads x queries x keys): 256 MiB in fp32.
+SCORES_BUDGET = 1 << 26
+
+
 class MLAAttention(nn.Module):
     cuda_graph_support = CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
@@ -130,12 +134,20 @@ class MLAAttention(nn.Module):
     def _expanded(self, q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
         """One request's chunk q [n, H, nope + rope], the last n positions of its seq_len-token context
         -> [n, H, v]: the cached latent expanded through kv_b_proj into per-head keys and values, then
-        SDPA with a lower-right causal mask (on CUDA a memory-efficient kernel: no [n, context] scores held)."""
+        SDPA with a lower-right causal mask, over slices of the queries small enough that a score
+        matrix (the math backend's, where no fused kernel takes these head dims) stays bounded."""
         nope, R = self.qk_nope_head_dim, self.kv_lora_rank
         rows = gather_latent(cache, block_table, seq_len)
         kv = self.kv_b_proj(rows[:, :R]).view(seq_len, self.num_heads, nope + self.v_head_dim)
         k = torch.cat((kv[..., :nope], rows[:, None, R:].expand(seq_len, self.num_heads, -1)), dim=-1)
-        attn = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], kv[..., nope:].transpose(0, 1)[None],
-            attn_mask=causal_lower_right(q.shape[0], seq_len), scale=self.scale)
-        return attn[0].transpose(0, 1)
+        k, v = k.transpose(0, 1)[None], kv[..., nope:].transpose(0, 1)[None]  # [1, H, seq_len, d]
+        n = q.shape[0]
+        out = q.new_empty((n, self.num_heads, self.v_head_dim))
+        step = max(1, SCORES_BUDGET // (self.num_heads * seq_len))
+        for i in range(0, n, step):
+            j = min(n, i + step)
+            visible = seq_len - (n - j)  # keys up to the slice's last query
+            out[i:j] = F.scaled_dot_product_attention(
+                q[i:j].transpose(0, 1)[None], k[:, :, :visible], v[:, :, :visible],
+                attn_mask=causal_lower_right(j - i, visible), scale=self.scale)[0].transpose(0, 1)
+        return out
