@@ -20,6 +20,7 @@ class AttentionSpec:
     scale: float
     dtype: torch.dtype
     sliding_window: Optional[int] = None  # keys older than this many positions are not attended
+    sinks: bool = False  # a learned logit per q head joins the softmax (gpt-oss): its kernel variants differ
 
 
 class CausalLM(Protocol):

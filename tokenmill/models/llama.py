@@ -266,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
         """What the runner needs to know of the attention layers (models/interface.py)."""
         attn = self.model.layers[self.model.start].self_attn.attn
         return AttentionSpec(len(self.model.layers), attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
-                             self.lm_head.weight.dtype, attn.sliding_window)
+                             self.lm_head.weight.dtype, attn.sliding_window, attn.sinks is not None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names) into the parameters; returns the names loaded."""
