@@ -1,0 +1,140 @@
+"""gpt-oss (GptOssForCausalLM) from a tiny random model saved by HF transformers: attention sinks, q/k/v/o
+biases, sliding (WINDOW tokens) and full layers interleaved, experts with biases and the clamped
+SwiGLU (a limit low enough to bite on random weights), a biased router whose top-k logits are
+softmaxed, and the checkpoint's interleaved gate/up layout; then the same model with MXFP4 experts
+(`*_blocks` / `*_scales`, dequantized at load).
+
+Logits within 1e-4 relative of HF's fp32 on prompts shorter and longer than the window, and greedy
+tokens through a busy engine (mixed lengths, chunked prefill, preemption) equal to HF's generate."""
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.engine.conftest import assert_no_leaks, make_llm
+from tests.helpers import full_logits
+from tests.models.moe_helpers import EOS, VOCAB, save_random_model
+from tokenmill.loader import load_model
+from tokenmill.models.gpt_oss import GptOssForCausalLM
+from tokenmill.sampling_params import SamplingParams
+
+WINDOW = 8
+LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
+NEW_TOKENS = 16
+
+
+def hf_gpt_oss_config():
+    import transformers as tf
+
+    return tf.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=32, num_hidden_layers=len(LAYER_TYPES), layer_types=LAYER_TYPES, sliding_window=WINDOW,
+        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+        eos_token_id=EOS, bos_token_id=None, pad_token_id=EOS, swiglu_limit=0.5,
+        rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
+
+
+def _to_mxfp4(hf, src, dst):
+    """dst: src's checkpoint with every expert projection replaced by random MXFP4 blocks and scales
+    (and quantization_config mxfp4); hf's experts set to transformers' own dequantization of them."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    gen = torch.Generator().manual_seed(7)
+    for name in [n for n in tensors if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
+        e, k, n = tensors.pop(name).shape  # HF holds [E, K, N]; the checkpoint stores [E, N, K / 32, 16]
+        blocks = torch.randint(0, 256, (e, n, k // 32, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(127 - 6, 127 - 3, (e, n, k // 32), generator=gen, dtype=torch.uint8)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        with torch.no_grad():
+            hf.get_parameter(name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """kind ("dense": the checkpoint as HF saves it, "mxfp4": its experts in MXFP4) -> (HF model,
+    tokenmill's load, the checkpoint's directory)."""
+    path = tmp_path_factory.mktemp("gpt_oss")
+    hf = save_random_model(hf_gpt_oss_config(), path)
+    out = {"dense": (hf, load_model(str(path), dtype="float32", device="cpu"), path)}
+    hf_q, path_q = copy.deepcopy(hf), path.parent / (path.name + "_mxfp4")
+    _to_mxfp4(hf_q, path, path_q)
+    out["mxfp4"] = hf_q, load_model(str(path_q), dtype="float32", device="cpu"), path_q
+    return out
+
+
+def test_config_read_as_hf_reads_it(models):
+    hf, loaded, _ = models["dense"]
+    arch, model = loaded.arch, loaded.model
+    assert isinstance(model, GptOssForCausalLM)
+    assert arch.num_parameters() == sum(p.numel() for p in hf.parameters())
+    assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [WINDOW, None, WINDOW]
+    assert arch.rope.theta == 150000.0 and arch.attention_sinks and arch.o_bias and arch.qkv_bias
+    assert (arch.moe.bias, arch.moe.swiglu_limit, arch.moe.swiglu_alpha, arch.moe.renormalize) == (True, 0.5, 1.702, True)
+    layer = model.model.layers[0]
+    torch.testing.assert_close(layer.self_attn.attn.sinks, hf.model.layers[0].self_attn.sinks, rtol=0, atol=0)
+    experts = hf.model.layers[0].mlp.experts
+    torch.testing.assert_close(layer.mlp.experts.w13_weight[1, :32], experts.gate_up_proj[1, :, ::2].T, rtol=0, atol=0)
+    torch.testing.assert_close(layer.mlp.experts.w13_bias[1, 32:], experts.gate_up_proj_bias[1, 1::2], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["dense", "mxfp4"])
+def test_logits_match_hf(kind, models):
+    """Shorter and longer than the window (and than a KV block), in one batch."""
+    hf, loaded, _ = models[kind]
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, WINDOW, 30, 70)]
+    for seq, logits in zip(seqs, full_logits(loaded.model, seqs)):
+        with torch.no_grad():
+            ref = hf(torch.tensor([seq])).logits[0].float()
+        err = ((logits - ref).norm() / ref.norm()).item()
+        assert err < 1e-4, f"{kind}, {len(seq)} tokens: relative error {err}"
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(2)
+    return [torch.randint(3, EOS, (n,), generator=gen).tolist() for n in (5, 11, 20, 37)]
+
+
+def test_busy_engine_greedy_matches_hf(models):
+    """Chunks of 16 tokens, a KV cache too small for the batch (preemption), prompts shorter and
+    longer than the window; HF's generate one prompt at a time."""
+    hf, loaded, _ = models["dense"]
+    refs = []
+    for prompt in _prompts():
+        with torch.no_grad():
+            seq = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                              do_sample=False, pad_token_id=EOS)
+        refs.append(seq[0, len(prompt):].tolist())
+    llm = make_llm(loaded, max_model_len=64, max_num_batched_tokens=16, num_kv_blocks=5)
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    outs = llm.generate(_prompts(), greedy, use_tqdm=False)
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        assert out.outputs[0].token_ids == ref, f"prompt {i}"
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_no_leaks(llm)
+
+
+def test_refused_options(models):
+    from tokenmill.config import ConfigError
+    from tokenmill.errors import ModelLoadError
+
+    _, loaded, dense_dir = models["dense"]
+    with pytest.raises(ConfigError, match="enable_lora"):
+        make_llm(loaded, max_model_len=64, enable_lora=True)
+    with pytest.raises(ConfigError, match="batch_invariant"):
+        make_llm(loaded, max_model_len=64, batch_invariant=True)
+    with pytest.raises(ModelLoadError, match="MXFP4 experts are dequantized at load"):
+        load_model(str(models["mxfp4"][2]), dtype="float32", device="cpu", quantization="fp8")
+    with pytest.raises(ModelLoadError, match="run unquantized only"):  # FP8 experts have no biases yet
+        load_model(str(dense_dir), dtype="float32", device="cpu", quantization="fp8")
