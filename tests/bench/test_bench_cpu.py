@@ -37,6 +37,9 @@ def test_moe_workloads_send_the_8b_requests():
         assert generate_requests(get_workload(moe)) == generate_requests(get_workload(dense))
     assert get_workload("latency-moe").expected_output_tokens == 256
     assert get_workload("offline-moe").expected_output_tokens == 37_032
+    for moe, dense in (("latency-gpt-oss", "latency-8b"), ("offline-gpt-oss", "offline-8b")):
+        assert get_workload(moe).model == "gpt-oss-20b"
+        assert generate_requests(get_workload(moe)) == generate_requests(get_workload(dense))
     for w in WORKLOADS.values():
         if w.expected_output_tokens is not None:
             assert summarize(generate_requests(w))["output_tokens"] == w.expected_output_tokens, w.name
