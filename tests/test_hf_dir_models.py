@@ -17,6 +17,13 @@ def _config(kind: str, tied: bool):
         return tf.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=tied, rope_theta=1e6)
     if kind == "qwen2":
         return tf.Qwen2Config(**COMMON, tie_word_embeddings=tied, rope_theta=1e6)
+    if kind == "qwen2-yarn":  # positions past the original 32 take the interpolated frequencies
+        rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 32}
+        return tf.Qwen2Config(**COMMON, tie_word_embeddings=tied, rope_parameters=rope)
+    if kind == "llama-yarn-mscale":  # DeepSeek's attention factor from the mscale pair, bounds not rounded
+        rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "original_max_position_embeddings": 32,
+                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707, "truncate": False}
+        return tf.LlamaConfig(**COMMON, tie_word_embeddings=tied, rope_parameters=rope)
     if kind == "mistral":
         return tf.MistralConfig(**COMMON, tie_word_embeddings=tied, sliding_window=None)
     if kind == "llama3.1":
@@ -43,7 +50,7 @@ def _save_random_hf_model(kind: str, tied: bool, path, seed: int = 0):
     return model.eval()
 
 
-CASES = [("qwen3", True), ("qwen3", False), ("qwen2", False), ("qwen2", True),
+CASES = [("qwen3", True), ("qwen3", False), ("qwen2", False), ("qwen2-yarn", True), ("llama-yarn-mscale", False),
          ("llama3.1", False), ("llama3.1", True), ("mistral", False)]
 
 
@@ -52,8 +59,10 @@ def test_logits_match_hf(kind, tied, tmp_path):
     hf = _save_random_hf_model(kind, tied, tmp_path)
     loaded = load_model(str(tmp_path), dtype="float32", device="cpu")
     assert loaded.arch.tie_word_embeddings == tied
-    if kind == "qwen2":
+    if kind.startswith("qwen2"):
         assert loaded.arch.qkv_bias
+    if "yarn" in kind:
+        assert loaded.arch.rope.kind == "yarn"
     if kind == "qwen3":
         assert loaded.arch.qk_norm
     if kind == "llama3.1":
@@ -69,7 +78,6 @@ def test_logits_match_hf(kind, tied, tmp_path):
 
 
 def test_sharded_checkpoint_with_index(tmp_path):
-    from transformers import AutoModelForCausalLM
 
     hf = _save_random_hf_model("qwen3", False, tmp_path / "one")
     hf.save_pretrained(tmp_path / "sharded", safe_serialization=True, max_shard_size="100KB")

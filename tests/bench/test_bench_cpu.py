@@ -29,17 +29,19 @@ def test_standard_workload_totals():
         [r.prompt_token_ids for r in generate_requests(get_workload("latency-8b"))]
 
 
-def test_moe_workloads_send_the_8b_requests():
-    """latency-moe and offline-moe are latency-8b's and offline-8b's requests on the Qwen3-30B-A3B
-    preset, and every workload with an expected output total generates exactly that many."""
-    for moe, dense in (("latency-moe", "latency-8b"), ("offline-moe", "offline-8b")):
-        assert get_workload(moe).model == "qwen3-30b-a3b"
-        assert generate_requests(get_workload(moe)) == generate_requests(get_workload(dense))
-    assert get_workload("latency-moe").expected_output_tokens == 256
-    assert get_workload("offline-moe").expected_output_tokens == 37_032
-    for moe, dense in (("latency-gpt-oss", "latency-8b"), ("offline-gpt-oss", "offline-8b")):
-        assert get_workload(moe).model == "gpt-oss-20b"
-        assert generate_requests(get_workload(moe)) == generate_requests(get_workload(dense))
+def test_model_family_workloads_send_the_8b_requests():
+    """Every other latency-* and offline-* workload (mixtures of experts, the other families) sends
+    latency-8b's or offline-8b's requests on its own preset, so their figures compare; every workload
+    with an expected output total generates exactly that many."""
+    own = {"latency-8b", "offline-8b", "latency-tiny", "offline-small"}
+    families = [w for name, w in WORKLOADS.items() if name.split("-")[0] in ("latency", "offline") and name not in own]
+    assert {"latency-moe", "offline-moe", "latency-gemma", "offline-gemma", "latency-gpt-oss",
+            "offline-gpt-oss"} <= {w.name for w in families}
+    for w in families:
+        dense = get_workload(w.name.split("-")[0] + "-8b")
+        assert generate_requests(w) == generate_requests(dense), w.name
+    assert get_workload("latency-moe").model == "qwen3-30b-a3b" and get_workload("offline-gemma").model == "gemma-3-27b"
+    assert get_workload("latency-gpt-oss").model == "gpt-oss-20b"
     for w in WORKLOADS.values():
         if w.expected_output_tokens is not None:
             assert summarize(generate_requests(w))["output_tokens"] == w.expected_output_tokens, w.name

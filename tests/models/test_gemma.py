@@ -143,3 +143,42 @@ def test_refused_options(models):
         make_llm(models["gemma3"][1], max_model_len=64, enable_lora=True)
     with pytest.raises(ConfigError, match="batch_invariant: Gemma2ForCausalLM's attention soft-capping"):
         make_llm(models["gemma2"][1], max_model_len=64, batch_invariant=True)
+
+
+def test_gemma3_conditional_generation_checkpoint_serves_its_language_model(tmp_path):
+    """A Gemma3ForConditionalGeneration checkpoint (vision tower, projector, the text model under
+    language_model.*) loads as its text model: the vision weights skipped, text logits equal to HF's."""
+    import transformers as tf
+
+    vision = tf.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                   image_size=16, patch_size=8)
+    config = tf.Gemma3Config(text_config=hf_gemma_config("gemma3").to_dict(), vision_config=vision.to_dict(),
+                             mm_tokens_per_image=4, boi_token_index=1, eoi_token_index=2, image_token_index=3)
+    hf = save_random_model(config, tmp_path)
+    assert type(hf).__name__ == "Gemma3ForConditionalGeneration"
+    loaded = load_model(str(tmp_path), dtype="float32", device="cpu")
+    assert isinstance(loaded.model, GemmaForCausalLM) and loaded.arch.architecture == "Gemma3ForCausalLM"
+    seq = torch.randint(4, VOCAB, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([seq])).logits[0].float()
+    logits = full_logits(loaded.model, [seq])[0]
+    assert ((logits - ref).norm() / ref.norm()).item() < 1e-4
+
+
+def test_hub_conditional_generation_config_takes_hf_text_defaults():
+    """Hub Gemma 3 4B's config.json names only what differs from Gemma3TextConfig's defaults."""
+    import transformers as tf
+
+    from tokenmill.models.config import arch_config_from_hf
+
+    text = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}
+    arch = arch_config_from_hf({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": text,
+                                "eos_token_id": [1, 106], "model_type": "gemma3"})
+    hf = tf.Gemma3Config(text_config=text).text_config
+    assert (arch.vocab_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.sliding_window) == \
+        (hf.vocab_size, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.sliding_window)
+    assert arch.sliding_layers == tuple(kind == "sliding_attention" for kind in hf.layer_types)
+    assert (arch.rope.theta, arch.local_rope.theta) == (hf.rope_parameters["full_attention"]["rope_theta"],
+                                                        hf.rope_parameters["sliding_attention"]["rope_theta"])
+    assert arch.attn_scale == hf.query_pre_attn_scalar ** -0.5 and arch.eos_token_ids == [1, 106]

@@ -79,6 +79,11 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
              description="decode time per token at batch 1, Qwen3-30B-A3B architecture (128 experts, top 8)"),
     Workload("offline-moe", "qwen3-30b-a3b", 128, (100, 1024), (100, 512), expected_output_tokens=37_032,
              description="Qwen3-30B-A3B architecture, dummy weights, offline-8b's requests"),
+    # Gemma 3 27B: five sliding-window layers (1024 tokens) to each global one; the 8B workloads' requests.
+    Workload("latency-gemma", "gemma-3-27b", 1, (128, 128), (256, 256), expected_output_tokens=256,
+             description="decode time per token at batch 1, Gemma 3 27B architecture"),
+    Workload("offline-gemma", "gemma-3-27b", 128, (100, 1024), (100, 512), expected_output_tokens=37_032,
+             description="Gemma 3 27B architecture, dummy weights, offline-8b's requests"),
     # gpt-oss-20b's shape (32 experts, top 4, sinks, alternating 128-token windows), the same requests.
     Workload("latency-gpt-oss", "gpt-oss-20b", 1, (128, 128), (256, 256), expected_output_tokens=256,
              description="decode time per token at batch 1, gpt-oss-20b architecture (32 experts, top 4)"),

@@ -1,4 +1,5 @@
-"""Rotary position embedding with a precomputed cos/sin table (default, llama3 and LongRoPE frequency scaling)."""
+"""Rotary position embedding with a precomputed cos/sin table (default, linear, llama3, LongRoPE and YaRN
+frequency scaling)."""
 
 import math
 from typing import Optional, Sequence
@@ -12,7 +13,8 @@ from tokenmill.kernels.rotary import rotary_embedding
 def rope_inv_freq(head_dim: int, theta: float, kind: str = "default", factor: float = 1.0,
                   low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
                   original_max_position: int = 8192,
-                  freq_factors: Optional[Sequence[float]] = None) -> torch.Tensor:
+                  freq_factors: Optional[Sequence[float]] = None, beta_fast: float = 32.0,
+                  beta_slow: float = 1.0, truncate: bool = True) -> torch.Tensor:
     """The D/2 rotation frequencies, float32 (`head_dim` is the rotated width)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta ** exponents)
@@ -29,10 +31,29 @@ def rope_inv_freq(head_dim: int, theta: float, kind: str = "default", factor: fl
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         inv_freq = torch.where(in_band, blended, scaled)
+    if kind == "yarn":
+        inv_freq = _yarn_blend(inv_freq, head_dim, theta, factor, original_max_position, beta_fast, beta_slow, truncate)
     # Per-frequency divisors: GGUF files carry llama3 scaling so; LongRoPE's short or long factors
     if freq_factors is not None:
         inv_freq = inv_freq / torch.as_tensor(freq_factors, dtype=torch.float32)
     return inv_freq
+
+
+def _yarn_blend(inv_freq: torch.Tensor, dim: int, theta: float, factor: float, original_max_position: int,
+                beta_fast: float, beta_slow: float, truncate: bool) -> torch.Tensor:
+    """YaRN: frequencies that turn more than beta_fast times over the original context keep their value,
+    those turning fewer than beta_slow times are interpolated by `factor`, with a linear ramp between."""
+    def dim_of(rotations: float) -> float:  # the dimension whose frequency turns this often
+        return dim * math.log(original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
 class RotaryEmbedding(nn.Module):

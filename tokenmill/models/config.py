@@ -10,7 +10,7 @@ from tokenmill.errors import ModelLoadError, UnsupportedArchitectureError
 @dataclass
 class RopeConfig:
     theta: float = 10000.0
-    # "default", "llama3" or "longrope" (the other HF rope types are not implemented).
+    # "default", "linear", "llama3", "longrope" or "yarn" (the other HF rope types are not implemented).
     kind: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
@@ -23,6 +23,11 @@ class RopeConfig:
     short_factor: Optional[list[float]] = None
     long_factor: Optional[list[float]] = None
     attention_factor: float = 1.0
+    # YaRN: the rotation counts that bound the blend between interpolated and original frequencies,
+    # and whether those bounds are rounded outward to whole dimensions (HF's `truncate`, default on).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -285,9 +290,9 @@ def _rope_from_hf(cfg: dict[str, Any], rotary_dim: int, layer_type: str = "full_
     kind = merged.get("rope_type", merged.get("type", "default")) or "default"
     if kind == "su":  # early Phi-3 configs' name for LongRoPE (HF renames it too)
         kind = "longrope"
-    if kind not in ("default", "linear", "llama3", "longrope"):
+    if kind not in ("default", "linear", "llama3", "longrope", "yarn"):
         raise ModelLoadError(f"rope scaling type {kind!r} is not supported "
-                             "(supported: default, linear, llama3, longrope)")
+                             "(supported: default, linear, llama3, longrope, yarn)")
     original = merged.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
     rope = RopeConfig(
         theta=float(theta),
@@ -300,7 +305,37 @@ def _rope_from_hf(cfg: dict[str, Any], rotary_dim: int, layer_type: str = "full_
     )
     if kind == "longrope":
         _longrope_from_hf(rope, merged, cfg, rotary_dim)
+    if kind == "yarn":
+        _yarn_from_hf(rope, merged, cfg)
     return rope
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched by `factor`: 0.1 * mscale * ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_from_hf(rope: RopeConfig, merged: dict[str, Any], cfg: dict[str, Any]) -> None:
+    """YaRN's parameters as HF's _compute_yarn_parameters reads them (DeepSeek's mscale pair included)."""
+    original = merged.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    if original is None:
+        raise ModelLoadError("config.json: yarn scaling needs original_max_position_embeddings")
+    rope.original_max_position = int(original)
+    factor = merged.get("factor")
+    if factor is None:
+        factor = int(cfg.get("max_position_embeddings", original)) / rope.original_max_position
+    rope.factor = float(factor)
+    rope.beta_fast = float(merged.get("beta_fast") or 32)
+    rope.beta_slow = float(merged.get("beta_slow") or 1)
+    rope.truncate = bool(merged.get("truncate", True))
+    attention = merged.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = merged.get("mscale"), merged.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention = yarn_mscale(rope.factor, mscale) / yarn_mscale(rope.factor, mscale_all_dim)
+        else:
+            attention = yarn_mscale(rope.factor)
+    rope.attention_factor = float(attention)
 
 
 def _longrope_from_hf(rope: RopeConfig, merged: dict[str, Any], cfg: dict[str, Any], rotary_dim: int) -> None:
@@ -423,6 +458,25 @@ def _gemma_fields(cfg: dict[str, Any], spec: ArchitectureSpec, num_layers: int, 
     return fields
 
 
+# Gemma3TextConfig's defaults, for hub configs whose text_config names only what differs from them.
+_GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                             num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+                             max_position_embeddings=131_072, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                             query_pre_attn_scalar=256, sliding_window=4096, tie_word_embeddings=True)
+
+
+def _language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma3ForConditionalGeneration config as its text model's: the vision tower is not served
+    (models/gemma.py skips its weights)."""
+    if "Gemma3ForConditionalGeneration" not in (cfg.get("architectures") or []):
+        return cfg
+    text = {**_GEMMA3_TEXT_DEFAULTS, **(cfg.get("text_config") or {})}
+    for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
+        if key in cfg and key not in (cfg.get("text_config") or {}):
+            text[key] = cfg[key]
+    return {**text, "architectures": ["Gemma3ForCausalLM"]}
+
+
 def _gpt_oss_fields(cfg: dict[str, Any], spec: ArchitectureSpec, num_layers: int) -> dict[str, Any]:
     """What gpt-oss adds: which layers slide (layer_types, by default every other one from layer 0),
     the attention sinks, and o_proj's bias (attention_bias covers all four projections)."""
@@ -436,6 +490,7 @@ def _gpt_oss_fields(cfg: dict[str, Any], spec: ArchitectureSpec, num_layers: int
 
 def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
     """Parse an HF config.json dict; raises ModelLoadError naming what is missing."""
+    cfg = _language_model_config(cfg)
     archs = cfg.get("architectures") or []
     if not archs:
         raise ModelLoadError("config.json has no 'architectures' field")

@@ -76,7 +76,24 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self._with_unit_offset(weights))
+        return super().load_weights(self._with_unit_offset(self._language_model_only(weights)))
+
+    # Gemma3ForConditionalGeneration checkpoints: the text model under either of HF's layouts.
+    _LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                                ("language_model.lm_head.", "lm_head."))
+    _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                        "model.multi_modal_projector.")
+
+    @classmethod
+    def _language_model_only(cls, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if name.startswith(cls._VISION_PREFIXES):
+                continue
+            for prefix, ours in cls._LANGUAGE_MODEL_PREFIXES:
+                if name.startswith(prefix):
+                    name = ours + name[len(prefix):]
+                    break
+            yield name, tensor
 
     @staticmethod
     def _with_unit_offset(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -169,8 +169,10 @@ def build_rotary(cfg: ModelArchConfig, max_positions: int, device) -> RotaryEmbe
         scale = r.attention_factor
         logger.info("LongRoPE: %s factors for every sequence (context length %d %s the original %d)",
                     "long" if long else "short", max_positions, ">" if long else "<=", r.original_max_position)
+    if r.kind == "yarn":
+        scale = r.attention_factor
     inv_freq = rope_inv_freq(cfg.rotary_dim, r.theta, r.kind, r.factor, r.low_freq_factor, r.high_freq_factor,
-                             r.original_max_position, factors)
+                             r.original_max_position, factors, r.beta_fast, r.beta_slow, r.truncate)
     return RotaryEmbedding(cfg.head_dim, max_positions, inv_freq, device=device, scale=scale)
 
 
