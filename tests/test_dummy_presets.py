@@ -56,5 +56,7 @@ def test_gpt_oss_preset_shape():
     assert (arch.moe.num_experts, arch.moe.top_k, arch.moe.intermediate_size, arch.moe.swiglu_limit) == (32, 4, 2880, 7.0)
     assert arch.sliding_layers == (True, False) * 12 and arch.sliding_window == 128
     assert arch.attention_sinks and arch.o_bias and arch.qkv_bias and arch.rope.theta == 150000.0
+    assert (arch.rope.kind, arch.rope.factor, arch.rope.original_max_position, arch.rope.truncate) == \
+        ("yarn", 32.0, 4096, False)
     assert 20.8e9 < arch.num_parameters() < 21.0e9
     assert 3.55e9 < arch.num_active_parameters() - arch.vocab_size * arch.hidden_size < 3.65e9

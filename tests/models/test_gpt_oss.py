@@ -1,5 +1,5 @@
-"""gpt-oss (GptOssForCausalLM) from a tiny random model saved by HF transformers: attention sinks, q/k/v/o
-biases, sliding (WINDOW tokens) and full layers interleaved, experts with biases and the clamped
+"""gpt-oss (GptOssForCausalLM) from a tiny random model saved by HF transformers: YaRN rope with the
+released model's parameters, attention sinks, q/k/v/o biases, sliding (WINDOW tokens) and full layers interleaved, experts with biases and the clamped
 SwiGLU (a limit low enough to bite on random weights), a biased router whose top-k logits are
 softmaxed, and the checkpoint's interleaved gate/up layout; then the same model with MXFP4 experts
 (`*_blocks` / `*_scales`, dequantized at load).
@@ -24,6 +24,8 @@ from tokenmill.sampling_params import SamplingParams
 WINDOW = 8
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
 NEW_TOKENS = 16
+# gpt-oss's released rope scaling
+YARN = dict(factor=32.0, beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=4096, truncate=False)
 
 
 def hf_gpt_oss_config():
@@ -34,7 +36,7 @@ def hf_gpt_oss_config():
         intermediate_size=32, num_hidden_layers=len(LAYER_TYPES), layer_types=LAYER_TYPES, sliding_window=WINDOW,
         num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-5,
         eos_token_id=EOS, bos_token_id=None, pad_token_id=EOS, swiglu_limit=0.5,
-        rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, **YARN})
 
 
 def _to_mxfp4(hf, src, dst):
@@ -80,6 +82,8 @@ def test_config_read_as_hf_reads_it(models):
     assert arch.num_parameters() == sum(p.numel() for p in hf.parameters())
     assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [WINDOW, None, WINDOW]
     assert arch.rope.theta == 150000.0 and arch.attention_sinks and arch.o_bias and arch.qkv_bias
+    assert (arch.rope.kind, arch.rope.factor, arch.rope.original_max_position, arch.rope.truncate) == \
+        ("yarn", 32.0, 4096, False)
     assert (arch.moe.bias, arch.moe.swiglu_limit, arch.moe.swiglu_alpha, arch.moe.renormalize) == (True, 0.5, 1.702, True)
     layer = model.model.layers[0]
     torch.testing.assert_close(layer.self_attn.attn.sinks, hf.model.layers[0].self_attn.sinks, rtol=0, atol=0)
