@@ -110,16 +110,24 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, EOS, (n,), generator=gen).tolist() for n in (5, 11, 20, 37)]
 
 
-def test_busy_engine_greedy_matches_hf(models):
-    """Chunks of 16 tokens, a KV cache too small for the batch (preemption), prompts shorter and
-    longer than the window; HF's generate one prompt at a time."""
-    hf, loaded, _ = models["dense"]
+@pytest.fixture(scope="module")
+def hf_greedy(models) -> list[list[int]]:
+    """HF generate's greedy continuation of each prompt, one at a time."""
+    hf = models["dense"][0]
     refs = []
     for prompt in _prompts():
         with torch.no_grad():
             seq = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                               do_sample=False, pad_token_id=EOS)
         refs.append(seq[0, len(prompt):].tolist())
+    return refs
+
+
+def test_busy_engine_greedy_matches_hf(models, hf_greedy):
+    """Chunks of 16 tokens, a KV cache too small for the batch (preemption), prompts shorter and
+    longer than the window; HF's generate one prompt at a time."""
+    _, loaded, _ = models["dense"]
+    refs = hf_greedy
     llm = make_llm(loaded, max_model_len=64, max_num_batched_tokens=16, num_kv_blocks=5)
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     outs = llm.generate(_prompts(), greedy, use_tqdm=False)
@@ -127,6 +135,27 @@ def test_busy_engine_greedy_matches_hf(models):
         assert out.outputs[0].token_ids == ref, f"prompt {i}"
     assert llm.engine.scheduler.num_preemptions > 0
     assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep"])
+def test_tensor_parallel_matches_hf(models, hf_greedy, expert_parallel):
+    """TP = 2 (gloo, one worker process): the sinks split by q head with the heads; without expert
+    parallelism each expert's gate/up bias split with its rows and the down bias added once (rank
+    0's); with it, two whole experts (and their biases) per rank. Greedy tokens are still HF's."""
+    from tokenmill.entrypoints.llm import LLM
+
+    llm = LLM(str(models["dense"][2]), tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+              dtype="float32", device="cpu", num_kv_blocks=64, max_num_seqs=8)
+    try:
+        outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS),
+                            use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy
+        layer = llm.engine.loaded.model.model.layers[0]
+        assert tuple(layer.self_attn.attn.sinks.shape) == (2,)  # 2 of the 4 q heads
+        experts = layer.mlp.experts
+        assert tuple(experts.w13_bias.shape) == ((2, 64) if expert_parallel else (4, 32))
+    finally:
+        llm.engine.close()
 
 
 def test_refused_options(models):
