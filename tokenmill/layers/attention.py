@@ -10,8 +10,8 @@ from tokenmill.distributed import get_tp_state
 from tokenmill.kernels.attention import paged_attention
 from tokenmill.kernels.batch_invariant import paged_attention_invariant
 from tokenmill.kernels.qkv_prep import qkv_prep
-from tokenmill.layers.linear import new_parameter
 from tokenmill.layers.forward_context import AttentionMetadata, get_forward_context
+from tokenmill.layers.linear import new_parameter
 
 
 class CudaGraphSupport(enum.IntEnum):
