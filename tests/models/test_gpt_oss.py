@@ -158,6 +158,20 @@ def test_tensor_parallel_matches_hf(models, hf_greedy, expert_parallel):
         llm.engine.close()
 
 
+def test_warm_up_compiles_both_layer_kinds_with_sinks(models, monkeypatch):
+    """Warm-up launches every attention variant for the sliding layers' window and for the full
+    layers, each with the sinks (a variant first met under load would compile on the step path)."""
+    from tokenmill.runner import warmup
+
+    llm = make_llm(models["dense"][1], max_model_len=64)
+    spec = llm.engine.runner.attn_spec
+    assert spec.sinks and spec.layer_windows == (WINDOW, None)
+    seen = []
+    monkeypatch.setattr(warmup, "paged_attention", lambda *a, **kw: seen.append((kw["sliding_window"], kw["sinks"])))
+    assert warmup.warm_up_attention(llm.engine.runner) == len(seen) > 0
+    assert {w for w, _ in seen} == {WINDOW, None} and all(s is not None and s.shape == (4,) for _, s in seen)
+
+
 def test_refused_options(models):
     from tokenmill.config import ConfigError
     from tokenmill.errors import ModelLoadError

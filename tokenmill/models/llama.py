@@ -269,8 +269,10 @@ class LlamaForCausalLM(nn.Module):
     def attention_spec(self) -> AttentionSpec:
         """What the runner needs to know of the attention layers (models/interface.py)."""
         attn = self.model.layers[self.model.start].self_attn.attn
+        windows = dict.fromkeys(layer.self_attn.attn.sliding_window
+                                for layer in self.model.layers[self.model.start:self.model.end])
         return AttentionSpec(len(self.model.layers), attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
-                             self.lm_head.weight.dtype, attn.sliding_window, attn.sinks is not None)
+                             self.lm_head.weight.dtype, attn.sliding_window, attn.sinks is not None, tuple(windows))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names) into the parameters; returns the names loaded."""
