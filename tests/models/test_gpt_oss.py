@@ -185,3 +185,30 @@ def test_refused_options(models):
         load_model(str(models["mxfp4"][2]), dtype="float32", device="cpu", quantization="fp8")
     with pytest.raises(ModelLoadError, match="run unquantized only"):  # FP8 experts have no biases yet
         load_model(str(dense_dir), dtype="float32", device="cpu", quantization="fp8")
+
+
+def test_hub_config_read_as_hf_reads_it():
+    """The released gpt-oss-20b config.json's layout (rope_scaling yarn beside rope_theta, MXFP4
+    quantization_config, no layer_types): the layer kinds, rope and experts HF's config class makes
+    of it, and an MXFP4 quantization_config that loads as a full-precision model."""
+    import transformers as tf
+
+    from tokenmill.loader.quantize import resolve_quantization
+    from tokenmill.models.config import arch_config_from_hf
+
+    hub = {"architectures": ["GptOssForCausalLM"], "attention_bias": True, "eos_token_id": 200002,
+           "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+           "initial_context_length": 4096, "intermediate_size": 2880, "max_position_embeddings": 131072,
+           "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+           "num_key_value_heads": 8, "num_local_experts": 32, "pad_token_id": 199999,
+           "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]},
+           "rms_norm_eps": 1e-05, "rope_scaling": {"rope_type": "yarn", **YARN}, "rope_theta": 150000,
+           "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False, "vocab_size": 201088}
+    arch = arch_config_from_hf(hub)
+    hf = tf.GptOssConfig(**{k: v for k, v in hub.items() if k not in ("architectures", "quantization_config")})
+    assert arch.sliding_layers == tuple(kind == "sliding_attention" for kind in hf.layer_types)
+    rope = hf.rope_parameters
+    assert (arch.rope.kind, arch.rope.factor, arch.rope.theta, arch.rope.truncate) == \
+        (rope["rope_type"], rope["factor"], rope["rope_theta"], rope["truncate"])
+    assert (arch.moe.num_experts, arch.moe.top_k, arch.moe.swiglu_limit) == (32, 4, hf.swiglu_limit)
+    assert resolve_quantization(None, hub) is None
