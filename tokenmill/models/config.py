@@ -46,6 +46,12 @@ class MoEConfig:
     # decoder_sparse_step and mlp_only_layers); the others have a dense MLP of the model's intermediate_size.
     sparse_step: int = 1
     dense_layers: tuple[int, ...] = ()
+    # gpt-oss: the router and every expert's gate/up and down projections have biases, and the
+    # experts' activation is the clamped SwiGLU (kernels/fused_moe.py's ClampedSwiGLU) when
+    # swiglu_limit is set (None: silu(gate) * up).
+    bias: bool = False
+    swiglu_limit: Optional[float] = None
+    swiglu_alpha: float = 1.702
 
     def is_sparse(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
@@ -93,6 +99,9 @@ class ModelArchConfig:
     # Gemma 2's tanh soft-capping of attention scores and of the final logits: cap * tanh(x / cap).
     attn_logit_softcap: Optional[float] = None
     final_logit_softcap: Optional[float] = None
+    # gpt-oss: the attention output projection has a bias, and each q head a learned sink logit.
+    o_bias: bool = False
+    attention_sinks: bool = False
 
     def layer_window(self, layer: int) -> Optional[int]:
         """The sliding window of decoder layer `layer` (None: it attends to the whole context)."""
@@ -120,6 +129,8 @@ class ModelArchConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim if self.qk_norm_per_head else self.q_size + self.kv_size
+        attn += h if self.o_bias else 0
+        attn += self.num_heads if self.attention_sinks else 0
         return attn + self.norms_per_layer * h
 
     def _mlp_parameters(self, layer: int, active: bool) -> int:
@@ -129,7 +140,9 @@ class ModelArchConfig:
             return 3 * h * self.intermediate_size
         experts = moe.top_k if active else moe.num_experts
         shared = 3 * h * moe.shared_expert_intermediate_size + h if moe.shared_expert_intermediate_size else 0
-        return h * moe.num_experts + experts * 3 * h * moe.intermediate_size + shared
+        expert = 3 * h * moe.intermediate_size + (2 * moe.intermediate_size + h if moe.bias else 0)
+        router = (h + 1 if moe.bias else h) * moe.num_experts
+        return router + experts * expert + shared
 
     def _parameters(self, active: bool) -> int:
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
@@ -169,6 +182,8 @@ class MoESpec:
     shared_expert: bool = False
     # Qwen: decoder_sparse_step and mlp_only_layers
     sparse_layers: bool = False
+    # gpt-oss: biases on the router and the experts, and the clamped SwiGLU (swiglu_limit, swiglu_alpha)
+    gpt_oss: bool = False
 
 
 @dataclass(frozen=True)
@@ -203,6 +218,9 @@ class ArchitectureSpec:
     lora: bool = True
     # Checkpoint name pieces the family writes otherwise than the Llama/Qwen layout, and ours.
     weight_renames: tuple[tuple[str, str], ...] = ()
+    # gpt-oss: attention sinks and an o_proj bias (with attention_bias), layer_types' sliding layers,
+    # rope_theta 150000 when the config leaves it out (HF's GptOssConfig default).
+    gpt_oss: bool = False
 
 
 _ARCHITECTURES = {
@@ -228,6 +246,11 @@ _ARCHITECTURES = {
                          gemma=True, lora=False),
         ArchitectureSpec("OlmoeForCausalLM", qk_norm=True, qk_norm_per_head=False, clip_qkv=True,
                          moe=MoESpec(expert_size_key="intermediate_size")),
+        # gpt-oss: its checkpoint layout (interleaved gate/up, MXFP4 experts) is models/gpt_oss.py's.
+        # LoRA not tested on it: refused (and MoE models refuse LoRA anyway).
+        ArchitectureSpec("GptOssForCausalLM", qkv_bias_default=True, sliding_window="layer_types", window_pattern=2,
+                         moe=MoESpec(expert_size_key="intermediate_size", renormalize_key=None, gpt_oss=True),
+                         lora=False, gpt_oss=True, weight_renames=((".mlp.router.", ".mlp.gate."),)),
     )
 }
 
@@ -406,6 +429,9 @@ def _moe_from_hf(cfg: dict[str, Any], spec: MoESpec) -> MoEConfig:
         if spec.shared_expert else 0,
         sparse_step=int(cfg.get("decoder_sparse_step") or 1) if spec.sparse_layers else 1,
         dense_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()) if spec.sparse_layers else (),
+        bias=spec.gpt_oss,
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)) if spec.gpt_oss else None,
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
     )
     if moe.num_experts > 0 and not 1 <= moe.top_k <= moe.num_experts:
         raise ModelLoadError(f"config.json: num_experts_per_tok {moe.top_k} must be in 1..{moe.num_experts}")
@@ -451,6 +477,17 @@ def _language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**text, "architectures": ["Gemma3ForCausalLM"]}
 
 
+def _gpt_oss_fields(cfg: dict[str, Any], spec: ArchitectureSpec, num_layers: int) -> dict[str, Any]:
+    """What gpt-oss adds: which layers slide (layer_types, by default every other one from layer 0),
+    the attention sinks, and o_proj's bias (attention_bias covers all four projections)."""
+    kinds = _layer_types(cfg, spec.window_pattern, num_layers)
+    act = cfg.get("hidden_act") or "silu"
+    if act != "silu":  # the clamped SwiGLU's sigmoid gate is what the kernels implement
+        raise ModelLoadError(f"config.json: hidden_act {act!r} is not supported for gpt-oss (supported: silu)")
+    return dict(sliding_layers=tuple(kind == "sliding_attention" for kind in kinds), attention_sinks=True,
+                o_bias=bool(cfg.get(spec.qkv_bias_key, spec.qkv_bias_default)))
+
+
 def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
     """Parse an HF config.json dict; raises ModelLoadError naming what is missing."""
     cfg = _language_model_config(cfg)
@@ -458,6 +495,8 @@ def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
     if not archs:
         raise ModelLoadError("config.json has no 'architectures' field")
     spec = resolve_architecture(archs)
+    if spec.gpt_oss and "rope_theta" not in cfg:  # HF's GptOssConfig default
+        cfg = {**cfg, "rope_theta": 150000.0}
     try:
         hidden = int(cfg["hidden_size"])
         num_heads = int(cfg["num_attention_heads"])
@@ -492,6 +531,7 @@ def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
             moe=_moe_from_hf(cfg, spec.moe) if spec.moe is not None else None,
             partial_rotary_factor=partial_rotary,
             **(_gemma_fields(cfg, spec, num_layers, head_dim) if spec.gemma else {}),
+            **(_gpt_oss_fields(cfg, spec, num_layers) if spec.gpt_oss else {}),
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks the field {e.args[0]!r}") from None
