@@ -46,3 +46,17 @@ def test_moe_preset_shapes():
     assert 234.5e9 < big.num_parameters() < 235.5e9 and 21.8e9 < big.num_active_parameters() < 22.4e9
     tiny = arch_config_from_hf(get_preset("tiny-qwen3-moe"))
     assert (tiny.moe.num_experts, tiny.moe.top_k, tiny.num_layers) == (8, 2, 2)
+
+
+def test_gpt_oss_preset_shape():
+    """gpt-oss-20b: 20.9B parameters (OpenAI's figure), 3.6B active without the embedding."""
+    arch = arch_config_from_hf(get_preset("gpt-oss-20b"))
+    assert (arch.hidden_size, arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.vocab_size) == \
+        (2880, 24, 64, 8, 64, 201088)
+    assert (arch.moe.num_experts, arch.moe.top_k, arch.moe.intermediate_size, arch.moe.swiglu_limit) == (32, 4, 2880, 7.0)
+    assert arch.sliding_layers == (True, False) * 12 and arch.sliding_window == 128
+    assert arch.attention_sinks and arch.o_bias and arch.qkv_bias and arch.rope.theta == 150000.0
+    assert (arch.rope.kind, arch.rope.factor, arch.rope.original_max_position, arch.rope.truncate) == \
+        ("yarn", 32.0, 4096, False)
+    assert 20.8e9 < arch.num_parameters() < 21.0e9
+    assert 3.55e9 < arch.num_active_parameters() - arch.vocab_size * arch.hidden_size < 3.65e9

@@ -35,11 +35,13 @@ def test_model_family_workloads_send_the_8b_requests():
     with an expected output total generates exactly that many."""
     own = {"latency-8b", "offline-8b", "latency-tiny", "offline-small"}
     families = [w for name, w in WORKLOADS.items() if name.split("-")[0] in ("latency", "offline") and name not in own]
-    assert {"latency-moe", "offline-moe", "latency-gemma", "offline-gemma"} <= {w.name for w in families}
+    assert {"latency-moe", "offline-moe", "latency-gemma", "offline-gemma", "latency-gpt-oss",
+            "offline-gpt-oss"} <= {w.name for w in families}
     for w in families:
         dense = get_workload(w.name.split("-")[0] + "-8b")
         assert generate_requests(w) == generate_requests(dense), w.name
     assert get_workload("latency-moe").model == "qwen3-30b-a3b" and get_workload("offline-gemma").model == "gemma-3-27b"
+    assert get_workload("latency-gpt-oss").model == "gpt-oss-20b"
     for w in WORKLOADS.values():
         if w.expected_output_tokens is not None:
             assert summarize(generate_requests(w))["output_tokens"] == w.expected_output_tokens, w.name

@@ -78,8 +78,10 @@ def save_random_model(config, path, seed: int = 0):
                 p.uniform_(0.5, 1.5)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.1)
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 p.normal_(0.0, 0.3)
+            elif name.endswith("self_attn.sinks"):  # gpt-oss: sinks that take a real share of the softmax
+                p.normal_(0.0, 1.0)
             elif "embed_tokens" in name:
                 p.normal_(0.0, 1.0)
             else:

@@ -59,7 +59,7 @@ def check_model_options(config: EngineConfig, arch) -> None:
     """Refuse, naming them, the engine options this model cannot run with yet (ConfigError)."""
     if config.enable_lora and not architecture_spec(arch.architecture).lora:
         raise ConfigError(f"enable_lora: LoRA adapters on {arch.architecture} are not supported yet (Phi-3's "
-                          "adapters target the fused qkv_proj / gate_up_proj; Gemma's are untested)")
+                          "adapters target the fused qkv_proj / gate_up_proj; Gemma's and gpt-oss's are untested)")
     if config.batch_invariant and arch.attn_logit_softcap is not None:
         raise ConfigError(f"batch_invariant: {arch.architecture}'s attention soft-capping has no batch-invariant "
                           "kernel yet")

@@ -17,6 +17,10 @@ k_scale into the softmax scale and multiplies the output by v_scale (both factor
 products); with a 16-bit model the dot products take fp16 operands (e4m3 widens to fp16 in
 one instruction per pair), accumulating in fp32. The torch paths dequantize the gathered keys
 (the reference).
+
+Attention sinks (gpt-oss): a learned logit per q head that joins each row's softmax denominator
+and contributes no value: out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j)). The kernel
+folds it in once, after the keys (or after merging the splits), so the key loop is unchanged.
 """
 
 import functools
@@ -102,10 +106,11 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: Optional[
 
 def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out=None,
                         sliding_window: Optional[int] = None, kv_scale: Optional[torch.Tensor] = None,
-                        softcap: Optional[float] = None):
+                        softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None):
     """q [T, Hq, D] -> out [T, Hq, D]; softmax(q k^T * scale) v over each request's cached tokens,
     in fp32 with an explicit mask: the test oracle. `softcap` (Gemma 2) turns each score s into
-    softcap * tanh(s / softcap) before the mask."""
+    softcap * tanh(s / softcap) before the mask. `sinks` [Hq] (gpt-oss): one more logit per head in
+    the softmax, whose probability is dropped (HF's eager attention: concatenate, softmax, drop)."""
     _check_kv_scale(k_cache, kv_scale)
     if out is None:
         out = torch.empty_like(q)
@@ -121,7 +126,12 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
             scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         visible = _visible(q_pos, torch.arange(seq_len, device=q.device), sliding_window)
-        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(-1, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.matmul(probs, vb).transpose(0, 1).to(out.dtype)
     return out
 
@@ -419,7 +429,7 @@ def _attend_keys(
 @triton.jit(do_not_specialize=["num_reqs", "num_splits", "window"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr,
-    qsl_ptr, seq_lens_ptr, block_tables_ptr, kv_scale_ptr,
+    qsl_ptr, seq_lens_ptr, block_tables_ptr, kv_scale_ptr, sinks_ptr,
     num_reqs, num_q_heads, num_splits, qk_scale, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -427,12 +437,13 @@ def _paged_attn_kernel(
     SPLIT_KV: tl.constexpr, SLIDING: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, MASK_ALL: tl.constexpr, FMA_SCORES: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     """Grid (query tiles, kv heads, num_splits); num_splits is a runtime int so that CUDA graphs of
     different batch sizes share one compiled kernel (SPLIT_KV only says whether it is > 1).
     SLIDING: keys older than `window` positions are masked and their tiles skipped.
-    KV_FP8: the caches hold e4m3 with the scales at kv_scale_ptr (k_scale, v_scale)."""
+    KV_FP8: the caches hold e4m3 with the scales at kv_scale_ptr (k_scale, v_scale).
+    SINKS: each q head's sink logit at sinks_ptr joins the denominator (split: in the reduction)."""
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if DECODE_ONLY:
@@ -478,6 +489,8 @@ def _paged_attn_kernel(
         acc = acc * tl.load(kv_scale_ptr + 1)
 
     if not SPLIT_KV:
+        if SINKS:
+            acc, l_i = _add_sink(acc, l_i, m_i, sinks_ptr, head, row_ok)
         out = acc / l_i[:, None]
         out_offs = token_idx[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
@@ -488,13 +501,24 @@ def _paged_attn_kernel(
         tl.store(ws_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], acc, mask=row_ok[:, None])
 
 
+@triton.jit
+def _add_sink(acc, l_i, m_i, sinks_ptr, head, row_ok):
+    """(acc, l) rescaled to the larger of the row max and the sink (exp2 domain, as m_i is), with
+    the sink's exp2 added to l: acc / l is then the attention with the sink in the softmax."""
+    sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_f = tl.maximum(m_i, sink)
+    alpha = tl.math.exp2(m_i - m_f)  # m_i = -inf (a padding row): 0
+    return acc * alpha[:, None], l_i * alpha + tl.math.exp2(sink - m_f)
+
+
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _reduce_splits_kernel(
-    ws_acc_ptr, ws_m_ptr, ws_l_ptr, out_ptr, qsl_ptr,
+    ws_acc_ptr, ws_m_ptr, ws_l_ptr, out_ptr, qsl_ptr, sinks_ptr,
     num_reqs, num_q_heads, num_splits, stride_ot, stride_oh,
-    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr,
 ):
-    """Grid (T, Hq): merge one row's split partials; rows past query_start_loc[-1] are untouched."""
+    """Grid (T, Hq): merge one row's split partials; rows past query_start_loc[-1] are untouched.
+    SINKS: the head's sink logit joins the merged denominator."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if token >= tl.load(qsl_ptr + num_reqs):
@@ -506,9 +530,15 @@ def _reduce_splits_kernel(
     m = tl.load(ws_m_ptr + part, mask=s_ok, other=float("-inf"))
     l = tl.load(ws_l_ptr + part, mask=s_ok, other=0.0)
     m_max = tl.max(m, 0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
     w = tl.math.exp2(m - m_max)  # empty splits have m = -inf -> weight 0
     acc = tl.load(ws_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], mask=s_ok[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    denom = tl.sum(l * w, 0)
+    if SINKS:
+        denom += tl.math.exp2(sink - m_max)
+    out = tl.sum(acc * w[:, None], 0) / denom
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
              mask=dims < HEAD_DIM)
 
@@ -645,7 +675,7 @@ def paged_attention_triton(
     num_splits: Optional[int] = None, block_m: Optional[int] = None, block_n: Optional[int] = None,
     num_warps: Optional[int] = None, num_stages: Optional[int] = None, sliding_window: Optional[int] = None,
     kv_scale: Optional[torch.Tensor] = None, mask_all: bool = False, fma_scores: bool = False,
-    softcap: Optional[float] = None, **_unused_hints,
+    softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None, **_unused_hints,
 ):
     """Triton paged attention, same semantics as paged_attention_ref; no host/device sync.
 
@@ -654,8 +684,9 @@ def paged_attention_triton(
     split-KV count), block_m / block_n / num_warps / num_stages (override attention_config),
     mask_all (every key tile through the masked code) and fma_scores (one explicit fma for the
     softmax exponent, masked or not): two ways to batch invariance (kernels/batch_invariant.py).
-    sliding_window (None: off), kv_scale (an FP8 cache's scales) and softcap (Gemma 2's
-    cap * tanh(score / cap); None: off) are semantics, not hints. Only
+    sliding_window (None: off), kv_scale (an FP8 cache's scales), softcap (Gemma 2's
+    cap * tanh(score / cap); None: off) and sinks ([Hq] logits, gpt-oss; None: off) are
+    semantics, not hints. Only
     output rows of real requests are written.
     """
     tokens, num_q_heads, head_dim = q.shape
@@ -668,6 +699,8 @@ def paged_attention_triton(
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     assert out.stride(-1) == 1
+    if sinks is not None:
+        assert sinks.shape == (num_q_heads,) and sinks.is_contiguous(), "sinks: one logit per q head"
     if tokens == 0 or num_reqs == 0:
         return out
     if sliding_window is not None and max_seq_len is not None:  # a query sees at most the window
@@ -682,7 +715,7 @@ def paged_attention_triton(
     ws_acc, ws_m, ws_l = _split_workspace(out, num_q_heads, plan.num_splits, block_d)
     _paged_attn_kernel[(plan.grid0, num_kv_heads, plan.num_splits)](
         q, k_cache, v_cache, out, ws_acc, ws_m, ws_l,
-        query_start_loc, seq_lens, block_tables, scale_arg,
+        query_start_loc, seq_lens, block_tables, scale_arg, q if sinks is None else sinks,
         num_reqs, num_q_heads, plan.num_splits, scale * LOG2E, sliding_window or 0,
         float(softcap or 1.0) * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -693,15 +726,15 @@ def paged_attention_triton(
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, PAGE_SIZE=page_size,
         BLOCK_B=1 if plan.decode_only else 128,  # fixed: one compile for every batch size
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=fp8, MASK_ALL=mask_all,
-        FMA_SCORES=fma_scores, SOFTCAP=softcap is not None,
+        FMA_SCORES=fma_scores, SOFTCAP=softcap is not None, SINKS=sinks is not None,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if plan.num_splits > 1:
         _reduce_splits_kernel[(tokens, num_q_heads)](
-            ws_acc, ws_m, ws_l, out, query_start_loc,
+            ws_acc, ws_m, ws_l, out, query_start_loc, out if sinks is None else sinks,
             num_reqs, num_q_heads, plan.num_splits, out.stride(0), out.stride(1),
             BLOCK_S=triton.next_power_of_2(plan.num_splits),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4 if block_d >= 128 else 2,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, SINKS=sinks is not None, num_warps=4 if block_d >= 128 else 2,
         )
     return out
 
@@ -731,17 +764,17 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, kv_scale: Optional[torc
 
 def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out=None,
                     sliding_window: Optional[int] = None, kv_scale: Optional[torch.Tensor] = None,
-                    softcap: Optional[float] = None, **hints):
+                    softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None, **hints):
     """Dispatch: Triton on CUDA, torch's fused attention elsewhere (paged_attention_sdpa; with a
-    softcap the explicit reference); hints (max_query_len, max_seq_len, num_splits, tile overrides)
+    softcap or sinks the explicit reference); hints (max_query_len, max_seq_len, num_splits, tile overrides)
     feed the Triton path."""
     if use_triton(q):
         return paged_attention_triton(
             q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out,
-            sliding_window=sliding_window, kv_scale=kv_scale, softcap=softcap, **hints
+            sliding_window=sliding_window, kv_scale=kv_scale, softcap=softcap, sinks=sinks, **hints
         )
-    if softcap is not None:
+    if softcap is not None or sinks is not None:
         return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out,
-                                   sliding_window, kv_scale, softcap)
+                                   sliding_window, kv_scale, softcap, sinks)
     return paged_attention_sdpa(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out,
                                 sliding_window, kv_scale)

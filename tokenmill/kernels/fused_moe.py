@@ -32,6 +32,12 @@ dtype (bf16 / fp16 / fp32 all hold every e4m3 value), multiplied as before, and 
 is multiplied by its scale (a per-row scale factors out of the dot product) before the roundings
 above. The activations stay in the model dtype. The reference is fused_moe_fp8_ref: the weights
 dequantized to the model dtype, then fused_moe_ref.
+
+gpt-oss's experts (`MoEActivation` and biases, on every path): gate/up and down may carry biases
+(`w13_bias` [E, 2I], gate then up as w13's rows; `w2_bias` [E, H]), added to the fp32 sums before
+the first rounding (as F.linear's bias), and the activation may be the clamped SwiGLU
+(up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g), g = gate.clamp(max=limit), instead of
+silu(gate) * up. Both are constexpr switches: other models compile the kernels as before.
 """
 
 import math
@@ -58,11 +64,27 @@ def moe_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) ->
     return weights.to(router_logits.dtype), ids.to(torch.int32)
 
 
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation: g = gate.clamp(max=limit), u = up.clamp(-limit, limit),
+    out = (u + 1) * g * sigmoid(alpha * g)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_ids: torch.Tensor, w13_bias: Optional[torch.Tensor] = None,
+                  w2_bias: Optional[torch.Tensor] = None, activation: Optional[ClampedSwiGLU] = None) -> torch.Tensor:
     """The experts' MLPs, one expert at a time (the reference): x [T, H], w13 [E, 2I, H],
     w2 [E, H, I], topk_weights / topk_ids [T, k]; ids outside 0..E-1 (another rank's experts,
-    given as -1) contribute nothing. Returns [T, H] in x's dtype."""
+    given as -1) contribute nothing. Optional biases w13_bias [E, 2I], w2_bias [E, H] and the
+    clamped SwiGLU in place of silu(gate) * up (gpt-oss). Returns [T, H] in x's dtype."""
     out = torch.zeros_like(x)
     num_experts = w13.shape[0]
     flat_ids = topk_ids.reshape(-1).long()
@@ -70,8 +92,9 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         if not 0 <= e < num_experts:
             continue
         token, slot = torch.where(topk_ids == e)
-        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e]) * topk_weights[token, slot, None].to(x.dtype)
+        gate, up = F.linear(x[token], w13[e], None if w13_bias is None else w13_bias[e]).chunk(2, dim=-1)
+        h = F.silu(gate) * up if activation is None else activation(gate, up)
+        y = F.linear(h, w2[e], None if w2_bias is None else w2_bias[e]) * topk_weights[token, slot, None].to(x.dtype)
         out.index_add_(0, token, y)
     return out
 
@@ -611,6 +634,26 @@ def _silu_mul_rounded(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
+def _activation_rounded(gate, up, alpha, limit, dtype: tl.constexpr, CLAMPED: tl.constexpr):
+    """h from the fp32 gate and up sums: silu(gate) * up, or with CLAMPED the clamped SwiGLU
+    (ClampedSwiGLU), rounded to dtype where the reference's ops round."""
+    if CLAMPED:
+        gate = tl.minimum(gate.to(dtype).to(tl.float32), limit)
+        up = tl.minimum(tl.maximum(up.to(dtype).to(tl.float32), -limit), limit)
+        z = (gate * alpha).to(dtype).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-z))).to(dtype).to(tl.float32)
+        glu = (gate * sig).to(dtype).to(tl.float32)
+        return ((up + 1.0).to(dtype).to(tl.float32) * glu).to(dtype)
+    return _silu_mul_rounded(gate, up, dtype)
+
+
+@triton.jit
+def _row_bias(b_ptr, expert, stride_be, n, n_ok):
+    """The bias of rows n of this expert, in fp32."""
+    return tl.load(b_ptr + expert * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _e4m3_as(w, dtype: tl.constexpr):
     """e4m3 weights in dtype, exactly; through fp16, which Hopper converts two bytes an instruction."""
     return w.to(tl.float16).to(dtype)
@@ -633,14 +676,15 @@ def _tile_coords(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _grouped_gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ids_ptr, ntp_ptr, scale_ptr, num_pairs, I, H,
-                            num_m, stride_we, stride_wn, stride_se,
+def _grouped_gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ids_ptr, ntp_ptr, scale_ptr, b_ptr, num_pairs,
+                            I, H, num_m, stride_we, stride_wn, stride_se, stride_be, alpha, limit,
                             TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr,
-                            W_FP8: tl.constexpr):
+                            W_FP8: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr):
     """Grid (num_m * cdiv(I, BLOCK_N),): for BLOCK_M sorted pairs of one expert and BLOCK_N
     features, gate and up from the two halves of w13 and h[pair] = silu(gate) * up. Tiles past
-    num_tokens_post_padded exit at once. W_FP8: w13 is e4m3 with row scales at scale_ptr."""
+    num_tokens_post_padded exit at once. W_FP8: w13 is e4m3 with row scales at scale_ptr. BIAS:
+    w13's row biases at b_ptr; CLAMPED: the clamped SwiGLU (alpha, limit)."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(ntp_ptr):
         return
@@ -672,17 +716,21 @@ def _grouped_gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ids_ptr, ntp
     if W_FP8:  # a per-row scale factors out of the dot product
         acc_g *= _row_scales(scale_ptr, expert, stride_se, n, n_ok)[None, :]
         acc_u *= _row_scales(scale_ptr, expert, stride_se, n + I, n_ok)[None, :]
-    h = _silu_mul_rounded(acc_g, acc_u, h_ptr.dtype.element_ty)
+    if BIAS:
+        acc_g += _row_bias(b_ptr, expert, stride_be, n, n_ok)[None, :]
+        acc_u += _row_bias(b_ptr, expert, stride_be, n + I, n_ok)[None, :]
+    h = _activation_rounded(acc_g, acc_u, alpha, limit, h_ptr.dtype.element_ty, CLAMPED)
     tl.store(h_ptr + pair.to(tl.int64)[:, None] * I + n[None, :], h, mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _grouped_down_kernel(h_ptr, w_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, ntp_ptr, scale_ptr, num_pairs,
-                         H, I, num_m, stride_we, stride_wn, stride_se,
+def _grouped_down_kernel(h_ptr, w_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, ntp_ptr, scale_ptr, b_ptr,
+                         num_pairs, H, I, num_m, stride_we, stride_wn, stride_se, stride_be,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr, W_FP8: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr, W_FP8: tl.constexpr, BIAS: tl.constexpr):
     """Grid (num_m * cdiv(H, BLOCK_N),): y[pair] = (h[pair] @ w2[expert]^T) * topk_weight[pair]
-    for BLOCK_M sorted pairs of one expert and BLOCK_N features (W_FP8: w2 e4m3, row scales)."""
+    for BLOCK_M sorted pairs of one expert and BLOCK_N features (W_FP8: w2 e4m3, row scales;
+    BIAS: w2's row biases at b_ptr, added before the weight)."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(ntp_ptr):
         return
@@ -708,6 +756,8 @@ def _grouped_down_kernel(h_ptr, w_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ids
         b_ptrs += BLOCK_K
     if W_FP8:
         acc *= _row_scales(scale_ptr, expert, stride_se, n, n_ok)[None, :]
+    if BIAS:
+        acc += _row_bias(b_ptr, expert, stride_be, n, n_ok)[None, :]
     dtype = y_ptr.dtype.element_ty
     weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(dtype).to(tl.float32)
     y = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)
@@ -730,11 +780,12 @@ def _sum_slots_kernel(y_ptr, ids_ptr, out_ptr, E, H, TOP_K: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _gemv_gate_up_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, scale_ptr, E, I, H, stride_we, stride_wn, stride_se,
-                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_FP8: tl.constexpr):
+def _gemv_gate_up_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, scale_ptr, b_ptr, E, I, H, stride_we, stride_wn, stride_se,
+                         stride_be, alpha, limit, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         W_FP8: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr):
     """Grid (T * TOP_K, cdiv(I, BLOCK_N)): h[pair] for BLOCK_N features of one (token, slot)
     pair, from its expert's gate and up rows only; a pair of no expert writes nothing. W_FP8: w13
-    is e4m3 with row scales at scale_ptr."""
+    is e4m3 with row scales at scale_ptr. BIAS, CLAMPED: as in _grouped_gate_up_kernel."""
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     if (expert < 0) | (expert >= E):
@@ -764,17 +815,20 @@ def _gemv_gate_up_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, scale_ptr, E, I, H, strid
     if W_FP8:  # a per-row scale factors out of the dot product
         gate *= _row_scales(scale_ptr, expert, stride_se, n, n_ok)
         up *= _row_scales(scale_ptr, expert, stride_se, n + I, n_ok)
-    h = _silu_mul_rounded(gate, up, h_ptr.dtype.element_ty)
+    if BIAS:
+        gate += _row_bias(b_ptr, expert, stride_be, n, n_ok)
+        up += _row_bias(b_ptr, expert, stride_be, n + I, n_ok)
+    h = _activation_rounded(gate, up, alpha, limit, h_ptr.dtype.element_ty, CLAMPED)
     tl.store(h_ptr + pair * I + n, h, mask=n_ok)
 
 
 @triton.jit
-def _gemv_down_kernel(h_ptr, w_ptr, out_ptr, topk_w_ptr, ids_ptr, scale_ptr, E, H, I, stride_we, stride_wn,
-                      stride_se, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      W_FP8: tl.constexpr):
+def _gemv_down_kernel(h_ptr, w_ptr, out_ptr, topk_w_ptr, ids_ptr, scale_ptr, b_ptr, E, H, I, stride_we, stride_wn,
+                      stride_se, stride_be, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      W_FP8: tl.constexpr, BIAS: tl.constexpr):
     """Grid (T, cdiv(H, BLOCK_N)): out[t] for BLOCK_N features, the sum over token t's slots of
-    (h[pair] @ w2[expert]^T) * topk_weight[pair], in slot order, skipping slots of no expert
-    (W_FP8: w2 e4m3 with row scales at scale_ptr)."""
+    (h[pair] @ w2[expert]^T + bias) * topk_weight[pair], in slot order, skipping slots of no
+    expert (W_FP8: w2 e4m3 with row scales at scale_ptr; BIAS: w2's row biases at b_ptr)."""
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
@@ -801,14 +855,16 @@ def _gemv_down_kernel(h_ptr, w_ptr, out_ptr, topk_w_ptr, ids_ptr, scale_ptr, E, 
             y = tl.sum(acc, axis=1)
             if W_FP8:
                 y *= _row_scales(scale_ptr, expert, stride_se, n, n_ok)
+            if BIAS:
+                y += _row_bias(b_ptr, expert, stride_be, n, n_ok)
             total += (y.to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
     tl.store(out_ptr + t * H + n, total.to(dtype), mask=n_ok)
 
 
-def _check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None
+def _check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, w13_bias=None, w2_bias=None
                     ) -> tuple[int, int, int, int, int]:
     """(T, H, E, I, k) after checking the shapes and layouts the kernels take (with scales: e4m3
-    weights and their contiguous fp32 row scales)."""
+    weights and their contiguous fp32 row scales; with biases: [E, 2I] and [E, H], unit last stride)."""
     T, H = x.shape
     E, two_i, h13 = w13.shape
     inter = two_i // 2
@@ -824,6 +880,10 @@ def _check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale
         assert w13_scale.shape == (E, 2 * inter) and w2_scale.shape == (E, H), (w13_scale.shape, w2_scale.shape)
         for s in (w13_scale, w2_scale):
             assert s.dtype == torch.float32 and s.is_contiguous()
+    assert (w13_bias is None) == (w2_bias is None), "biases on both projections or on neither"
+    if w13_bias is not None:
+        assert w13_bias.shape == (E, 2 * inter) and w2_bias.shape == (E, H), (w13_bias.shape, w2_bias.shape)
+        assert w13_bias.stride(-1) == 1 and w2_bias.stride(-1) == 1
     return T, H, E, inter, k
 
 
@@ -840,8 +900,21 @@ def _scale_args(w: torch.Tensor, w_scale: Optional[torch.Tensor]) -> tuple[torch
     return (w, 0) if w_scale is None else (w_scale, w_scale.stride(0))
 
 
+def _bias_args(w: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """(the bias pointer argument, its expert stride); the weight stands in without a bias."""
+    return (w, 0) if bias is None else (bias, bias.stride(0))
+
+
+def _activation_args(activation: Optional[ClampedSwiGLU]) -> tuple[float, float, bool]:
+    """(alpha, limit, CLAMPED) of a gate/up launch (SiLU ignores the two numbers)."""
+    if activation is None:
+        return 1.0, 0.0, False
+    return float(activation.alpha), float(activation.limit), True
+
+
 def grouped_gate_up(x: torch.Tensor, w13: torch.Tensor, top_k: int, sort: tuple, cfg: dict,
-                    w13_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    w13_scale: Optional[torch.Tensor] = None, w13_bias: Optional[torch.Tensor] = None,
+                    activation: Optional[ClampedSwiGLU] = None) -> torch.Tensor:
     """Launch 1 of the grouped path: h [T * k, I] (rows of pairs of no expert unwritten)."""
     sorted_ids, expert_ids, ntp = sort
     num_pairs, inter = x.shape[0] * top_k, w13.shape[1] // 2
@@ -849,16 +922,18 @@ def grouped_gate_up(x: torch.Tensor, w13: torch.Tensor, top_k: int, sort: tuple,
     num_m = expert_ids.numel()
     grid = (num_m * triton.cdiv(inter, cfg["block_n"]),)
     scale, stride_se = _scale_args(w13, w13_scale)
+    bias, stride_be = _bias_args(w13, w13_bias)
+    alpha, limit, clamped = _activation_args(activation)
     _grouped_gate_up_kernel[grid](
-        x, w13, h, sorted_ids, expert_ids, ntp, scale, num_pairs, inter, x.shape[1], num_m, w13.stride(0),
-        w13.stride(1), stride_se, TOP_K=top_k, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-        BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"], **_dot_meta(x, w13_scale), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        x, w13, h, sorted_ids, expert_ids, ntp, scale, bias, num_pairs, inter, x.shape[1], num_m, w13.stride(0),
+        w13.stride(1), stride_se, stride_be, alpha, limit, TOP_K=top_k, BLOCK_M=cfg["block_m"],
+        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"], **_dot_meta(x, w13_scale),
+        BIAS=w13_bias is not None, CLAMPED=clamped, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return h
 
 
 def grouped_down(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, sort: tuple, cfg: dict,
-                 w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 w2_scale: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Launch 2 of the grouped path: y [T * k, H], each pair's down projection times its weight."""
     sorted_ids, expert_ids, ntp = sort
     num_pairs, inter = h.shape
@@ -867,10 +942,12 @@ def grouped_down(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, 
     num_m = expert_ids.numel()
     grid = (num_m * triton.cdiv(hidden, cfg["block_n"]),)
     scale, stride_se = _scale_args(w2, w2_scale)
+    bias, stride_be = _bias_args(w2, w2_bias)
     _grouped_down_kernel[grid](
-        h, w2, y, topk_weights, sorted_ids, expert_ids, ntp, scale, num_pairs, hidden, inter, num_m, w2.stride(0),
-        w2.stride(1), stride_se, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-        GROUP_M=cfg["group_m"], **_dot_meta(h, w2_scale), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        h, w2, y, topk_weights, sorted_ids, expert_ids, ntp, scale, bias, num_pairs, hidden, inter, num_m,
+        w2.stride(0), w2.stride(1), stride_se, stride_be, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"], **_dot_meta(h, w2_scale), BIAS=w2_bias is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y
 
 
@@ -886,65 +963,75 @@ def sum_slots(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> torc
 
 
 def gemv_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, cfg: dict,
-                 w13_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 w13_scale: Optional[torch.Tensor] = None, w13_bias: Optional[torch.Tensor] = None,
+                 activation: Optional[ClampedSwiGLU] = None) -> torch.Tensor:
     """Launch 1 of the GEMV path: h [T * k, I] (rows of pairs of no expert unwritten)."""
     T, k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     inter = two_i // 2
     h = torch.empty((T * k, inter), dtype=x.dtype, device=x.device)
     scale, stride_se = _scale_args(w13, w13_scale)
+    bias, stride_be = _bias_args(w13, w13_bias)
+    alpha, limit, clamped = _activation_args(activation)
     _gemv_gate_up_kernel[(T * k, triton.cdiv(inter, cfg["block_n"]))](
-        x, w13, h, topk_ids, scale, num_experts, inter, hidden, w13.stride(0), w13.stride(1), stride_se, TOP_K=k,
-        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], W_FP8=w13_scale is not None, num_warps=cfg["num_warps"],
+        x, w13, h, topk_ids, scale, bias, num_experts, inter, hidden, w13.stride(0), w13.stride(1), stride_se,
+        stride_be, alpha, limit, TOP_K=k, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        W_FP8=w13_scale is not None, BIAS=w13_bias is not None, CLAMPED=clamped, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     return h
 
 
 def gemv_down(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, cfg: dict,
-              w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+              w2_scale: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Launch 2 of the GEMV path: out [T, H]."""
     T, k = topk_ids.shape
     num_experts, hidden, inter = w2.shape
     out = torch.empty((T, hidden), dtype=h.dtype, device=h.device)
     scale, stride_se = _scale_args(w2, w2_scale)
+    bias, stride_be = _bias_args(w2, w2_bias)
     _gemv_down_kernel[(T, triton.cdiv(hidden, cfg["block_n"]))](
-        h, w2, out, topk_weights, topk_ids, scale, num_experts, hidden, inter, w2.stride(0), w2.stride(1), stride_se,
-        TOP_K=k, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], W_FP8=w2_scale is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        h, w2, out, topk_weights, topk_ids, scale, bias, num_experts, hidden, inter, w2.stride(0), w2.stride(1),
+        stride_se, stride_be, TOP_K=k, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], W_FP8=w2_scale is not None,
+        BIAS=w2_bias is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, config: Optional[dict] = None, w13_scale: Optional[torch.Tensor] = None,
-                     w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     w2_scale: Optional[torch.Tensor] = None, w13_bias: Optional[torch.Tensor] = None,
+                     w2_bias: Optional[torch.Tensor] = None, activation: Optional[ClampedSwiGLU] = None) -> torch.Tensor:
     """Triton fused_moe_ref: x [T, H] contiguous; w13, w2 with unit last stride; fp32, bf16 or
     fp16. `config` (moe_config's form) overrides the path and tiles chosen for the shape. With
-    w13_scale [E, 2I] and w2_scale [E, H], the weights are e4m3 (fused_moe_fp8_ref's arguments)."""
-    T, H, E, inter, k = _check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    w13_scale [E, 2I] and w2_scale [E, H], the weights are e4m3 (fused_moe_fp8_ref's arguments).
+    Biases and the clamped SwiGLU as fused_moe_ref takes them, on both paths."""
+    T, H, E, inter, k = _check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, w13_bias, w2_bias)
     if T == 0:
         return torch.empty_like(x)
     cfg = config or moe_config(E, inter, H, T, k, x.dtype)
     ids = topk_ids.to(torch.int32).contiguous()
     weights = topk_weights.contiguous()
     if cfg["path"] == "gemv":
-        return gemv_down(gemv_gate_up(x, w13, ids, cfg["gate_up"], w13_scale), w2, weights, ids, cfg["down"],
-                         w2_scale)
+        h = gemv_gate_up(x, w13, ids, cfg["gate_up"], w13_scale, w13_bias, activation)
+        return gemv_down(h, w2, weights, ids, cfg["down"], w2_scale, w2_bias)
     assert cfg["gate_up"]["block_m"] == cfg["down"]["block_m"], "one sort serves both launches"
     sort = moe_sort_tokens(ids, E, cfg["gate_up"]["block_m"])
-    h = grouped_gate_up(x, w13, k, sort, cfg["gate_up"], w13_scale)
-    return sum_slots(grouped_down(h, w2, weights, sort, cfg["down"], w2_scale), ids, E)
+    h = grouped_gate_up(x, w13, k, sort, cfg["gate_up"], w13_scale, w13_bias, activation)
+    return sum_slots(grouped_down(h, w2, weights, sort, cfg["down"], w2_scale, w2_bias), ids, E)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
-              w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+              w2_scale: Optional[torch.Tensor] = None, w13_bias: Optional[torch.Tensor] = None,
+              w2_bias: Optional[torch.Tensor] = None, activation: Optional[ClampedSwiGLU] = None) -> torch.Tensor:
     """The experts' MLPs (fused_moe_ref's arguments and result; with scales, e4m3 weights as
     fused_moe_fp8_ref takes them): Triton on CUDA."""
     if use_triton(x):
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale,
+                                w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)
     if w13_scale is not None:
+        assert w13_bias is None and activation is None, "FP8 experts have no biases or clamped SwiGLU yet"
         return fused_moe_fp8_ref(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation)
 
 
 def grouped_mm_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -6,10 +6,12 @@ from typing import Optional
 import torch
 from torch import nn
 
+from tokenmill.distributed import get_tp_state
 from tokenmill.kernels.attention import paged_attention
 from tokenmill.kernels.batch_invariant import paged_attention_invariant
 from tokenmill.kernels.qkv_prep import qkv_prep
 from tokenmill.layers.forward_context import AttentionMetadata, get_forward_context
+from tokenmill.layers.linear import new_parameter
 
 
 class CudaGraphSupport(enum.IntEnum):
@@ -27,7 +29,8 @@ class Attention(nn.Module):
     cuda_graph_support = CudaGraphSupport.UNIFORM_BATCH
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int,
-                 sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None):
+                 sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
+                 sinks: bool = False, dtype: Optional[torch.dtype] = None, device=None):
         super().__init__()
         self.layer_idx = layer_idx  # which of the forward context's KV caches is this layer's
         self.num_heads = num_heads
@@ -40,7 +43,21 @@ class Attention(nn.Module):
         # self_attn.k_scale / v_scale when it has them (LlamaModel.load_weights), else 1.0.
         # Unused by a cache in the model dtype.
         self.register_buffer("kv_scale", torch.ones(2, dtype=torch.float32), persistent=False)
+        # gpt-oss's attention sinks: a logit per q head in the softmax's denominator, this rank's
+        # heads only (tensor parallelism splits them as it splits the q heads). None: off.
+        self.sinks: Optional[nn.Parameter] = None
+        if sinks:
+            self.sinks = new_parameter(self, (num_heads,), dtype or torch.get_default_dtype(), device,
+                                       loader=Attention._load_sinks)
         self.batch_invariant = False  # one fixed reduction order for every step (layers/invariance.py sets it)
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """This rank's q heads' sinks out of the checkpoint's [all q heads]."""
+        tp = get_tp_state()
+        if tuple(loaded.shape) != (self.num_heads * tp.tp_size,):
+            raise ValueError(f"shape mismatch loading attention sinks: checkpoint {tuple(loaded.shape)}, model "
+                             f"({self.num_heads * tp.tp_size},)")
+        param.data.copy_(loaded.narrow(0, tp.tp_rank * self.num_heads, self.num_heads))
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos_sin_cache: torch.Tensor, q_norm_weight: Optional[torch.Tensor] = None,
@@ -82,8 +99,9 @@ class Attention(nn.Module):
         """q [T, Hq, D] (rotated, this step's K/V already cached) attends over this layer's cache."""
         k_cache, v_cache = kv_caches[self.layer_idx]
         if self.batch_invariant:  # one fixed reduction order for every step (kernels/batch_invariant.py)
-            if self.logit_softcap is not None:
-                raise NotImplementedError("batch-invariant attention has no logit soft-capping (Gemma 2)")
+            if self.logit_softcap is not None or self.sinks is not None:
+                raise NotImplementedError("batch-invariant attention has no logit soft-capping (Gemma 2) "
+                                          "and no attention sinks (gpt-oss)")
             return paged_attention_invariant(
                 q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale, out,
                 sliding_window=self.sliding_window, kv_scale=self.kv_scale, max_query_len=meta.max_query_len)
@@ -91,4 +109,5 @@ class Attention(nn.Module):
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale, out,
             sliding_window=self.sliding_window, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
             num_splits=meta.num_splits, kv_scale=self.kv_scale, softcap=self.logit_softcap,
+            sinks=self.sinks,
         )

@@ -10,6 +10,10 @@ each rank holds whole experts, a contiguous share of them: `expert_map` maps a g
 this rank's index or -1 (another rank's expert, which the kernel skips), and layers/moe_dispatch.py
 brings the tokens to the experts and the results back.
 
+gpt-oss's experts add `w13_bias` [E_local, 2 * I_local] (gate then up, split as w13's rows) and
+`w2_bias` [E_local, H] (held by shard rank 0 only, zeros elsewhere, so that the tensor-parallel sum
+adds it once) and take the clamped SwiGLU (`activation`); only the unquantized method runs them.
+
 As linear layers do, the layer holds one method object chosen when the model is built or loaded
 (`UnquantizedFusedMoEMethod`; a quantization config's `get_moe_method`): it creates the weights,
 converts them once loaded, and routes and runs the experts (`apply`). Routing and the experts' MLPs
@@ -26,7 +30,8 @@ import torch
 from torch import nn
 
 from tokenmill.distributed import divide, get_tp_state
-from tokenmill.kernels.fused_moe import GroupedTopK, fused_moe, moe_route
+from tokenmill.errors import ModelLoadError
+from tokenmill.kernels.fused_moe import ClampedSwiGLU, GroupedTopK, fused_moe, moe_route
 from tokenmill.layers.linear import new_parameter
 from tokenmill.layers.moe_dispatch import MoEDispatch, expert_range
 from tokenmill.quantization.base import QuantizationConfig, QuantizeMethodBase
@@ -66,12 +71,18 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         e, i, h = layer.num_local_experts, layer.intermediate_size_per_rank, layer.hidden_size
         layer.w13_weight = new_parameter(layer, (e, 2 * i, h), dtype, device)
         layer.w2_weight = new_parameter(layer, (e, h, i), dtype, device)
+        if layer.has_bias:
+            layer.w13_bias = new_parameter(layer, (e, 2 * i), dtype, device, loader=FusedMoE.bias_loader)
+            layer.w2_bias = new_parameter(layer, (e, h), dtype, device, loader=FusedMoE.bias_loader)
 
     def apply(self, layer: "FusedMoE", x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = layer.route(router_logits)
         if layer.expert_map is not None:  # other ranks' experts become -1, which the kernel skips
             ids = layer.expert_map[ids.long()]
-        return fused_moe(x, layer.w13_weight, layer.w2_weight, weights, ids)
+        if layer.has_bias:
+            return fused_moe(x, layer.w13_weight, layer.w2_weight, weights, ids, w13_bias=layer.w13_bias,
+                             w2_bias=layer.w2_bias, activation=layer.activation)
+        return fused_moe(x, layer.w13_weight, layer.w2_weight, weights, ids, activation=layer.activation)
 
 
 class FusedMoE(nn.Module):
@@ -79,11 +90,14 @@ class FusedMoE(nn.Module):
     experts' SiLU MLPs weighted and summed (the module docstring has the layout)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-                 dtype=None, device=None, method: Optional[FusedMoEMethodBase] = None,
-                 grouping: Optional[GroupedTopK] = None, correction_bias: bool = False):
+                 dtype=None, device=None, method: Optional[FusedMoEMethodBase] = None, bias: bool = False,
+                 activation: Optional[ClampedSwiGLU] = None, grouping: Optional[GroupedTopK] = None,
+                 correction_bias: bool = False):
         """grouping: DeepSeek's grouped / sigmoid routing (None: softmax top-k); correction_bias: an
         fp32 `e_score_correction_bias` [E] parameter added to the scores for the choice only (V3)."""
         super().__init__()
+        self.has_bias = bias  # gate/up and down biases (gpt-oss)
+        self.activation = activation  # None: silu(gate) * up
         self.grouping = grouping
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device),
                                                      requires_grad=False) if correction_bias else None)
@@ -116,7 +130,13 @@ class FusedMoE(nn.Module):
         if method is None and config is not None:
             method = config.get_moe_method(self)
         self.moe_method = method or UnquantizedFusedMoEMethod()
+        self._check_method(self.moe_method)
         self.moe_method.create_weights(self, self.params_dtype, device)
+
+    def _check_method(self, method: FusedMoEMethodBase) -> None:
+        if (self.has_bias or self.activation is not None) and not isinstance(method, UnquantizedFusedMoEMethod):
+            raise ModelLoadError(f"{type(method).__name__}: experts with biases or the clamped SwiGLU (gpt-oss) run "
+                                 "unquantized only")
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], global expert ids [T, k] int32) of every token: the routing step of each method."""
@@ -128,6 +148,7 @@ class FusedMoE(nn.Module):
 
     def set_moe_method(self, method: FusedMoEMethodBase) -> None:
         """Give the layer another method before its weights are loaded (it creates the weights it loads)."""
+        self._check_method(method)
         self.moe_method = method
         method.create_weights(self, self.params_dtype, self.w13_weight.device)
 
@@ -179,6 +200,23 @@ class FusedMoE(nn.Module):
         _check_shape(loaded, (full_i, h), what)
         offset = 0 if proj == "gate" else i
         param.data[local].narrow(0, offset, i).copy_(loaded.narrow(0, self.shard_rank * i, i))
+
+    def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Every expert's gate/up bias [E, 2I] (gate then up) into w13_bias, or down bias [E, H] into
+        w2_bias: this rank's experts, its slice of I; the down bias on shard rank 0 only."""
+        local = [e for e in range(self.num_experts) if self._local_index(e) is not None]
+        full_i, i = self.intermediate_size, self.intermediate_size_per_rank
+        if param is self.w2_bias:
+            _check_shape(loaded, (self.num_experts, self.hidden_size), "experts' down_proj bias")
+            if self.shard_rank == 0:
+                param.data.copy_(loaded[local])
+            else:  # the tensor-parallel sum adds rank 0's
+                param.data.zero_()
+            return
+        _check_shape(loaded, (self.num_experts, 2 * full_i), "experts' gate_up_proj bias")
+        rows = loaded[local]
+        param.data[:, :i].copy_(rows[:, self.shard_rank * i:(self.shard_rank + 1) * i])
+        param.data[:, i:].copy_(rows[:, full_i + self.shard_rank * i:full_i + (self.shard_rank + 1) * i])
 
     def expected_shards(self, param_name: str) -> list[str]:
         """The shard ids a complete checkpoint loads into `w13_weight` or `w2_weight` (or their

@@ -72,6 +72,12 @@ def resolve_quantization(requested: Optional[str], hf_config: dict) -> Optional[
                                  f"(supported: {', '.join(QUANTIZATION_METHODS)})")
         return QuantizationPlan(requested, False)
     method = checkpoint.get("quant_method") if isinstance(checkpoint, dict) else None
+    if method == "mxfp4" and "GptOssForCausalLM" in (hf_config.get("architectures") or []):
+        # gpt-oss's MXFP4 experts are dequantized at load (models/gpt_oss.py): a full-precision model
+        if requested is not None:
+            raise ModelLoadError(f"quantization {requested!r} was asked for, but gpt-oss's MXFP4 experts are "
+                                 "dequantized at load and served in the model dtype; leave quantization unset")
+        return None
     block_size, routers = None, ()
     if method == "fp8":
         block_size, routers = _check_fp8(checkpoint)

@@ -64,6 +64,12 @@ class MoEConfig:
         """Routing beyond softmax-top-k (DeepSeek's): FusedMoE takes a GroupedTopK."""
         return (self.scoring != "softmax" or self.num_groups > 1 or self.score_correction_bias
                 or self.routed_scaling_factor != 1.0)
+    # gpt-oss: the router and every expert's gate/up and down projections have biases, and the
+    # experts' activation is the clamped SwiGLU (kernels/fused_moe.py's ClampedSwiGLU) when
+    # swiglu_limit is set (None: silu(gate) * up).
+    bias: bool = False
+    swiglu_limit: Optional[float] = None
+    swiglu_alpha: float = 1.702
 
     def is_sparse(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
@@ -138,6 +144,9 @@ class ModelArchConfig:
     final_logit_softcap: Optional[float] = None
     # Multi-head latent attention (DeepSeek-V2 / V3; head_dim is then the rope'd width); None: q/k/v heads.
     mla: Optional[MLAConfig] = None
+    # gpt-oss: the attention output projection has a bias, and each q head a learned sink logit.
+    o_bias: bool = False
+    attention_sinks: bool = False
 
     def layer_window(self, layer: int) -> Optional[int]:
         """The sliding window of decoder layer `layer` (None: it attends to the whole context)."""
@@ -167,6 +176,8 @@ class ModelArchConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim if self.qk_norm_per_head else self.q_size + self.kv_size
+        attn += h if self.o_bias else 0
+        attn += self.num_heads if self.attention_sinks else 0
         return attn + self.norms_per_layer * h
 
     def _mla_parameters(self) -> int:
@@ -185,7 +196,9 @@ class ModelArchConfig:
         shared = 0
         if moe.shared_expert_intermediate_size:
             shared = 3 * h * moe.shared_expert_intermediate_size + (h if moe.shared_expert_gated else 0)
-        return h * moe.num_experts + experts * 3 * h * moe.intermediate_size + shared
+        expert = 3 * h * moe.intermediate_size + (2 * moe.intermediate_size + h if moe.bias else 0)
+        router = (h + 1 if moe.bias else h) * moe.num_experts
+        return router + experts * expert + shared
 
     def _parameters(self, active: bool) -> int:
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
@@ -225,6 +238,8 @@ class MoESpec:
     shared_expert: bool = False
     # Qwen: decoder_sparse_step and mlp_only_layers
     sparse_layers: bool = False
+    # gpt-oss: biases on the router and the experts, and the clamped SwiGLU (swiglu_limit, swiglu_alpha)
+    gpt_oss: bool = False
 
 
 @dataclass(frozen=True)
@@ -261,6 +276,9 @@ class ArchitectureSpec:
     weight_renames: tuple[tuple[str, str], ...] = ()
     # DeepSeek's multi-head latent attention and routing, "v2" or "v3" (models/deepseek.py).
     deepseek: Optional[str] = None
+    # gpt-oss: attention sinks and an o_proj bias (with attention_bias), layer_types' sliding layers,
+    # rope_theta 150000 when the config leaves it out (HF's GptOssConfig default).
+    gpt_oss: bool = False
 
 
 _ARCHITECTURES = {
@@ -290,6 +308,11 @@ _ARCHITECTURES = {
         # (models/deepseek.py); LoRA adapters have no MLA projections mapped: refused.
         ArchitectureSpec("DeepseekV2ForCausalLM", moe=MoESpec(), lora=False, deepseek="v2"),
         ArchitectureSpec("DeepseekV3ForCausalLM", moe=MoESpec(), lora=False, deepseek="v3"),
+        # gpt-oss: its checkpoint layout (interleaved gate/up, MXFP4 experts) is models/gpt_oss.py's.
+        # LoRA not tested on it: refused (and MoE models refuse LoRA anyway).
+        ArchitectureSpec("GptOssForCausalLM", qkv_bias_default=True, sliding_window="layer_types", window_pattern=2,
+                         moe=MoESpec(expert_size_key="intermediate_size", renormalize_key=None, gpt_oss=True),
+                         lora=False, gpt_oss=True, weight_renames=((".mlp.router.", ".mlp.gate."),)),
     )
 }
 
@@ -468,6 +491,9 @@ def _moe_from_hf(cfg: dict[str, Any], spec: MoESpec) -> MoEConfig:
         if spec.shared_expert else 0,
         sparse_step=int(cfg.get("decoder_sparse_step") or 1) if spec.sparse_layers else 1,
         dense_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()) if spec.sparse_layers else (),
+        bias=spec.gpt_oss,
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)) if spec.gpt_oss else None,
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
     )
     if moe.num_experts > 0 and not 1 <= moe.top_k <= moe.num_experts:
         raise ModelLoadError(f"config.json: num_experts_per_tok {moe.top_k} must be in 1..{moe.num_experts}")
@@ -578,6 +604,17 @@ def _language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**text, "architectures": ["Gemma3ForCausalLM"]}
 
 
+def _gpt_oss_fields(cfg: dict[str, Any], spec: ArchitectureSpec, num_layers: int) -> dict[str, Any]:
+    """What gpt-oss adds: which layers slide (layer_types, by default every other one from layer 0),
+    the attention sinks, and o_proj's bias (attention_bias covers all four projections)."""
+    kinds = _layer_types(cfg, spec.window_pattern, num_layers)
+    act = cfg.get("hidden_act") or "silu"
+    if act != "silu":  # the clamped SwiGLU's sigmoid gate is what the kernels implement
+        raise ModelLoadError(f"config.json: hidden_act {act!r} is not supported for gpt-oss (supported: silu)")
+    return dict(sliding_layers=tuple(kind == "sliding_attention" for kind in kinds), attention_sinks=True,
+                o_bias=bool(cfg.get(spec.qkv_bias_key, spec.qkv_bias_default)))
+
+
 def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
     """Parse an HF config.json dict; raises ModelLoadError naming what is missing."""
     cfg = _language_model_config(cfg)
@@ -585,6 +622,8 @@ def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
     if not archs:
         raise ModelLoadError("config.json has no 'architectures' field")
     spec = resolve_architecture(archs)
+    if spec.gpt_oss and "rope_theta" not in cfg:  # HF's GptOssConfig default
+        cfg = {**cfg, "rope_theta": 150000.0}
     try:
         hidden = int(cfg["hidden_size"])
         num_heads = int(cfg["num_attention_heads"])
@@ -601,7 +640,8 @@ def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
         fields = dict(
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             moe=_moe_from_hf(cfg, spec.moe) if spec.moe is not None and not deepseek else None,
-            **(_gemma_fields(cfg, spec, num_layers, head_dim) if spec.gemma else {}))
+            **(_gemma_fields(cfg, spec, num_layers, head_dim) if spec.gemma else {}),
+            **(_gpt_oss_fields(cfg, spec, num_layers) if spec.gpt_oss else {}))
         fields.update(deepseek)
         return ModelArchConfig(
             architecture=spec.name,

@@ -20,6 +20,10 @@ class AttentionSpec:
     scale: float
     dtype: torch.dtype
     sliding_window: Optional[int] = None  # keys older than this many positions are not attended
+    sinks: bool = False  # a learned logit per q head joins the softmax (gpt-oss): its kernel variants differ
+    # Every distinct window of this rank's layers, sliding_window's first (Gemma's and gpt-oss's
+    # interleaved sliding and full layers compile the attention variants of each); () : sliding_window's.
+    layer_windows: tuple[Optional[int], ...] = ()
     # Multi-head latent attention (layers/mla.py): the cache holds one row of head_dim numbers per
     # token (the compressed latent and the rope'd key; num_kv_heads 1), no separate V plane.
     latent: bool = False

@@ -46,7 +46,8 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False, dtype=dtype, device=device)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype,
+                                        device=device)
         qkv = self.qkv_proj
         self.per_head_norm = cfg.qk_norm and cfg.qk_norm_per_head
         if self.per_head_norm:
@@ -69,7 +70,8 @@ class LlamaAttention(nn.Module):
             window = None
         scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, scale=scale,
-                              layer_idx=layer_idx, sliding_window=window, logit_softcap=cfg.attn_logit_softcap)
+                              layer_idx=layer_idx, sliding_window=window, logit_softcap=cfg.attn_logit_softcap,
+                              sinks=cfg.attention_sinks, dtype=dtype, device=device)
         divide(cfg.num_heads, tp)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
@@ -267,8 +269,10 @@ class LlamaForCausalLM(nn.Module):
     def attention_spec(self) -> AttentionSpec:
         """What the runner needs to know of the attention layers (models/interface.py)."""
         attn = self.model.layers[self.model.start].self_attn.attn
+        windows = dict.fromkeys(layer.self_attn.attn.sliding_window
+                                for layer in self.model.layers[self.model.start:self.model.end])
         return AttentionSpec(len(self.model.layers), attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
-                             self.lm_head.weight.dtype, attn.sliding_window)
+                             self.lm_head.weight.dtype, attn.sliding_window, attn.sinks is not None, tuple(windows))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names) into the parameters; returns the names loaded."""

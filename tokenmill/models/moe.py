@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from tokenmill.layers.fused_moe import FusedMoE
+from tokenmill.layers.fused_moe import ClampedSwiGLU, FusedMoE
 from tokenmill.layers.linear import ReplicatedLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.models.config import ModelArchConfig, architecture_spec
@@ -39,9 +39,10 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelArchConfig, dtype, device):
         super().__init__()
         moe = cfg.moe
-        self.gate = ReplicatedLinear(cfg.hidden_size, moe.num_experts, bias=False, dtype=dtype, device=device)
+        self.gate = ReplicatedLinear(cfg.hidden_size, moe.num_experts, bias=moe.bias, dtype=dtype, device=device)
+        activation = None if moe.swiglu_limit is None else ClampedSwiGLU(moe.swiglu_alpha, moe.swiglu_limit)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size, moe.intermediate_size, moe.renormalize,
-                                dtype=dtype, device=device)
+                                dtype=dtype, device=device, bias=moe.bias, activation=activation)
         if moe.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(cfg, dtype, device, intermediate_size=moe.shared_expert_intermediate_size)
             self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, bias=False, dtype=dtype, device=device)

@@ -103,6 +103,22 @@ PRESETS: dict[str, dict] = {
                          "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096},
         "hidden_act": "silu", "eos_token_id": 100001, "bos_token_id": 100000, "torch_dtype": "bfloat16",
     },
+    # gpt-oss-20b. From the published config: the shape (24 layers, 64 q / 8 KV heads of 64 dims, 32
+    # experts of width 2880, top 4), window 128 on every other layer from layer 0, q/k/v/o biases, sinks,
+    # rope theta 150000 with YaRN (factor 32, beta_fast 32, beta_slow 1, original 4096 positions, no
+    # truncation), swiglu_limit 7, eps 1e-5, the token ids. The released weights' MXFP4 experts are
+    # dequantized at load (models/gpt_oss.py); a dummy-weight run builds them in the model dtype.
+    "gpt-oss-20b": {
+        "architectures": ["GptOssForCausalLM"], "hidden_size": 2880, "intermediate_size": 2880,
+        "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "num_local_experts": 32, "num_experts_per_tok": 4, "vocab_size": 201088, "tie_word_embeddings": False,
+        "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "attention_bias": True, "swiglu_limit": 7.0, "rope_theta": 150000.0, "rms_norm_eps": 1e-5,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": 4096, "truncate": False},
+        "max_position_embeddings": 131072, "hidden_act": "silu", "eos_token_id": 200002, "pad_token_id": 199999,
+        "bos_token_id": None, "torch_dtype": "bfloat16",
+    },
     # Small shapes for CPU tests and CI.
     "tiny-llama": {
         "architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 256,

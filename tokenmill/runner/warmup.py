@@ -55,18 +55,23 @@ def warm_up_attention(runner) -> int:
     k_cache, v_cache = runner.kv_caches[0]
     # An FP8 cache's kernels take the scales' pointer (any value compiles the same variant).
     kv_scale = torch.ones(2, dtype=torch.float32, device=runner.device) if is_fp8_kv(k_cache) else None
+    # Models with attention sinks compile the SINKS variants (any values do).
+    sinks = torch.zeros(spec.num_heads, dtype=runner.dtype, device=runner.device) if spec.sinks else None
     variants = attention_variants(spec.num_heads, spec.num_kv_heads, spec.head_dim, runner.dtype,
                                   runner.max_num_tokens, runner.config.max_num_seqs, kv_fp8=kv_scale is not None)
-    for plan, tokens, num_reqs in variants:
-        q_lens = np.full(num_reqs, 1, dtype=np.int64)
-        q_lens[0] += tokens - num_reqs  # one request takes the longest query
-        meta = fill_dummy_batch(runner.buffers, q_lens)
-        q = torch.zeros((tokens, spec.num_heads, spec.head_dim), dtype=runner.dtype, device=runner.device)
-        paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, spec.scale,
-                        sliding_window=spec.sliding_window, max_query_len=meta.max_query_len,
-                        num_splits=plan.num_splits, block_m=plan.block_m, block_n=plan.block_n,
-                        num_warps=plan.num_warps, num_stages=plan.num_stages, kv_scale=kv_scale)
-    return len(variants)
+    windows = spec.layer_windows or (spec.sliding_window,)  # sliding and full layers: each its own variants
+    for window in windows:
+        for plan, tokens, num_reqs in variants:
+            q_lens = np.full(num_reqs, 1, dtype=np.int64)
+            q_lens[0] += tokens - num_reqs  # one request takes the longest query
+            meta = fill_dummy_batch(runner.buffers, q_lens)
+            q = torch.zeros((tokens, spec.num_heads, spec.head_dim), dtype=runner.dtype, device=runner.device)
+            paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, spec.scale,
+                            sliding_window=window, max_query_len=meta.max_query_len,
+                            num_splits=plan.num_splits, block_m=plan.block_m, block_n=plan.block_n,
+                            num_warps=plan.num_warps, num_stages=plan.num_stages, kv_scale=kv_scale,
+                            sinks=sinks)
+    return len(variants) * len(windows)
 
 
 def warm_up_lora(runner) -> int:
