@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.distributed import divide, get_tp_size
 from tokenmill.kernels.fused_moe import GroupedTopK
 from tokenmill.layers.fused_moe import FusedMoE
-from tokenmill.distributed import divide, get_tp_size
 from tokenmill.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from tokenmill.layers.mla import MLAAttention
 from tokenmill.layers.norm import RMSNorm
