@@ -14,7 +14,8 @@ from tokenmill.kernels.mla_attention import (gather_latent, mla_cache_write_ref,
 R, P = 32, 8  # latent and rope widths (DeepSeek: 512, 64)
 
 
-def make_decode_batch(seq_lens: list[int], heads: int, page: int, dtype, device, seed: int = 0):
+def make_decode_batch(seq_lens: list[int], heads: int, page: int, dtype, device, seed: int = 0, R: int = R,
+                      P: int = P):
     """Random queries and a cache whose pages are scattered (block tables shuffled)."""
     gen = torch.Generator().manual_seed(seed)
     pages = [-(-n // page) for n in seq_lens]
@@ -52,6 +53,14 @@ def test_decode_splits_from_context_length(device):
     ref = mla_decode_ref(q_lat, q_pe, cache, tables, lens, 0.2)
     assert rel_err(mla_decode_triton(q_lat, q_pe, cache, tables, lens, 0.2, max_seq_len=300), ref) < 1e-5
     assert rel_err(mla_decode_triton(q_lat, q_pe, cache, tables, lens, 0.2, num_splits=8, min_split=64), ref) < 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_wide_latent_merges_in_column_blocks(device):
+    """A latent wider than the merge's 64 columns (160: three blocks, the last partial), split 4 ways."""
+    q_lat, q_pe, cache, tables, lens = make_decode_batch([50, 9], 3, 8, torch.float32, device, seed=2, R=160, P=16)
+    ref = mla_decode_ref(q_lat, q_pe, cache, tables, lens, 0.1)
+    assert rel_err(mla_decode_triton(q_lat, q_pe, cache, tables, lens, 0.1, num_splits=4, min_split=0), ref) < 1e-5
 
 
 @pytest.mark.parametrize("device", DEVICES)

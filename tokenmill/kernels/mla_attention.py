@@ -160,11 +160,13 @@ def _mla_decode_split_kernel(
 @triton.jit
 def _mla_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, H, R, num_splits, stride_ob, stride_oh,
                       BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Grid (B, H): the splits' outputs weighted by exp2(lse - max) -> out[b, h] (zeros for an empty context)."""
+    """Grid (B, H, cdiv(R, BLOCK_R)): the splits' outputs weighted by exp2(lse - max) -> columns
+    [pid2 * BLOCK_R, ...) of out[b, h] (zeros for an empty context). Columns in blocks, so a batch of
+    one still has programs enough to read its splits' partials, and a [splits, BLOCK_R] tile stays small."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
-    r = tl.arange(0, BLOCK_R)
+    r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     s_ok = s < num_splits
     part = (b * num_splits + s) * H + h
     lse = tl.load(part_lse_ptr + part, mask=s_ok, other=-float("inf"))
@@ -186,6 +188,7 @@ BLOCK_N = 32  # latent rows per tile: [32, 512] bf16 = 32 KiB
 # than they gain in parallelism.
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 128
+MERGE_BLOCK_R = 64  # latent columns per merge program: [128 splits, 64] fp32 is 32 KiB of registers
 
 
 def mla_num_splits(batch: int, num_heads: int, max_seq_len: Optional[int], device: torch.device,
@@ -232,8 +235,10 @@ def mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
         PAGE=cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=block_p,
         DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32", num_warps=num_warps,
         num_stages=num_stages)
-    _mla_merge_kernel[(B, H)](part_out, part_lse, out, H, R, num_splits, out.stride(0), out.stride(1),
-                              BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_R=block_r, num_warps=4)
+    merge_r = min(block_r, MERGE_BLOCK_R)
+    _mla_merge_kernel[(B, H, triton.cdiv(R, merge_r))](
+        part_out, part_lse, out, H, R, num_splits, out.stride(0), out.stride(1),
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_R=merge_r, num_warps=4)
     return out
 
 
