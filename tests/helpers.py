@@ -9,6 +9,8 @@ def scratch_kv_caches(model, num_blocks: int, block_size: int = 16):
     spec = model.attention_spec()
     device = next(model.parameters()).device
     shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    if spec.latent:  # one latent plane (MLA)
+        return [(c, c) for c in (torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers))]
     return [(torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
             for _ in range(spec.num_layers)]
 

@@ -8,6 +8,7 @@ import torch
 from tests.engine.conftest import assert_no_leaks, make_llm
 from tests.helpers import full_logits
 from tests.models.moe_helpers import EOS, VOCAB, save_random_model
+from tests.models.test_deepseek import hf_deepseek_config
 from tests.models.test_gemma import hf_gemma_config
 from tests.models.test_phi3 import hf_phi3_config
 from tokenmill.loader import load_model
@@ -21,6 +22,9 @@ FAMILIES = {
     "gemma2": lambda: hf_gemma_config("gemma2"),
     "phi3": lambda: hf_phi3_config("phi3"),
     "phi4_mini": lambda: hf_phi3_config("phi4_mini"),
+    # multi-head latent attention: decode graphs run the absorbed latent kernel
+    "deepseek_v2": lambda: hf_deepseek_config("v2"),
+    "deepseek_v3": lambda: hf_deepseek_config("v3"),
 }
 # Phi-3's prompts all start past original_max_position_embeddings, so HF uses the long LongRoPE
 # factors at every step, as an engine with this context length does (tests/models/test_phi3.py).

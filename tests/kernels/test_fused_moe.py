@@ -96,6 +96,63 @@ def test_route_dispatcher_on_cpu_is_the_reference():
     assert all(torch.equal(a, b) for a, b in zip(fm.moe_route(logits, 2, True), fm.moe_route_ref(logits, 2, True)))
 
 
+def test_grouped_routing_by_hand():
+    """DeepSeek's routing (GroupedTopK) on numbers worked out by hand: 8 experts in 4 groups of 2."""
+    # V3: sigmoid scores; groups scored by their two best (biased) scores; the best 2 groups kept.
+    scores = torch.tensor([[0.9, 0.1, 0.2, 0.3, 0.8, 0.7, 0.05, 0.6]])
+    logits = torch.log(scores / (1 - scores))  # sigmoid(logits) = scores
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.9, 0.0])  # lifts expert 6 (group 3) into the choice
+    v3 = fm.GroupedTopK("sigmoid", num_groups=4, topk_groups=2, group_score="top2_sum", scaling_factor=2.0)
+    weights, ids = fm.moe_route(logits, 2, True, v3, bias)
+    # biased group scores 1.0, 0.5, 1.5, 1.55: groups 2 and 3; biased best 6 (0.95) then 4 (0.8)
+    assert ids.tolist() == [[6, 4]]
+    # weights: the unbiased scores 0.05 and 0.8, renormalised, times 2
+    torch.testing.assert_close(weights, torch.tensor([[0.05, 0.8]]) / 0.85 * 2.0)
+    # V2: softmax; groups scored by their best; weights the (unrenormalised) probabilities
+    v2 = fm.GroupedTopK("softmax", num_groups=4, topk_groups=1, group_score="max", scaling_factor=1.5)
+    probs = torch.softmax(logits, dim=-1)
+    weights, ids = fm.moe_route(logits, 2, False, v2)
+    assert ids.tolist() == [[0, 1]]  # only group 0 (its expert 0 is the best of all)
+    torch.testing.assert_close(weights, probs[:, :2] * 1.5)
+
+
+GROUPINGS = {  # (E, k, renormalize, grouping, with bias)
+    "v3": (64, 6, True, fm.GroupedTopK("sigmoid", 8, 3, "top2_sum", 2.5), True),
+    "v2": (40, 4, False, fm.GroupedTopK("softmax", 8, 3, "max", 1.5), False),  # groups of 5: not a power of 2
+    "greedy": (24, 3, False, fm.GroupedTopK("softmax", 1, 1, "max", 1.0), False),
+    "sigmoid-ungrouped": (16, 2, True, fm.GroupedTopK("sigmoid", 1, 1, "top2_sum", 1.0), True),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", sorted(GROUPINGS))
+def test_grouped_route_matches_ref(device, case):
+    E, k, renormalize, grouping, with_bias = GROUPINGS[case]
+    gen = torch.Generator().manual_seed(6)
+    logits = (torch.randn(37, E + 3, generator=gen) * 2)[:, :E].to(device)  # a row stride past E
+    bias = (torch.randn(E, generator=gen) * 0.3).to(device) if with_bias else None
+    ref_w, ref_ids = fm.moe_route_grouped_ref(logits, k, renormalize, grouping, bias)
+    weights, ids = fm.moe_route_grouped_triton(logits, k, renormalize, grouping, bias)
+    assert torch.equal(ids, ref_ids) and weights.dtype == torch.float32
+    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_moe_layer_routes_through_its_grouping():
+    """FusedMoE's routing step takes the grouping and its e_score_correction_bias parameter."""
+    from tokenmill.layers.fused_moe import FusedMoE
+
+    grouping = fm.GroupedTopK("sigmoid", num_groups=2, topk_groups=1, group_score="top2_sum", scaling_factor=2.5)
+    layer = FusedMoE(8, 2, 16, 8, True, dtype=torch.float32, grouping=grouping, correction_bias=True)
+    assert layer.e_score_correction_bias.dtype == torch.float32
+    layer.e_score_correction_bias.data.copy_(torch.linspace(-0.5, 0.5, 8))
+    logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
+    ref = fm.moe_route_grouped_ref(logits, 2, True, grouping, layer.e_score_correction_bias)
+    assert all(torch.equal(a, b) for a, b in zip(layer.route(logits), ref))
+    plain = FusedMoE(8, 2, 16, 8, True, dtype=torch.float32)  # the other families: softmax top-k, unchanged
+    assert plain.e_score_correction_bias is None
+    assert all(torch.equal(a, b) for a, b in zip(plain.route(logits), fm.moe_route_ref(logits, 2, True)))
+
+
 # --------------------------------------------------------------------------------------------
 # The token sort
 # --------------------------------------------------------------------------------------------

@@ -6,11 +6,13 @@ For one step (per batch entry: q new tokens, context length s after the step):
         + KV read    = sum_entries s * kv_bytes_per_token
         + KV written = sum_entries q * kv_bytes_per_token
           (kv_bytes_per_token = 2 (K and V) x layers x kv_heads x head_dim x the cache's bytes per
-          value: the model dtype's, or 1 for an FP8 cache)
+          value: the model dtype's, or 1 for an FP8 cache; multi-head latent attention, DeepSeek:
+          layers x (kv_lora_rank + qk_rope_head_dim) x bytes, the one latent row a token caches)
   FLOPs = 2 x non-embedding parameters x new tokens
         + 2 x LM-head parameters x LM-head rows
         + attention: per layer 4 x heads x head_dim x sum over new tokens of the context each attends
-          to (for an entry with q new tokens ending at s: sum_{i=1..q} (s - q + i))
+          to (for an entry with q new tokens ending at s: sum_{i=1..q} (s - q + i)); latent
+          attention 2 x heads x min(qk + v head dims (expanded), 2 x kv_lora_rank + rope (absorbed))
   floor = max(bytes / copy bandwidth, FLOPs / matmul rate)
 
 Mixture-of-experts models: of each sparse layer's experts the weight bytes count only those the
@@ -216,7 +218,18 @@ class StepFloor(NamedTuple):
 
 
 def kv_bytes_per_token(arch: ModelArchConfig, dtype_bytes: int) -> int:
+    if arch.mla is not None:  # one latent row per token and layer, no per-head K/V
+        return arch.num_layers * arch.mla.cache_width * dtype_bytes
     return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype_bytes
+
+
+def attention_flops_per_pair(arch: ModelArchConfig) -> int:
+    """FLOPs of one (query, cached key) pair in one layer: q.k and p.v over every head. Latent
+    attention takes the cheaper of its two forms (expanded keys and values, or the absorbed latent)."""
+    if arch.mla is not None:
+        m = arch.mla
+        return 2 * arch.num_heads * min(m.qk_head_dim + m.v_head_dim, 2 * m.kv_lora_rank + m.qk_rope_head_dim)
+    return 4 * arch.num_heads * arch.head_dim
 
 
 def embedding_parameters(arch: ModelArchConfig) -> int:
@@ -298,7 +311,7 @@ def step_floor(shape, arch: ModelArchConfig, dtype_bytes: int, ceilings: Ceiling
     nbytes = weight_params * dtype_bytes + int(s.sum()) * kv_tok + new_tokens * kv_tok
     if dense_bytes is not None:
         nbytes += read * (dense_bytes - dtype_bytes)
-    attn = 4 * arch.num_layers * arch.num_heads * arch.head_dim * attention_context_sum(q, s)
+    attn = arch.num_layers * attention_flops_per_pair(arch) * attention_context_sum(q, s)
     linear_flops = 2 * per_token * new_tokens
     flops = linear_flops + 2 * emb * lm_head_rows + attn
     compute_s = flops / ceilings.matmul_flops_per_s

@@ -63,6 +63,8 @@ def check_model_options(config: EngineConfig, arch) -> None:
     if config.batch_invariant and arch.attn_logit_softcap is not None:
         raise ConfigError(f"batch_invariant: {arch.architecture}'s attention soft-capping has no batch-invariant "
                           "kernel yet")
+    if arch.mla is not None:
+        _check_mla_options(config, arch)
     if arch.moe is None:
         if config.enable_expert_parallel:
             raise ConfigError(f"enable_expert_parallel: {arch.architecture} has no mixture-of-experts layers")
@@ -77,6 +79,16 @@ def check_model_options(config: EngineConfig, arch) -> None:
     if config.enable_expert_parallel and ep_size > arch.moe.num_experts:
         raise ConfigError(f"enable_expert_parallel over {ep_size} ranks: {arch.architecture} has only "
                           f"{arch.moe.num_experts} experts per layer")
+
+
+def _check_mla_options(config: EngineConfig, arch) -> None:
+    """What multi-head latent attention (DeepSeek, layers/mla.py) does not do yet."""
+    name = arch.architecture
+    if config.kv_cache_dtype != "auto":
+        raise ConfigError(f"kv_cache_dtype {config.kv_cache_dtype}: {name}'s latent KV cache is in the model dtype only")
+    if config.speculative_config is not None:
+        raise ConfigError(f"speculative decoding on {name} is not supported yet (its verify steps are untested "
+                          "with latent attention)")
 
 
 def join_data_parallel(config: EngineConfig, dp: DataParallelRank, device, loaded) -> tuple[ParallelState, DPLockstep]:

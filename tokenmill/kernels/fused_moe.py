@@ -8,7 +8,8 @@ The Triton path (CUDA), in launches whose shapes follow from the inputs' shapes 
 sync, so a step that runs it can be captured in a CUDA graph):
 
 - routing (moe_route_triton): softmax over the experts in fp32, the k largest, optionally
-  renormalised; a block of tokens per program.
+  renormalised; a block of tokens per program. DeepSeek's grouped routing (moe_route_grouped_triton:
+  softmax or sigmoid scores, a correction bias for the choice, the best groups' experts only) the same way.
 - the token sort (moe_sort_tokens): the T * k (token, slot) pairs grouped by expert, each
   expert's run padded to a multiple of the GEMM's tile height BLOCK_M, and the expert of each tile.
 - the grouped GEMM (the grouped path): launch 1 computes the gate and up tiles of the same sorted
@@ -180,8 +181,151 @@ def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool)
     return weights, ids
 
 
-def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights [T, k] in the logits' dtype, topk_ids [T, k] int32): Triton on CUDA."""
+@dataclass(frozen=True)
+class GroupedTopK:
+    """DeepSeek's routing (moe_route_grouped_ref): scores "softmax" (V2) or "sigmoid" (V3); the experts
+    in num_groups equal groups, a group scored by its best expert ("max", V2) or the sum of its two
+    best ("top2_sum", V3), only the topk_groups best groups' experts chosen; weights multiplied by
+    scaling_factor (routed_scaling_factor)."""
+
+    scoring: str = "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
+    group_score: str = "max"
+    scaling_factor: float = 1.0
+
+    def __post_init__(self):
+        if self.scoring not in ("softmax", "sigmoid") or self.group_score not in ("max", "top2_sum"):
+            raise ValueError(f"unknown routing {self}")
+
+
+def moe_route_grouped_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool, grouping: GroupedTopK,
+                          correction_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's DeepseekV2TopkRouter / DeepseekV3TopkRouter in float32: scores, then (with groups) the
+    experts outside the topk_groups best groups masked, the top_k of what is left chosen, weights
+    the chosen experts' scores, renormalised (+1e-20, as V3) if asked, times scaling_factor.
+
+    correction_bias [E] (V3's e_score_correction_bias) is added to the scores for the choice only:
+    the weights are the unbiased scores. Softmax scores are masked to 0 as V2 does (its weights are
+    the masked scores), sigmoid ones to -inf. Returns (weights [T, k] float32, ids [T, k] int32)."""
+    scores = router_logits.float()
+    scores = torch.softmax(scores, dim=-1) if grouping.scoring == "softmax" else torch.sigmoid(scores)
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    T, E = scores.shape
+    G = grouping.num_groups
+    if G > 1:
+        grouped = choice.view(T, G, E // G)
+        if grouping.group_score == "max":
+            group_scores = grouped.max(dim=-1).values
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        best = group_scores.topk(grouping.topk_groups, dim=-1).indices
+        keep = torch.zeros((T, G), dtype=torch.bool, device=scores.device).scatter_(1, best, True)
+        fill = 0.0 if grouping.scoring == "softmax" else -float("inf")
+        choice = choice.masked_fill(~keep.repeat_interleave(E // G, dim=1), fill)
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = (choice if correction_bias is None else scores).gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * grouping.scaling_factor, ids.to(torch.int32)
+
+
+@triton.jit
+def _route_grouped_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, E, stride_t, scaling,
+                          TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, SIGMOID: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+                          TOP2_SUM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                          BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Grid (cdiv(T, BLOCK_T),): moe_route_grouped_ref for tokens [pid * BLOCK_T, (pid + 1) * BLOCK_T).
+    Groups are found by column (expert // (E / NUM_GROUPS)), so their size need not be a power of two."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    logits = tl.load(logits_ptr + t.to(tl.int64)[:, None] * stride_t + e[None, :],
+                     mask=t_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)
+    if SIGMOID:
+        scores = tl.sigmoid(logits)
+    else:
+        logits = tl.where(e_ok[None, :], logits, -float("inf"))
+        scores = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        scores = scores / tl.sum(scores, axis=1)[:, None]
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + e, mask=e_ok, other=0.0).to(tl.float32)[None, :]
+    choice = tl.where(e_ok[None, :], choice, -float("inf"))
+    if NUM_GROUPS > 1:
+        group_of = e // (E // NUM_GROUPS)
+        g = tl.arange(0, BLOCK_G)
+        group_scores = tl.full([BLOCK_T, BLOCK_G], -float("inf"), tl.float32)
+        for j in tl.static_range(NUM_GROUPS):
+            vals = tl.where((group_of == j)[None, :], choice, -float("inf"))
+            best = tl.max(vals, axis=1)
+            if TOP2_SUM:  # the best plus the next (one occurrence of the best taken out)
+                first = tl.min(tl.where(vals == best[:, None], e[None, :], 2147483647), axis=1)
+                best += tl.max(tl.where(e[None, :] == first[:, None], -float("inf"), vals), axis=1)
+            group_scores = tl.where(g[None, :] == j, best[:, None], group_scores)
+        keep = (t[:, None] < 0) & (e[None, :] < 0)  # [BLOCK_T, BLOCK_E], all False
+        for _ in tl.static_range(TOPK_GROUPS):
+            top = tl.max(group_scores, axis=1)
+            pick = tl.min(tl.where(group_scores == top[:, None], g[None, :], 2147483647), axis=1)
+            keep = keep | (group_of[None, :] == pick[:, None])
+            group_scores = tl.where(g[None, :] == pick[:, None], -float("inf"), group_scores)
+        # masked as the reference masks (softmax: 0, V2's; sigmoid: -inf); padding experts below all
+        choice = tl.where(keep, choice, 0.0 if not SIGMOID else -float("inf"))
+        choice = tl.where(e_ok[None, :], choice, -float("inf"))
+    if HAS_BIAS:  # the bias chooses; the weights are the unbiased scores
+        weights, ids = _select_top_k(choice, scores, e, TOP_K, BLOCK_K)
+    else:
+        weights, ids = _select_top_k(choice, choice, e, TOP_K, BLOCK_K)
+    slots = tl.arange(0, BLOCK_K)
+    if RENORMALIZE:
+        total = tl.sum(tl.where(slots[None, :] < TOP_K, weights, 0.0), axis=1)
+        weights = weights / (total + 1e-20)[:, None]
+    weights = weights * scaling
+    out = t.to(tl.int64)[:, None] * TOP_K + slots[None, :]
+    mask = t_ok[:, None] & (slots < TOP_K)[None, :]
+    tl.store(weights_ptr + out, weights, mask=mask)
+    tl.store(ids_ptr + out, ids, mask=mask)
+
+
+MAX_GROUPS = 32  # the grouped kernel scores each group in an unrolled loop
+
+
+def moe_route_grouped_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool, grouping: GroupedTopK,
+                             correction_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton moe_route_grouped_ref (weights float32): E up to MAX_EXPERTS, groups up to MAX_GROUPS.
+    The same ids as the reference wherever no two scores tie."""
+    T, E = router_logits.shape
+    G = grouping.num_groups
+    assert 1 <= top_k <= min(E, MAX_TOP_K) and E <= MAX_EXPERTS and router_logits.stride(-1) == 1
+    assert G <= MAX_GROUPS and E % G == 0 and 1 <= grouping.topk_groups <= G
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=router_logits.device)
+    if T == 0:
+        return weights, ids
+    block_e = triton.next_power_of_2(E)
+    block_t = min(64, max(1, 4096 // block_e))
+    bias = correction_bias if correction_bias is not None else weights  # any pointer when unused
+    _route_grouped_kernel[(triton.cdiv(T, block_t),)](
+        router_logits, bias, weights, ids, T, E, router_logits.stride(0), float(grouping.scaling_factor),
+        TOP_K=top_k, RENORMALIZE=renormalize, SIGMOID=grouping.scoring == "sigmoid",
+        HAS_BIAS=correction_bias is not None, NUM_GROUPS=G, TOPK_GROUPS=grouping.topk_groups,
+        TOP2_SUM=grouping.group_score == "top2_sum", BLOCK_T=block_t, BLOCK_E=block_e,
+        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_G=max(2, triton.next_power_of_2(G)), num_warps=4)
+    return weights, ids
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, grouping: Optional[GroupedTopK] = None,
+              correction_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights [T, k], topk_ids [T, k] int32): Triton on CUDA, the torch references elsewhere.
+    Without `grouping` softmax top-k (weights in the logits' dtype); with it DeepSeek's routing
+    (moe_route_grouped_ref; weights float32)."""
+    if grouping is not None:
+        if use_triton(router_logits) and router_logits.shape[1] <= MAX_EXPERTS and top_k <= MAX_TOP_K \
+                and grouping.num_groups <= MAX_GROUPS:
+            return moe_route_grouped_triton(router_logits, top_k, renormalize, grouping, correction_bias)
+        return moe_route_grouped_ref(router_logits, top_k, renormalize, grouping, correction_bias)
     if use_triton(router_logits):
         return moe_route_triton(router_logits, top_k, renormalize)
     return moe_route_ref(router_logits, top_k, renormalize)

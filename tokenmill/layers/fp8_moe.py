@@ -29,7 +29,7 @@ scales are refused (get_moe_method).
 import torch
 from torch import nn
 
-from tokenmill.kernels.fused_moe import dequantize_experts_fp8, fused_moe, fused_moe_ref, moe_route
+from tokenmill.kernels.fused_moe import dequantize_experts_fp8, fused_moe, fused_moe_ref
 from tokenmill.layers.fused_moe import FusedMoE, FusedMoEMethodBase
 from tokenmill.layers.linear import LayerLoader, new_parameter
 from tokenmill.quantization.fp8 import FP8_DTYPE, quantize_weight_fp8, requantize_blockwise_fp8
@@ -148,7 +148,7 @@ class Fp8MoEMethod(FusedMoEMethodBase):
 
     # ---- the forward pass ----
     def apply(self, layer: FusedMoE, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = moe_route(router_logits, layer.top_k, layer.renormalize)
+        weights, ids = layer.route(router_logits)
         if layer.expert_map is not None:  # other ranks' experts become -1, which the kernel skips
             ids = layer.expert_map[ids.long()]
         if x.is_cuda:

@@ -31,7 +31,7 @@ from torch import nn
 
 from tokenmill.distributed import divide, get_tp_state
 from tokenmill.errors import ModelLoadError
-from tokenmill.kernels.fused_moe import ClampedSwiGLU, fused_moe, moe_route
+from tokenmill.kernels.fused_moe import ClampedSwiGLU, GroupedTopK, fused_moe, moe_route
 from tokenmill.layers.linear import new_parameter
 from tokenmill.layers.moe_dispatch import MoEDispatch, expert_range
 from tokenmill.quantization.base import QuantizationConfig, QuantizeMethodBase
@@ -76,7 +76,7 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
             layer.w2_bias = new_parameter(layer, (e, h), dtype, device, loader=FusedMoE.bias_loader)
 
     def apply(self, layer: "FusedMoE", x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = moe_route(router_logits, layer.top_k, layer.renormalize)
+        weights, ids = layer.route(router_logits)
         if layer.expert_map is not None:  # other ranks' experts become -1, which the kernel skips
             ids = layer.expert_map[ids.long()]
         if layer.has_bias:
@@ -91,10 +91,17 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  dtype=None, device=None, method: Optional[FusedMoEMethodBase] = None, bias: bool = False,
-                 activation: Optional[ClampedSwiGLU] = None):
+                 activation: Optional[ClampedSwiGLU] = None, grouping: Optional[GroupedTopK] = None,
+                 correction_bias: bool = False):
+        """bias / activation: gpt-oss's expert biases and clamped SwiGLU (None: silu(gate) * up);
+        grouping: DeepSeek's grouped / sigmoid routing (None: softmax top-k); correction_bias: an
+        fp32 `e_score_correction_bias` [E] parameter added to the scores for the choice only (V3)."""
         super().__init__()
-        self.has_bias = bias  # gate/up and down biases (gpt-oss)
-        self.activation = activation  # None: silu(gate) * up
+        self.has_bias = bias
+        self.activation = activation
+        self.grouping = grouping
+        self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device),
+                                                     requires_grad=False) if correction_bias else None)
         self.tp = get_tp_state()
         self.tp_rank, self.tp_size = self.tp.tp_rank, self.tp.tp_size
         self.num_experts = num_experts
@@ -131,6 +138,10 @@ class FusedMoE(nn.Module):
         if (self.has_bias or self.activation is not None) and not isinstance(method, UnquantizedFusedMoEMethod):
             raise ModelLoadError(f"{type(method).__name__}: experts with biases or the clamped SwiGLU (gpt-oss) run "
                              "unquantized only")
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], global expert ids [T, k] int32) of every token: the routing step of each method."""
+        return moe_route(router_logits, self.top_k, self.renormalize, self.grouping, self.e_score_correction_bias)
 
     @property
     def num_local_experts(self) -> int:

@@ -164,6 +164,9 @@ def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_f
                                            log_expert_quantization, quantize_model, resolve_quantization)
 
     plan = resolve_quantization(quantization, hf_cfg)
+    if plan is not None and arch.mla is not None:  # MLAAttention reads kv_b_proj's weight as 16/32-bit numbers
+        raise ModelLoadError(f"FP8 weights on {arch.architecture} are not supported yet (its latent attention "
+                             "absorbs kv_b_proj's weight unquantized)")
     torch_dtype = resolve_dtype(dtype, dev, arch.torch_dtype)
     model_cls = get_model_class(arch.architecture)
     with torch.device(dev), expert_quantization(plan, arch.architecture):  # experts in their final form

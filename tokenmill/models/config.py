@@ -52,9 +52,52 @@ class MoEConfig:
     bias: bool = False
     swiglu_limit: Optional[float] = None
     swiglu_alpha: float = 1.702
+    # DeepSeek's routing (kernels/fused_moe.py GroupedTopK): "softmax" or "sigmoid" scores (V3); the
+    # experts in num_groups groups of which only the topk_groups best are chosen from, a group scored by
+    # its best expert ("max", V2) or its two best ("top2_sum", V3); V3's per-expert bias added to the
+    # scores for the choice only; the weights multiplied by routed_scaling_factor.
+    scoring: str = "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
+    group_score: str = "max"
+    score_correction_bias: bool = False
+    routed_scaling_factor: float = 1.0
+    # The shared expert is scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE) or added as is (DeepSeek).
+    shared_expert_gated: bool = True
+
+    @property
+    def grouped_routing(self) -> bool:
+        """Routing beyond softmax-top-k (DeepSeek's): FusedMoE takes a GroupedTopK."""
+        return (self.scoring != "softmax" or self.num_groups > 1 or self.score_correction_bias
+                or self.routed_scaling_factor != 1.0)
 
     def is_sparse(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention: keys and values come from one compressed latent per
+    token (kv_lora_rank wide) and a rope'd key part shared by the heads (qk_rope_head_dim)."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # q goes through a low-rank pair q_a_proj / q_a_layernorm / q_b_proj (V3, V2); None: one q_proj (V2-Lite)
+    q_lora_rank: Optional[int] = None
+    # The checkpoint's rope dims are interleaved pairs (x0, x1), (x2, x3)... (V2; V3's rope_interleave);
+    # the loader permutes them to rotate-half order (the rotary kernels' layout; q.k is unchanged).
+    rope_interleave: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_width(self) -> int:
+        """One token's row of the latent KV cache: the latent, then the rope'd key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass
@@ -102,6 +145,8 @@ class ModelArchConfig:
     # gpt-oss: the attention output projection has a bias, and each q head a learned sink logit.
     o_bias: bool = False
     attention_sinks: bool = False
+    # Multi-head latent attention (DeepSeek-V2 / V3; head_dim is then the rope'd width); None: q/k/v heads.
+    mla: Optional[MLAConfig] = None
 
     def layer_window(self, layer: int) -> Optional[int]:
         """The sliding window of decoder layer `layer` (None: it attends to the whole context)."""
@@ -124,6 +169,8 @@ class ModelArchConfig:
     def _attention_parameters(self) -> int:
         """One layer's attention, its q/k norms and its two RMSNorms."""
         h = self.hidden_size
+        if self.mla is not None:
+            return self._mla_parameters() + self.norms_per_layer * h
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.qkv_bias:
             attn += self.q_size + 2 * self.kv_size
@@ -133,13 +180,22 @@ class ModelArchConfig:
         attn += self.num_heads if self.attention_sinks else 0
         return attn + self.norms_per_layer * h
 
+    def _mla_parameters(self) -> int:
+        m, h, heads = self.mla, self.hidden_size, self.num_heads
+        q = (h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * m.qk_head_dim if m.q_lora_rank
+             else h * heads * m.qk_head_dim)
+        kv = h * m.cache_width + m.kv_lora_rank + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+        return q + kv + heads * m.v_head_dim * h
+
     def _mlp_parameters(self, layer: int, active: bool) -> int:
         """Layer `layer`'s MLP: all its weights, or (active) those one token multiplies with."""
         h, moe = self.hidden_size, self.moe
         if moe is None or not moe.is_sparse(layer):
             return 3 * h * self.intermediate_size
         experts = moe.top_k if active else moe.num_experts
-        shared = 3 * h * moe.shared_expert_intermediate_size + h if moe.shared_expert_intermediate_size else 0
+        shared = 0
+        if moe.shared_expert_intermediate_size:
+            shared = 3 * h * moe.shared_expert_intermediate_size + (h if moe.shared_expert_gated else 0)
         expert = 3 * h * moe.intermediate_size + (2 * moe.intermediate_size + h if moe.bias else 0)
         router = (h + 1 if moe.bias else h) * moe.num_experts
         return router + experts * expert + shared
@@ -221,6 +277,8 @@ class ArchitectureSpec:
     # gpt-oss: attention sinks and an o_proj bias (with attention_bias), layer_types' sliding layers,
     # rope_theta 150000 when the config leaves it out (HF's GptOssConfig default).
     gpt_oss: bool = False
+    # DeepSeek's multi-head latent attention and routing, "v2" or "v3" (models/deepseek.py).
+    deepseek: Optional[str] = None
 
 
 _ARCHITECTURES = {
@@ -251,6 +309,10 @@ _ARCHITECTURES = {
         ArchitectureSpec("GptOssForCausalLM", qkv_bias_default=True, sliding_window="layer_types", window_pattern=2,
                          moe=MoESpec(expert_size_key="intermediate_size", renormalize_key=None, gpt_oss=True),
                          lora=False, gpt_oss=True, weight_renames=((".mlp.router.", ".mlp.gate."),)),
+        # DeepSeek-V2 / V3: multi-head latent attention, grouped routing, ungated shared experts
+        # (models/deepseek.py); LoRA adapters have no MLA projections mapped: refused.
+        ArchitectureSpec("DeepseekV2ForCausalLM", moe=MoESpec(), lora=False, deepseek="v2"),
+        ArchitectureSpec("DeepseekV3ForCausalLM", moe=MoESpec(), lora=False, deepseek="v3"),
     )
 }
 
@@ -458,6 +520,71 @@ def _gemma_fields(cfg: dict[str, Any], spec: ArchitectureSpec, num_layers: int, 
     return fields
 
 
+def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The rope scaling fields however the config writes them (rope_scaling, rope_parameters)."""
+    return {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+
+
+def mla_softmax_scale(cfg: dict[str, Any], qk_head_dim: int) -> float:
+    """(nope + rope) ** -0.5, times mscale(factor, mscale_all_dim) ** 2 when rope scaling names
+    mscale_all_dim: DeepSeek scales the whole of q.k, not only the rotated dims (HF's yarn_apply_mscale)."""
+    scale = qk_head_dim ** -0.5
+    rope = _rope_params(cfg)
+    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if kind != "default" and rope.get("mscale_all_dim"):
+        m = yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"]))
+        scale = scale * m * m
+    return scale
+
+
+_V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+def _deepseek_fields(cfg: dict[str, Any], version: str, num_heads: int) -> dict[str, Any]:
+    """What DeepSeek-V2 / V3 set otherwise than the Llama layout, read as HF's classes read them:
+    the MLA shapes (head_dim is the rope'd width, as HF sets it), the softmax scale, and the MoE
+    routing (V2: softmax, topk_method greedy or group_limited_greedy, never renormalised, as HF's
+    V2 router ignores norm_topk_prob; V3: sigmoid with the correction bias in every group-limited
+    choice, renormalised by norm_topk_prob)."""
+    if cfg.get("attention_bias"):
+        raise ModelLoadError("config.json: attention_bias on DeepSeek's MLA projections is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported (supported: silu)")
+    q_lora = cfg.get("q_lora_rank")
+    mla = MLAConfig(kv_lora_rank=int(cfg.get("kv_lora_rank", 512)),
+                    qk_nope_head_dim=int(cfg.get("qk_nope_head_dim", 128)),
+                    qk_rope_head_dim=int(cfg.get("qk_rope_head_dim", 64)), v_head_dim=int(cfg.get("v_head_dim", 128)),
+                    q_lora_rank=int(q_lora) if q_lora else None,
+                    rope_interleave=True if version == "v2" else bool(cfg.get("rope_interleave", True)))
+    experts = int(cfg.get("n_routed_experts", 64 if version == "v2" else 256))
+    num_groups = int(cfg.get("n_group") or 1)
+    topk_groups = int(cfg.get("topk_group") or 1)
+    if version == "v2":
+        method = cfg.get("topk_method") or "greedy"
+        if method not in _V2_TOPK_METHODS:
+            raise ModelLoadError(f"config.json: topk_method {method!r} is not supported "
+                                 f"(supported: {', '.join(_V2_TOPK_METHODS)})")
+        if method == "greedy":
+            num_groups = topk_groups = 1
+        routing = dict(scoring="softmax", group_score="max", renormalize=False)
+    else:
+        routing = dict(scoring="sigmoid", group_score="top2_sum", score_correction_bias=True,
+                       renormalize=bool(cfg.get("norm_topk_prob", True)))
+    if experts % num_groups or not 1 <= topk_groups <= num_groups:
+        raise ModelLoadError(f"config.json: {experts} experts in n_group {num_groups} groups, topk_group {topk_groups}")
+    k = int(cfg.get("first_k_dense_replace") or 0)
+    shared = int(cfg.get("n_shared_experts") or 0) * int(cfg["moe_intermediate_size"])
+    moe = MoEConfig(num_experts=experts, top_k=int(cfg["num_experts_per_tok"]),
+                    intermediate_size=int(cfg["moe_intermediate_size"]), shared_expert_intermediate_size=shared,
+                    shared_expert_gated=False, dense_layers=tuple(range(k)), num_groups=num_groups,
+                    topk_groups=topk_groups, routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                    **routing)
+    if not 1 <= moe.top_k <= experts:
+        raise ModelLoadError(f"config.json: num_experts_per_tok {moe.top_k} must be in 1..{experts}")
+    return dict(mla=mla, moe=moe, head_dim=mla.qk_rope_head_dim, num_kv_heads=num_heads,
+                attn_scale=mla_softmax_scale(cfg, mla.qk_head_dim))
+
+
 # Gemma3TextConfig's defaults, for hub configs whose text_config names only what differs from them.
 _GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                              num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
@@ -507,6 +634,14 @@ def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
             raise ModelLoadError(f"config.json: partial_rotary_factor {partial_rotary} must leave an even number "
                                  f"of rotated dims in (0, head_dim {head_dim}]")
         eos = cfg.get("eos_token_id")
+        deepseek = _deepseek_fields(cfg, spec.deepseek, num_heads) if spec.deepseek else {}
+        if deepseek:
+            head_dim = deepseek.pop("head_dim")
+        fields = dict(
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            moe=_moe_from_hf(cfg, spec.moe) if spec.moe is not None and not deepseek else None,
+            **(_gemma_fields(cfg, spec, num_layers, head_dim) if spec.gemma else {}))
+        fields.update(deepseek)
         return ModelArchConfig(
             architecture=spec.name,
             vocab_size=int(cfg["vocab_size"]),
@@ -514,7 +649,6 @@ def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
             intermediate_size=int(cfg["intermediate_size"]),
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
@@ -528,9 +662,8 @@ def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
             eos_token_ids=[] if eos is None else (list(eos) if isinstance(eos, list) else [int(eos)]),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             sliding_window=_sliding_window_from_hf(cfg, spec.sliding_window, num_layers),
-            moe=_moe_from_hf(cfg, spec.moe) if spec.moe is not None else None,
             partial_rotary_factor=partial_rotary,
-            **(_gemma_fields(cfg, spec, num_layers, head_dim) if spec.gemma else {}),
+            **fields,
             **(_gpt_oss_fields(cfg, spec, num_layers) if spec.gpt_oss else {}),
         )
     except KeyError as e:

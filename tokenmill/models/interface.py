@@ -24,6 +24,14 @@ class AttentionSpec:
     # Every distinct window of this rank's layers, sliding_window's first (Gemma's and gpt-oss's
     # interleaved sliding and full layers compile the attention variants of each); () : sliding_window's.
     layer_windows: tuple[Optional[int], ...] = ()
+    # Multi-head latent attention (layers/mla.py): the cache holds one row of head_dim numbers per
+    # token (the compressed latent and the rope'd key; num_kv_heads 1), no separate V plane.
+    latent: bool = False
+
+    @property
+    def cache_planes(self) -> int:
+        """Tensors per layer in the KV cache: K and V, or the one latent."""
+        return 1 if self.latent else 2
 
 
 class CausalLM(Protocol):

@@ -103,6 +103,22 @@ PRESETS: dict[str, dict] = {
         "max_position_embeddings": 131072, "hidden_act": "silu", "eos_token_id": 200002, "pad_token_id": 199999,
         "bos_token_id": None, "torch_dtype": "bfloat16",
     },
+    # DeepSeek-V2-Lite (15.7B, 2.4B active): multi-head latent attention (latent 512 + rope 64 per
+    # token), 64 routed experts top 6 plus 2 shared, the first layer dense, YaRN to 160k positions.
+    # From the published config as the brief states it; assumed from that config as we recall it: eps
+    # 1e-6, rope theta 10000, greedy routing (n_group 1), no renormalisation, the token ids.
+    "deepseek-v2-lite": {
+        "architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 2048, "intermediate_size": 10944,
+        "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128, "v_head_dim": 128, "n_routed_experts": 64, "num_experts_per_tok": 6,
+        "n_shared_experts": 2, "first_k_dense_replace": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+        "norm_topk_prob": False, "routed_scaling_factor": 1.0, "vocab_size": 102400, "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 163840,
+        "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+                         "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096},
+        "hidden_act": "silu", "eos_token_id": 100001, "bos_token_id": 100000, "torch_dtype": "bfloat16",
+    },
     # Small shapes for CPU tests and CI.
     "tiny-llama": {
         "architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 256,
@@ -118,6 +134,16 @@ PRESETS: dict[str, dict] = {
         "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024, "tie_word_embeddings": False,
         "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "attention_bias": False,
         "eos_token_id": 2, "bos_token_id": None, "torch_dtype": "float32",
+    },
+    # DeepSeek-V3 in miniature (latent attention, q low-rank, sigmoid grouped routing) for CPU tests.
+    "tiny-deepseek": {
+        "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 128, "intermediate_size": 256,
+        "moe_intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "kv_lora_rank": 64,
+        "q_lora_rank": 48, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "n_routed_experts": 8,
+        "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2,
+        "norm_topk_prob": True, "routed_scaling_factor": 2.5, "vocab_size": 1024, "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048, "eos_token_id": 2,
+        "bos_token_id": None, "torch_dtype": "float32",
     },
     "tiny-qwen3": {
         "architectures": ["Qwen3ForCausalLM"], "hidden_size": 128, "intermediate_size": 384,

@@ -2,6 +2,7 @@
 models/config.py, which parses config.json without importing any model)."""
 
 from tokenmill.models.config import architecture_spec
+from tokenmill.models.deepseek import DeepseekForCausalLM
 from tokenmill.models.gemma import GemmaForCausalLM
 from tokenmill.models.gpt_oss import GptOssForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
@@ -10,7 +11,8 @@ from tokenmill.models.phi3 import Phi3ForCausalLM
 
 # Families whose checkpoints need a loader of their own (the rest differ only in config data).
 _CLASSES = {"Phi3ForCausalLM": Phi3ForCausalLM, "Gemma2ForCausalLM": GemmaForCausalLM,
-            "Gemma3ForCausalLM": GemmaForCausalLM, "GptOssForCausalLM": GptOssForCausalLM}
+            "Gemma3ForCausalLM": GemmaForCausalLM, "GptOssForCausalLM": GptOssForCausalLM,
+            "DeepseekV2ForCausalLM": DeepseekForCausalLM, "DeepseekV3ForCausalLM": DeepseekForCausalLM}
 
 
 def get_model_class(arch_name: str):

@@ -16,11 +16,13 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    # K and V (2), or one latent per token (MLA: AttentionSpec.latent), whose bytes alone count
+    planes: int = 2
 
     @property
     def bytes_per_block(self) -> int:
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return self.planes * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     @property
     def bytes_per_token(self) -> int:
@@ -34,10 +36,11 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One [layers, 2, blocks, block_size, kv_heads, head_dim] tensor, as (k, v) views per layer."""
-    cache = torch.zeros((spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
+    """One [layers, planes, blocks, block_size, kv_heads, head_dim] tensor, as (k, v) views per
+    layer; with one plane (a latent cache) both name the same tensor."""
+    cache = torch.zeros((spec.num_layers, spec.planes, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
                         dtype=spec.dtype, device=device)
-    return [(cache[i, 0], cache[i, 1]) for i in range(spec.num_layers)]
+    return [(cache[i, 0], cache[i, spec.planes - 1]) for i in range(spec.num_layers)]
 
 
 def cuda_kv_budget_bytes(utilization: float, peak_activation_bytes: int, device) -> int:

@@ -50,7 +50,7 @@ class ModelRunner:
         self.attn_spec = model.attention_spec()
         attn = self.attn_spec
         self.kv_spec = KVCacheSpec(attn.num_layers, attn.num_kv_heads, attn.head_dim, config.block_size,
-                                   kv_cache_torch_dtype(config.kv_cache_dtype, dtype))
+                                   kv_cache_torch_dtype(config.kv_cache_dtype, dtype), attn.cache_planes)
         # A step holds at most max_num_seqs requests of at most max_model_len tokens each.
         self.max_num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len)
         self.sampler = Sampler(config.max_num_seqs, self.vocab_size, device)

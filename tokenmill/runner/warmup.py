@@ -49,9 +49,9 @@ def warm_up_attention(runner) -> int:
     metadata buffers, so strides and alignment match real steps); returns how many ran. In
     batch-invariant mode none: every step takes the one tile config, whose decode and prefill grids
     warm_up_forward's passes compiled."""
-    if runner.config.batch_invariant:
-        return 0
     spec = runner.attn_spec
+    if runner.config.batch_invariant or spec.latent:  # MLA's kernels compile in warm_up_forward's passes
+        return 0
     k_cache, v_cache = runner.kv_caches[0]
     # An FP8 cache's kernels take the scales' pointer (any value compiles the same variant).
     kv_scale = torch.ones(2, dtype=torch.float32, device=runner.device) if is_fp8_kv(k_cache) else None

@@ -41,7 +41,8 @@ class DraftModelProposer(Proposer):
         self.device = device
         self.small_batch_fusion = small_batch_fusion
         spec = draft.attention_spec()
-        self.kv_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, spec.dtype)
+        self.kv_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, spec.dtype,
+                                   spec.cache_planes)
         self.kv_caches: list = []  # per draft layer (k_cache, v_cache), once bound
         self.loop = GreedyDraftLoop(self._logits, k, max_num_reqs, max_model_len, block_size, device)
 

@@ -1,0 +1,110 @@
+"""The MLA latent decode kernel's bandwidth on the GPU (kernels/mla_attention.py).
+
+For each batch size and context length (every request the same context), the split-K decode
+(bf16, kv_lora_rank 512, rope 64, V2-Lite's 16 heads or V3's 128, pages of 16) is timed with
+triton's do_bench (median); its bandwidth counts the latent cache bytes it must read,
+batch x context x (512 + 64) x 2, and is compared with the device's copy bandwidth (y.copy_(x),
+read + write, as the roofline measures it). Target: >= 70% of copy bandwidth at 4k-32k contexts.
+--sweep also times the launch choices (block_n, num_warps, num_stages, block_h) and the split counts
+at each shape and reports the best, for tuning the module's defaults and mla_num_splits.
+
+    python benchmarks/mla_decode_bench.py --out $OUT/mla_decode.json [--sweep] [--heads 16 128]
+"""
+
+import argparse
+import itertools
+import json
+import logging
+import time
+
+import torch
+import triton
+
+from tokenmill.bench.roofline import measure_ceilings
+from tokenmill.kernels.mla_attention import BLOCK_H, BLOCK_N, mla_decode_triton, mla_num_splits
+
+logger = logging.getLogger("mla_decode_bench")
+R, P, PAGE = 512, 64, 16
+SWEEP = dict(block_n=(16, 32, 64), num_warps=(4, 8), num_stages=(1, 2, 3), block_h=(16, 32, 64))
+SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)  # --sweep also times these against mla_num_splits' choice
+
+
+def make_inputs(batch: int, context: int, heads: int, dtype=torch.bfloat16):
+    """Every request `context` tokens long, its pages shuffled over the cache (as a busy pool leaves them)."""
+    pages = -(-context // PAGE)
+    cache = torch.randn(batch * pages + 1, PAGE, 1, R + P, device="cuda", dtype=dtype)
+    tables = (torch.randperm(batch * pages, device="cuda", dtype=torch.int64) + 1).to(torch.int32).view(batch, pages)
+    q_lat = torch.randn(batch, heads, R, device="cuda", dtype=dtype)
+    q_pe = torch.randn(batch, heads, P, device="cuda", dtype=dtype)
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    return q_lat, q_pe, cache, tables, lens
+
+
+def time_ms(inputs, **launch) -> float:
+    q_lat, q_pe, cache, tables, lens = inputs
+    out = torch.empty_like(q_lat)
+    fn = lambda: mla_decode_triton(q_lat, q_pe, cache, tables, lens, 192 ** -0.5, out=out, **launch)  # noqa: E731
+    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="the JSON report")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--heads", type=int, nargs="+", default=[16])
+    parser.add_argument("--sweep", action="store_true", help="also time every launch choice of SWEEP")
+    parser.add_argument("--max-cache-gib", type=float, default=16.0, help="skip shapes whose cache is larger")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    device = torch.device("cuda")
+    ceilings = measure_ceilings(device)
+    copy_bw = ceilings.copy_bytes_per_s
+    logger.info("%s: copy bandwidth %.0f GB/s", ceilings.device_name, copy_bw / 1e9)
+    rows = []
+    for heads, batch, context in itertools.product(args.heads, args.batches, args.contexts):
+        latent_bytes = batch * context * (R + P) * 2
+        if latent_bytes > args.max_cache_gib * 2**30:
+            continue
+        inputs = make_inputs(batch, context, heads)
+        splits = mla_num_splits(batch, heads, context, device)
+        ms = time_ms(inputs, max_seq_len=context)
+        row = {"heads": heads, "batch": batch, "context": context, "num_splits": splits,
+               "latent_bytes": latent_bytes, "ms": ms, "gb_per_s": latent_bytes / (ms * 1e-3) / 1e9,
+               "fraction_of_copy": latent_bytes / (ms * 1e-3) / copy_bw,
+               "launch": {"block_h": BLOCK_H, "block_n": BLOCK_N}}
+        if args.sweep:
+            best = None
+            for block_n, warps, stages, block_h in itertools.product(*SWEEP.values()):
+                launch = dict(block_n=block_n, num_warps=warps, num_stages=stages, block_h=block_h)
+                try:
+                    t = time_ms(inputs, max_seq_len=context, **launch)
+                except Exception as e:  # noqa: BLE001 -- a launch choice the GPU cannot run (shared memory)
+                    logger.info("  %s: %s", launch, type(e).__name__)
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, launch)
+            if best is not None:
+                row["best"] = {"ms": best[0], "launch": best[1],
+                               "fraction_of_copy": latent_bytes / (best[0] * 1e-3) / copy_bw}
+            by_splits = {n: time_ms(inputs, num_splits=n, min_split=0) for n in SPLITS}  # exactly n splits
+            fastest = min(by_splits, key=by_splits.get)
+            row["splits"] = {"ms": by_splits, "best": fastest,
+                             "best_fraction_of_copy": latent_bytes / (by_splits[fastest] * 1e-3) / copy_bw}
+        rows.append(row)
+        logger.info("heads %3d batch %3d context %6d: %8.3f ms, %6.0f GB/s, %.0f%% of copy%s", heads, batch, context,
+                    ms, row["gb_per_s"], 100 * row["fraction_of_copy"],
+                    f" (best {100 * row['best']['fraction_of_copy']:.0f}% {row['best']['launch']}; "
+                    f"best splits {row['splits']['best']}: {100 * row['splits']['best_fraction_of_copy']:.0f}%)"
+                    if "best" in row else "")
+        del inputs
+        torch.cuda.empty_cache()
+    report = {"device": ceilings.device_name, "copy_gb_per_s": copy_bw / 1e9, "ceilings_method": ceilings.method,
+              "target_fraction_of_copy": 0.7, "rows": rows, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    logger.info("wrote %s", args.out)
+
+
+if __name__ == "__main__":
+    main()
