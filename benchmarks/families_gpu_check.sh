@@ -5,17 +5,17 @@
 # fidelity` of the real Gemma 3 270M GGUF in bf16 beside HF bf16.
 #   OUT=/tmp/x bash benchmarks/families_gpu_check.sh
 #   OUT=/tmp/x PARTS="latency-gemma offline-gemma" bash benchmarks/families_gpu_check.sh
-#   knobs: PARTS (default: tests, then latency-F latency-F-eager offline-F for each F in FAMILIES, then
-#   fidelity), FAMILIES (default "gemma"), T (seconds a part may take, default 170), GEMMA_GGUF (the
+#   knobs: PARTS (default: tests, mla-kbench, then latency-F latency-F-eager offline-F for each F in
+#   FAMILIES, then fidelity), FAMILIES (default "gemma gpt-oss deepseek"), T (seconds a part may take, default 170), GEMMA_GGUF (the
 #   270M file; the fidelity part is skipped without it), FIDELITY_PROMPTS (default 16)
 # $OUT gets each part's log, status.txt, families_tests.xml, the bench JSON (bench/) and fidelity/.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT}
 PY=${PYTHON:-python3}
-FAMILIES=${FAMILIES:-gemma}
+FAMILIES=${FAMILIES:-gemma gpt-oss deepseek}
 if [[ -z "${PARTS:-}" ]]; then
-    PARTS="tests"
+    PARTS="tests mla-kbench"
     for f in $FAMILIES; do PARTS="$PARTS latency-$f latency-$f-eager offline-$f"; done
     PARTS="$PARTS fidelity"
 fi
@@ -27,10 +27,12 @@ git rev-parse HEAD > "$OUT/git.txt" 2>&1
 
 TESTS=(tests/gpu/test_families_cuda.py)
 for f in tests/gpu/test_gpt_oss_cuda.py tests/gpu/test_mla_cuda.py tests/kernels/test_attention_softcap.py \
-         tests/kernels/test_attention_sinks.py tests/kernels/test_mla_attention.py; do
+         tests/kernels/test_attention_sinks.py tests/kernels/test_mla_attention.py tests/kernels/test_fused_moe_bias.py; do
     [[ -f $f ]] && TESTS+=("$f")
 done
 part tests "$PY" -m pytest -q -rs --maxfail=8 -p no:cacheprovider -m gpu --junitxml "$OUT/families_tests.xml" "${TESTS[@]}"
+# MLA's decode kernel over the latent cache bytes against copy bandwidth (target >= 70 %)
+part mla-kbench "$PY" benchmarks/mla_decode_bench.py --heads 16 128 --out "$OUT/mla_decode.json"
 for f in $FAMILIES; do
     part "latency-$f" "${B[@]}" latency --workload "latency-$f" --repeat 3 --out "$OUT/bench" --no-plot
     part "latency-$f-eager" "${B[@]}" latency --workload "latency-$f" --repeat 3 --enforce-eager --tag eager \

@@ -36,7 +36,8 @@ def hf_gpt_oss_config():
         intermediate_size=32, num_hidden_layers=len(LAYER_TYPES), layer_types=LAYER_TYPES, sliding_window=WINDOW,
         num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-5,
         eos_token_id=EOS, bos_token_id=None, pad_token_id=EOS, swiglu_limit=0.5,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, **YARN})
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, **YARN},
+        attn_implementation="eager")  # the sinks are in HF's eager attention (older versions chose SDPA)
 
 
 def _to_mxfp4(hf, src, dst):

@@ -84,16 +84,16 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
              description="decode time per token at batch 1, Gemma 3 27B architecture"),
     Workload("offline-gemma", "gemma-3-27b", 128, (100, 1024), (100, 512), expected_output_tokens=37_032,
              description="Gemma 3 27B architecture, dummy weights, offline-8b's requests"),
-    # DeepSeek-V2-Lite (multi-head latent attention, 64 experts top 6): the 8B workloads' requests.
-    Workload("latency-deepseek", "deepseek-v2-lite", 1, (128, 128), (256, 256), expected_output_tokens=256,
-             description="decode time per token at batch 1, DeepSeek-V2-Lite architecture (MLA, 64 experts, top 6)"),
-    Workload("offline-deepseek", "deepseek-v2-lite", 128, (100, 1024), (100, 512), expected_output_tokens=37_032,
-             description="DeepSeek-V2-Lite architecture, dummy weights, offline-8b's requests"),
     # gpt-oss-20b's shape (32 experts, top 4, sinks, alternating 128-token windows), the same requests.
     Workload("latency-gpt-oss", "gpt-oss-20b", 1, (128, 128), (256, 256), expected_output_tokens=256,
              description="decode time per token at batch 1, gpt-oss-20b architecture (32 experts, top 4)"),
     Workload("offline-gpt-oss", "gpt-oss-20b", 128, (100, 1024), (100, 512), expected_output_tokens=37_032,
              description="gpt-oss-20b architecture, dummy weights, offline-8b's requests"),
+    # DeepSeek-V2-Lite (multi-head latent attention, 64 experts top 6): the 8B workloads' requests.
+    Workload("latency-deepseek", "deepseek-v2-lite", 1, (128, 128), (256, 256), expected_output_tokens=256,
+             description="decode time per token at batch 1, DeepSeek-V2-Lite architecture (MLA, 64 experts, top 6)"),
+    Workload("offline-deepseek", "deepseek-v2-lite", 128, (100, 1024), (100, 512), expected_output_tokens=37_032,
+             description="DeepSeek-V2-Lite architecture, dummy weights, offline-8b's requests"),
     Workload("structured-small", "qwen3-0.6b", 64, (128, 128), (128, 128), temperature=1.0,
              description="batch 64 with and without JSON-schema grammars (bench structured)"),
     Workload("structured-tiny", "smollm2-135m", 4, (16, 16), (8, 8), dtype="auto", temperature=1.0,

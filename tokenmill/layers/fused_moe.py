@@ -93,11 +93,12 @@ class FusedMoE(nn.Module):
                  dtype=None, device=None, method: Optional[FusedMoEMethodBase] = None, bias: bool = False,
                  activation: Optional[ClampedSwiGLU] = None, grouping: Optional[GroupedTopK] = None,
                  correction_bias: bool = False):
-        """grouping: DeepSeek's grouped / sigmoid routing (None: softmax top-k); correction_bias: an
+        """bias / activation: gpt-oss's expert biases and clamped SwiGLU (None: silu(gate) * up);
+        grouping: DeepSeek's grouped / sigmoid routing (None: softmax top-k); correction_bias: an
         fp32 `e_score_correction_bias` [E] parameter added to the scores for the choice only (V3)."""
         super().__init__()
-        self.has_bias = bias  # gate/up and down biases (gpt-oss)
-        self.activation = activation  # None: silu(gate) * up
+        self.has_bias = bias
+        self.activation = activation
         self.grouping = grouping
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device),
                                                      requires_grad=False) if correction_bias else None)
@@ -136,7 +137,7 @@ class FusedMoE(nn.Module):
     def _check_method(self, method: FusedMoEMethodBase) -> None:
         if (self.has_bias or self.activation is not None) and not isinstance(method, UnquantizedFusedMoEMethod):
             raise ModelLoadError(f"{type(method).__name__}: experts with biases or the clamped SwiGLU (gpt-oss) run "
-                                 "unquantized only")
+                             "unquantized only")
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], global expert ids [T, k] int32) of every token: the routing step of each method."""

@@ -46,6 +46,12 @@ class MoEConfig:
     # decoder_sparse_step and mlp_only_layers); the others have a dense MLP of the model's intermediate_size.
     sparse_step: int = 1
     dense_layers: tuple[int, ...] = ()
+    # gpt-oss: the router and every expert's gate/up and down projections have biases, and the
+    # experts' activation is the clamped SwiGLU (kernels/fused_moe.py's ClampedSwiGLU) when
+    # swiglu_limit is set (None: silu(gate) * up).
+    bias: bool = False
+    swiglu_limit: Optional[float] = None
+    swiglu_alpha: float = 1.702
     # DeepSeek's routing (kernels/fused_moe.py GroupedTopK): "softmax" or "sigmoid" scores (V3); the
     # experts in num_groups groups of which only the topk_groups best are chosen from, a group scored by
     # its best expert ("max", V2) or its two best ("top2_sum", V3); V3's per-expert bias added to the
@@ -64,12 +70,6 @@ class MoEConfig:
         """Routing beyond softmax-top-k (DeepSeek's): FusedMoE takes a GroupedTopK."""
         return (self.scoring != "softmax" or self.num_groups > 1 or self.score_correction_bias
                 or self.routed_scaling_factor != 1.0)
-    # gpt-oss: the router and every expert's gate/up and down projections have biases, and the
-    # experts' activation is the clamped SwiGLU (kernels/fused_moe.py's ClampedSwiGLU) when
-    # swiglu_limit is set (None: silu(gate) * up).
-    bias: bool = False
-    swiglu_limit: Optional[float] = None
-    swiglu_alpha: float = 1.702
 
     def is_sparse(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
@@ -142,11 +142,11 @@ class ModelArchConfig:
     # Gemma 2's tanh soft-capping of attention scores and of the final logits: cap * tanh(x / cap).
     attn_logit_softcap: Optional[float] = None
     final_logit_softcap: Optional[float] = None
-    # Multi-head latent attention (DeepSeek-V2 / V3; head_dim is then the rope'd width); None: q/k/v heads.
-    mla: Optional[MLAConfig] = None
     # gpt-oss: the attention output projection has a bias, and each q head a learned sink logit.
     o_bias: bool = False
     attention_sinks: bool = False
+    # Multi-head latent attention (DeepSeek-V2 / V3; head_dim is then the rope'd width); None: q/k/v heads.
+    mla: Optional[MLAConfig] = None
 
     def layer_window(self, layer: int) -> Optional[int]:
         """The sliding window of decoder layer `layer` (None: it attends to the whole context)."""
@@ -274,11 +274,11 @@ class ArchitectureSpec:
     lora: bool = True
     # Checkpoint name pieces the family writes otherwise than the Llama/Qwen layout, and ours.
     weight_renames: tuple[tuple[str, str], ...] = ()
-    # DeepSeek's multi-head latent attention and routing, "v2" or "v3" (models/deepseek.py).
-    deepseek: Optional[str] = None
     # gpt-oss: attention sinks and an o_proj bias (with attention_bias), layer_types' sliding layers,
     # rope_theta 150000 when the config leaves it out (HF's GptOssConfig default).
     gpt_oss: bool = False
+    # DeepSeek's multi-head latent attention and routing, "v2" or "v3" (models/deepseek.py).
+    deepseek: Optional[str] = None
 
 
 _ARCHITECTURES = {
@@ -304,15 +304,15 @@ _ARCHITECTURES = {
                          gemma=True, lora=False),
         ArchitectureSpec("OlmoeForCausalLM", qk_norm=True, qk_norm_per_head=False, clip_qkv=True,
                          moe=MoESpec(expert_size_key="intermediate_size")),
-        # DeepSeek-V2 / V3: multi-head latent attention, grouped routing, ungated shared experts
-        # (models/deepseek.py); LoRA adapters have no MLA projections mapped: refused.
-        ArchitectureSpec("DeepseekV2ForCausalLM", moe=MoESpec(), lora=False, deepseek="v2"),
-        ArchitectureSpec("DeepseekV3ForCausalLM", moe=MoESpec(), lora=False, deepseek="v3"),
         # gpt-oss: its checkpoint layout (interleaved gate/up, MXFP4 experts) is models/gpt_oss.py's.
         # LoRA not tested on it: refused (and MoE models refuse LoRA anyway).
         ArchitectureSpec("GptOssForCausalLM", qkv_bias_default=True, sliding_window="layer_types", window_pattern=2,
                          moe=MoESpec(expert_size_key="intermediate_size", renormalize_key=None, gpt_oss=True),
                          lora=False, gpt_oss=True, weight_renames=((".mlp.router.", ".mlp.gate."),)),
+        # DeepSeek-V2 / V3: multi-head latent attention, grouped routing, ungated shared experts
+        # (models/deepseek.py); LoRA adapters have no MLA projections mapped: refused.
+        ArchitectureSpec("DeepseekV2ForCausalLM", moe=MoESpec(), lora=False, deepseek="v2"),
+        ArchitectureSpec("DeepseekV3ForCausalLM", moe=MoESpec(), lora=False, deepseek="v3"),
     )
 }
 
@@ -640,8 +640,7 @@ def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
         fields = dict(
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             moe=_moe_from_hf(cfg, spec.moe) if spec.moe is not None and not deepseek else None,
-            **(_gemma_fields(cfg, spec, num_layers, head_dim) if spec.gemma else {}),
-            **(_gpt_oss_fields(cfg, spec, num_layers) if spec.gpt_oss else {}))
+            **(_gemma_fields(cfg, spec, num_layers, head_dim) if spec.gemma else {}))
         fields.update(deepseek)
         return ModelArchConfig(
             architecture=spec.name,
@@ -665,6 +664,7 @@ def arch_config_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
             sliding_window=_sliding_window_from_hf(cfg, spec.sliding_window, num_layers),
             partial_rotary_factor=partial_rotary,
             **fields,
+            **(_gpt_oss_fields(cfg, spec, num_layers) if spec.gpt_oss else {}),
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks the field {e.args[0]!r}") from None

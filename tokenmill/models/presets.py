@@ -87,22 +87,6 @@ PRESETS: dict[str, dict] = {
         "max_position_embeddings": 131072, "hidden_activation": "gelu_pytorch_tanh",
         "eos_token_id": [1, 106], "bos_token_id": 2, "torch_dtype": "bfloat16",
     },
-    # DeepSeek-V2-Lite (15.7B, 2.4B active): multi-head latent attention (latent 512 + rope 64 per
-    # token), 64 routed experts top 6 plus 2 shared, the first layer dense, YaRN to 160k positions.
-    # From the published config as the brief states it; assumed from that config as we recall it: eps
-    # 1e-6, rope theta 10000, greedy routing (n_group 1), no renormalisation, the token ids.
-    "deepseek-v2-lite": {
-        "architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 2048, "intermediate_size": 10944,
-        "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
-        "num_key_value_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
-        "qk_nope_head_dim": 128, "v_head_dim": 128, "n_routed_experts": 64, "num_experts_per_tok": 6,
-        "n_shared_experts": 2, "first_k_dense_replace": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
-        "norm_topk_prob": False, "routed_scaling_factor": 1.0, "vocab_size": 102400, "tie_word_embeddings": False,
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 163840,
-        "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
-                         "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096},
-        "hidden_act": "silu", "eos_token_id": 100001, "bos_token_id": 100000, "torch_dtype": "bfloat16",
-    },
     # gpt-oss-20b. From the published config: the shape (24 layers, 64 q / 8 KV heads of 64 dims, 32
     # experts of width 2880, top 4), window 128 on every other layer from layer 0, q/k/v/o biases, sinks,
     # rope theta 150000 with YaRN (factor 32, beta_fast 32, beta_slow 1, original 4096 positions, no
@@ -118,6 +102,22 @@ PRESETS: dict[str, dict] = {
                          "original_max_position_embeddings": 4096, "truncate": False},
         "max_position_embeddings": 131072, "hidden_act": "silu", "eos_token_id": 200002, "pad_token_id": 199999,
         "bos_token_id": None, "torch_dtype": "bfloat16",
+    },
+    # DeepSeek-V2-Lite (15.7B, 2.4B active): multi-head latent attention (latent 512 + rope 64 per
+    # token), 64 routed experts top 6 plus 2 shared, the first layer dense, YaRN to 160k positions.
+    # From the published config as the brief states it; assumed from that config as we recall it: eps
+    # 1e-6, rope theta 10000, greedy routing (n_group 1), no renormalisation, the token ids.
+    "deepseek-v2-lite": {
+        "architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 2048, "intermediate_size": 10944,
+        "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128, "v_head_dim": 128, "n_routed_experts": 64, "num_experts_per_tok": 6,
+        "n_shared_experts": 2, "first_k_dense_replace": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+        "norm_topk_prob": False, "routed_scaling_factor": 1.0, "vocab_size": 102400, "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 163840,
+        "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+                         "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096},
+        "hidden_act": "silu", "eos_token_id": 100001, "bos_token_id": 100000, "torch_dtype": "bfloat16",
     },
     # Small shapes for CPU tests and CI.
     "tiny-llama": {
