@@ -13,7 +13,7 @@ The Triton decode is written for bandwidth: a program takes one sequence, a bloc
 them when H <= BLOCK_H, so each latent block is read once per sequence) and one split of the context
 (split-K, so that a few long sequences still fill the GPU); each tile of BLOCK_N latent rows is
 loaded once and used for both products (scores and the weighted sum). A second launch merges the
-splits by their log-sum-exp. Both accumulate in fp32.
+splits by their log-sum-exp (with one split the first writes the output itself). Both accumulate in fp32.
 """
 
 from typing import Optional
@@ -99,16 +99,17 @@ def mla_cache_write(cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tenso
 
 @triton.jit
 def _mla_decode_split_kernel(
-    q_lat_ptr, q_pe_ptr, cache_ptr, tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+    q_lat_ptr, q_pe_ptr, cache_ptr, tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
     H, R, P, num_splits, min_split, qk_scale,
-    stride_lb, stride_lh, stride_pb, stride_ph, stride_cblock, stride_ctok, stride_table,
+    stride_lb, stride_lh, stride_pb, stride_ph, stride_cblock, stride_ctok, stride_table, stride_ob, stride_oh,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr,
 ):
     """Grid (B, num_splits, cdiv(H, BLOCK_H)): request b's heads [hb * BLOCK_H, ...) over split s of
     its context; writes the split's normalised output [BLOCK_H, R] and log-sum-exp (base 2). A split
     covers at least min_split tokens (a multiple of BLOCK_N), so a short context fills only its first
-    splits, decided on the device: num_splits is an upper bound a CUDA graph can fix."""
+    splits, decided on the device: num_splits is an upper bound a CUDA graph can fix. DIRECT (one
+    split): the output goes straight to out_ptr, and no merge runs."""
     b = tl.program_id(0)
     split = tl.program_id(1)
     heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -149,12 +150,16 @@ def _mla_decode_split_kernel(
         m = m_new
 
     has = l > 0
-    out = acc / tl.where(has, l, 1.0)[:, None]
-    lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), -float("inf"))
-    part = (b64 * num_splits + split) * H + heads
-    # an empty split writes only its lse (-inf): the merge reads nothing else of it
-    tl.store(part_out_ptr + part[:, None] * R + r[None, :], out, mask=(h_ok & has)[:, None] & r_ok[None, :])
-    tl.store(part_lse_ptr + part, lse, mask=h_ok)
+    out = acc / tl.where(has, l, 1.0)[:, None]  # zeros for an empty context
+    if DIRECT:
+        tl.store(out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + r[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
+    else:
+        lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), -float("inf"))
+        part = (b64 * num_splits + split) * H + heads
+        # an empty split writes only its lse (-inf): the merge reads nothing else of it
+        tl.store(part_out_ptr + part[:, None] * R + r[None, :], out, mask=(h_ok & has)[:, None] & r_ok[None, :])
+        tl.store(part_lse_ptr + part, lse, mask=h_ok)
 
 
 @triton.jit
@@ -217,24 +222,29 @@ def mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
     assert q_lat.stride(-1) == 1 and q_pe.stride(-1) == 1 and block_tables.stride(-1) == 1
     if out is None:
         out = torch.empty_like(q_lat)
+    assert out.shape == q_lat.shape and out.stride(-1) == 1
     if B == 0:
         return out
     if num_splits is None:
         num_splits = mla_num_splits(B, H, max_seq_len, q_lat.device, block_h)
-    part_out = torch.empty((B, num_splits, H, R), dtype=torch.float32, device=q_lat.device)
-    part_lse = torch.empty((B, num_splits, H), dtype=torch.float32, device=q_lat.device)
+    direct = num_splits == 1  # no partials to merge: the split kernel writes out
+    parts = (B, 1, 1, 1) if direct else (B, num_splits, H, R)
+    part_out = torch.empty(parts, dtype=torch.float32, device=q_lat.device)
+    part_lse = part_out if direct else torch.empty((B, num_splits, H), dtype=torch.float32, device=q_lat.device)
     # tl.dot needs 16 along every dimension on the GPU (tiny test models have P = 8); masks pad
     block_r, block_p = max(16, triton.next_power_of_2(R)), max(16, triton.next_power_of_2(P))
     if num_warps is None:
         num_warps = 8 if block_r >= 256 else 4
     _mla_decode_split_kernel[(B, num_splits, triton.cdiv(H, block_h))](
-        q_lat, q_pe, cache, block_tables, seq_lens, part_out, part_lse, H, R, P, num_splits,
+        q_lat, q_pe, cache, block_tables, seq_lens, part_out, part_lse, out, H, R, P, num_splits,
         triton.cdiv(min_split, block_n) * block_n, scale * 1.4426950408889634,  # exp2 domain
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
-        cache.stride(0), cache.stride(1), block_tables.stride(0),
+        cache.stride(0), cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         PAGE=cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=block_p,
-        DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32", DIRECT=direct, num_warps=num_warps,
         num_stages=num_stages)
+    if direct:
+        return out
     merge_r = min(block_r, MERGE_BLOCK_R)
     _mla_merge_kernel[(B, H, triton.cdiv(R, merge_r))](
         part_out, part_lse, out, H, R, num_splits, out.stride(0), out.stride(1),
