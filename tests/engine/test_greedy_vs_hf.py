@@ -16,6 +16,8 @@ CONFIGS = {
     "max-num-seqs-2": dict(max_num_seqs=2),
     "no-prefix-caching": dict(enable_prefix_caching=False),
     "block-size-32": dict(block_size=32, num_kv_blocks=128),
+    # The host-memory KV tier under a small GPU cache: prefixes evicted to the host and loaded back.
+    "host-tier": dict(num_kv_blocks=32, max_num_seqs=4, kv_offloading_size=0.05),
 }
 
 
@@ -27,6 +29,11 @@ def check_batch_matches_hf(llm, name: str, prompt_ids, hf_greedy) -> None:
         assert out.outputs[0].finish_reason == "length"
     if name == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
+    if name == "host-tier":  # again: the first prompts' prefixes come back from host memory
+        again = llm.generate(prompt_ids[:3], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == hf_greedy[:3]
+        assert sum(o.metrics.num_host_cached_prompt_tokens for o in again) > 0
+        assert llm.engine.snapshot().kv_offload.blocks_loaded > 0
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
