@@ -29,6 +29,7 @@ HOST_GIB = 0.01  # about 1,300 tiny-llama blocks: the whole workload fits
 # of prompts evicts the previous round's prefixes to the host.
 ENGINE = dict(num_kv_blocks=24, block_size=BS, max_num_seqs=4, max_num_batched_tokens=128)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+FILL = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)  # prompts that only take blocks
 
 
 def seeded(seed: int) -> SamplingParams:
@@ -125,7 +126,7 @@ def test_salts_and_adapters_stay_apart_on_the_host(tiny, adapter):
 
     def evict():  # new prompts that take every GPU block
         first = next(fillers)
-        llm.generate([[first + i] * 60 for i in range(4)], GREEDY, use_tqdm=False)
+        llm.generate([[first + i] * 60 for i in range(4)], FILL, use_tqdm=False)
 
     def host_hit(params, lora=None) -> int:
         evict()
@@ -155,7 +156,7 @@ def test_an_abort_mid_load_frees_every_block(tiny):
     engine = llm.engine
     prompt = list(range(200, 260))
     first = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    llm.generate([[9 + i] * 60 for i in range(4)], GREEDY, use_tqdm=False)  # evicts it to the host
+    llm.generate([[9 + i] * 60 for i in range(4)], FILL, use_tqdm=False)  # evicts it to the host
     engine.add_request(None, GREEDY, request_id="x", prompt_ids=prompt)
     engine.step()  # a step with no tokens: the load starts
     request = engine.scheduler.loading["x"]
@@ -166,7 +167,7 @@ def test_an_abort_mid_load_frees_every_block(tiny):
         engine.step()
     assert_no_leaks(llm)
     # Loaded, not aborted: the same tokens as computed.
-    llm.generate([[5 + i] * 60 for i in range(4)], GREEDY, use_tqdm=False)
+    llm.generate([[5 + i] * 60 for i in range(4)], FILL, use_tqdm=False)
     again = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == first and again.metrics.num_host_cached_prompt_tokens == 56
     assert engine.reset_prefix_cache() and not engine.kv_connector.index
@@ -182,7 +183,7 @@ def test_counters_reach_metrics_and_only_the_metrics_reader(tiny):
     llm = tier(tiny, kv_offloading_size=HOST_GIB)
     prompt = list(range(300, 360))
     llm.generate([prompt], GREEDY, use_tqdm=False)
-    llm.generate([[11 + i] * 60 for i in range(4)], GREEDY, use_tqdm=False)
+    llm.generate([[11 + i] * 60 for i in range(4)], FILL, use_tqdm=False)
     assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].metrics.num_host_cached_prompt_tokens == 56
     snapshot = llm.engine.snapshot()
     hits = snapshot.kv_offload.hit_tokens
@@ -240,13 +241,15 @@ def test_host_index_is_lru_and_never_reuses_a_slot_being_read():
     assert not s.has_pending and s.reset() and not s.index
 
 
-def test_host_worker_copies_blocks_out_and_back():
-    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=4, block_size=BS, dtype=torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_host_worker_copies_blocks_out_and_back(dtype):
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=4, block_size=BS, dtype=dtype)
     caches = allocate_kv_cache(spec, 6, torch.device("cpu"))
     for i, (k, v) in enumerate(caches):
-        k.copy_(torch.randn(k.shape))
-        v.copy_(torch.randn(v.shape))
-    before = [(k.clone(), v.clone()) for k, v in caches]
+        k.copy_(torch.randn(k.shape).to(dtype))
+        v.copy_(torch.randn(v.shape).to(dtype))
+    caches_bytes = [(k.view(torch.uint8), v.view(torch.uint8)) for k, v in caches]
+    before = [(k.clone(), v.clone()) for k, v in caches_bytes]
     w = HostTierWorker(num_slots=4, device=torch.device("cpu"))
     w.register_kv_caches(caches)
     w.start_load_kv(KVConnectorMetadata(saves=BlockTransfer([1, 4, 2], [3, 0, 1])))
@@ -257,7 +260,7 @@ def test_host_worker_copies_blocks_out_and_back():
     out = w.get_finished()  # reported on the next call, as on CUDA
     assert out.finished_loads == ["x"] and out.counts.blocks_saved == 3 and out.counts.blocks_loaded == 2
     assert out.counts.bytes_loaded == 2 * spec.bytes_per_block
-    for (k, v), (k0, v0) in zip(caches, before):
+    for (k, v), (k0, v0) in zip(caches_bytes, before):
         assert torch.equal(k[5], k0[4]) and torch.equal(v[5], v0[4])
         assert torch.equal(k[0], k0[1]) and torch.equal(v[0], v0[1])
         assert not k[1].any()

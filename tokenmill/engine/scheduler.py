@@ -333,7 +333,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if request.num_preemptions == 0:
-                if not loaded:
+                if not loaded and not request.skip_kv_connector:  # (a failed load's lookup is counted)
                     self.kv.record_prefix_lookup(request, num_cached)
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING

@@ -202,9 +202,9 @@ class HostTierWorker(KVConnectorWorker):
         base = kv_caches[0][0]._base  # runner/kv_cache.py: one [layers, 2, blocks, ...] tensor, viewed per layer
         if base is None or any(k._base is not base or v._base is not base for k, v in kv_caches):
             raise ValueError("the host tier needs the KV cache as one tensor (runner/kv_cache.py's layout)")
-        self.cache = base
-        shape = (self.num_slots, base.shape[0], 2) + tuple(base.shape[3:])
-        self.store = torch.zeros(shape, dtype=base.dtype, pin_memory=self.on_cuda)
+        self.cache = base.view(torch.uint8)  # bytes: any KV dtype (fp8 included) copies the same way
+        shape = (self.num_slots, base.shape[0], 2) + tuple(self.cache.shape[3:])
+        self.store = torch.zeros(shape, dtype=torch.uint8, pin_memory=self.on_cuda)
         logger.info("KV host tier: %d blocks (%.2f GiB%s)", self.num_slots, self.store.numel()
                     * self.store.element_size() / 2**30, ", pinned" if self.on_cuda else "")
 
