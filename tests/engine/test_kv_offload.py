@@ -276,3 +276,38 @@ def test_counts_add_up():
 
     counts.add(KVTransferCounts(bytes_saved=10, blocks_saved=1, load_seconds=0.5))
     assert (counts.bytes_saved, counts.blocks_saved, counts.load_seconds, counts.num_slots) == (10, 1, 0.5, 4)
+
+
+def test_scheduler_loads_then_admits_or_gives_the_loaded_blocks_back():
+    """Scheduler, KV-cache manager and host index together (no model; the worker's report is built
+    by hand): a request found on the host waits LOADING outside the step, comes back with its prefix
+    computed, and, with no block left for the rest, gives the loaded blocks back (still cached)."""
+    from tokenmill.engine.kv_cache_manager import KVCacheManager
+    from tokenmill.engine.scheduler import Scheduler, SchedulerLimits
+
+    kv = KVCacheManager(num_blocks=6, block_size=BS)
+    host = HostTierScheduler(num_slots=8, block_size=BS)
+    sched = Scheduler(SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv,
+                      connector=host)
+    r = Request("r", list(range(3, 3 + 3 * BS + 1)), SamplingParams(), 0, 4, frozenset())
+    s = Request("s", list(range(500, 500 + 3 * BS - 1)), SamplingParams(), 0, 4, frozenset())
+    keys = hash_blocks(None, r.prompt_token_ids[: 3 * BS], BS)
+    host.on_blocks_evicted([(i, k) for i, k in enumerate(keys)])  # r's prefix is on the host only
+    host.build_connector_meta()
+    sched.add_request(r)
+    sched.add_request(s)
+    out = sched.schedule()
+    assert [e.req_id for e in out.batch] == ["s"]  # r waits outside the step
+    assert r.status == RequestStatus.LOADING and len(r.block_ids) == 3 and sched.num_waiting == 1
+    assert out.kv_connector_metadata.loads == [LoadRequest("r", BlockTransfer(r.block_ids, [0, 1, 2]))]
+    assert kv.num_free_blocks == 0 and kv.pool.lookup(keys[0]) is None  # not shared before it is loaded
+    sched.update_from_kv_connector(KVConnectorOutput(finished_loads=["r"]))
+    assert r.status == RequestStatus.WAITING and r.num_computed_tokens == 3 * BS and sched.waiting[0] is r
+    assert kv.pool.lookup(keys[0]) == r.block_ids[0]
+    out = sched.schedule()  # s decodes; r needs one more block and none is free
+    assert [e.req_id for e in out.batch] == ["s"]
+    assert r.block_ids == [] and r.num_computed_tokens == 0 and kv.pool.lookup(keys[2]) is not None
+    sched.finish_request(s, RequestStatus.FINISHED_STOPPED)
+    out = sched.schedule()  # a GPU hit now: only the last token is computed
+    assert [(e.req_id, e.start_pos, e.num_tokens) for e in out.batch] == [("r", 3 * BS, 1)]
+    assert r.num_cached_tokens == 3 * BS and r.num_host_cached_tokens == 3 * BS
