@@ -204,7 +204,7 @@ class HostTierWorker(KVConnectorWorker):
             raise ValueError("the host tier needs the KV cache as one tensor (runner/kv_cache.py's layout)")
         self.cache = base.view(torch.uint8)  # bytes: any KV dtype (fp8 included) copies the same way
         shape = (self.num_slots, base.shape[0], 2) + tuple(self.cache.shape[3:])
-        self.store = torch.zeros(shape, dtype=torch.uint8, pin_memory=self.on_cuda)
+        self.store = torch.empty(shape, dtype=torch.uint8, pin_memory=self.on_cuda)
         logger.info("KV host tier: %d blocks (%.2f GiB%s)", self.num_slots, self.store.numel()
                     * self.store.element_size() / 2**30, ", pinned" if self.on_cuda else "")
 
@@ -253,8 +253,16 @@ class HostTierWorker(KVConnectorWorker):
             self._pending.append((load.req_id, len(load.transfer.block_ids), timing))
         return saved
 
+    def _block_ids(self, block_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        if not self.on_cuda:
+            return ids
+        # From pinned memory, asynchronously: a pageable copy would make the host wait for the side
+        # stream, which waits for the steps in flight.
+        return ids.pin_memory().to(self.cache.device, non_blocking=True)
+
     def _save(self, t: BlockTransfer) -> None:
-        ids = torch.tensor(t.block_ids, dtype=torch.int64, device=self.cache.device)
+        ids = self._block_ids(t.block_ids)
         staged = self.cache.index_select(2, ids).movedim(2, 0).contiguous()  # [n, layers, 2, ...]
         for i, j, slot in _runs(t.slots):
             self.store[slot:slot + j - i].copy_(staged[i:j], non_blocking=True)
@@ -269,8 +277,7 @@ class HostTierWorker(KVConnectorWorker):
                              device=self.cache.device)
         for i, j, slot in _runs(t.slots):
             staged[i:j].copy_(self.store[slot:slot + j - i], non_blocking=True)
-        ids = torch.tensor(t.block_ids, dtype=torch.int64, device=self.cache.device)
-        self.cache.index_copy_(2, ids, staged.movedim(0, 2))
+        self.cache.index_copy_(2, self._block_ids(t.block_ids), staged.movedim(0, 2))
 
     def get_finished(self) -> KVConnectorOutput:
         out = KVConnectorOutput(failed_loads=self._failed)
