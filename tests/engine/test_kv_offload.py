@@ -311,3 +311,20 @@ def test_scheduler_loads_then_admits_or_gives_the_loaded_blocks_back():
     out = sched.schedule()  # a GPU hit now: only the last token is computed
     assert [(e.req_id, e.start_pos, e.num_tokens) for e in out.batch] == [("r", 3 * BS, 1)]
     assert r.num_cached_tokens == 3 * BS and r.num_host_cached_tokens == 3 * BS
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(tensor_parallel_size=2), "with tensor or pipeline parallelism is not supported yet"),
+    (dict(speculative_config={"method": "draft_model", "model": "tiny-llama", "load_format": "dummy"}),
+     "with a draft model is not supported yet"),
+    (dict(kv_transfer_config={"kv_connector": "NoSuchConnector"}), "unknown kv_connector 'NoSuchConnector'"),
+    (dict(kv_transfer_config={"kv_connector": "OffloadingConnector"}), 'needs kv_connector_extra_config'),
+])
+def test_what_a_connector_cannot_run_with_is_refused(tiny, options, message):
+    from tokenmill.config import ConfigError, EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    options = {"kv_offloading_size": HOST_GIB, **options} if "kv_transfer_config" not in options else options
+    with pytest.raises(ConfigError, match=message):
+        LLMEngine("tiny-llama", EngineConfig(num_kv_blocks=16, **options), load_format="dummy", dtype="float32",
+                  device="cpu")
