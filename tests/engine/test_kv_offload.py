@@ -320,7 +320,7 @@ def test_scheduler_loads_then_admits_or_gives_the_loaded_blocks_back():
     (dict(kv_transfer_config={"kv_connector": "NoSuchConnector"}), "unknown kv_connector 'NoSuchConnector'"),
     (dict(kv_transfer_config={"kv_connector": "OffloadingConnector"}), 'needs kv_connector_extra_config'),
 ])
-def test_what_a_connector_cannot_run_with_is_refused(tiny, options, message):
+def test_what_a_connector_cannot_run_with_is_refused(options, message):
     from tokenmill.config import ConfigError, EngineConfig
     from tokenmill.engine.llm_engine import LLMEngine
 
