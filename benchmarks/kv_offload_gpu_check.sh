@@ -76,7 +76,8 @@ for name in ("tp_off", "tp_on"):
     r = load(f"{name}/throughput-*.json")
     report[name] = ({"error": f"no result (see {name}.log)"} if r is None else
                     {"output_tok_per_s": r["summary"]["output_tok_per_s"], "elapsed_s": r["summary"]["elapsed_s"],
-                     "device": r.get("device_name")})
+                     "device": r.get("device_name"), "git_commit": r.get("git_commit"),
+                     "kv_offload": r["results"]["runs"][r["results"]["median_run"]].get("kv_offload")})
 if "output_tok_per_s" in report.get("tp_off", {}) and "output_tok_per_s" in report.get("tp_on", {}):
     ratio = report["tp_on"]["output_tok_per_s"] / report["tp_off"]["output_tok_per_s"]
     report["throughput_on_over_off"] = ratio
