@@ -207,6 +207,7 @@ class Scheduler:
     def _start_load(self, request: Request, cached_blocks: list[int], num_cached: int) -> Optional[bool]:
         """Ask the connector for more of the request's prefix than the GPU cache has: None if it has
         none; else whether its load could start (blocks taken, the request LOADING)."""
+        self._flush_evictions()  # a block evicted earlier in this step is on the host for this lookup
         num_external, _ = self.connector.get_num_new_matched_tokens(request, num_cached)
         if not num_external:
             return None
@@ -223,6 +224,13 @@ class Scheduler:
         request.status = RequestStatus.LOADING
         self.loading[request.request_id] = request
         return True
+
+    def _flush_evictions(self) -> None:
+        """Hand the connector the cached blocks allocation took since the last call (their saves go
+        into this step's metadata, ahead of its loads and its forward pass)."""
+        evicted = self.kv.pool.take_evicted()
+        if evicted:
+            self.connector.on_blocks_evicted(evicted)
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -256,9 +264,7 @@ class Scheduler:
 
         meta = None
         if self.connector is not None:
-            evicted = self.kv.pool.take_evicted()
-            if evicted:
-                self.connector.on_blocks_evicted(evicted)
+            self._flush_evictions()
             meta = self.connector.build_connector_meta()
             meta = None if meta.empty else meta
         return SchedulerOutput(batch=batch, new_requests=step.new_requests, freed_req_ids=self.take_freed_ids(),
