@@ -82,7 +82,10 @@ def test_llm_keywords_reach_the_configs(monkeypatch):
                    batch_invariant=False,  # True refuses LoRA, FP8 and parallelism (checked below)
                    speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
                                        "prompt_lookup_min": 1, "model": "/models/draft", "load_format": "dummy",
-                                       "num_draft_layers": None, "synthetic_acceptance": 0.5})
+                                       "num_draft_layers": None, "synthetic_acceptance": 0.5},
+                   kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                       "kv_connector_extra_config": {"size_gib": 2}},
+                   kv_offloading_size=4.0)
     assert set(changed) == {f.name for f in dataclasses.fields(EngineConfig)}, "a new field: add it here"
     engine = LLM("tiny-llama", load_format="dummy", dtype="float32", device="cpu", tokenizer="/tok", **changed).engine
     assert dataclasses.asdict(engine.config) == changed
@@ -117,6 +120,11 @@ def test_unknown_llm_keyword_names_it(monkeypatch):
     (dict(kv_cache_memory_gb=0.0), "kv_cache_memory_gb must be > 0"),
     (dict(max_loras=4, max_cpu_loras=2), r"max_cpu_loras \(2\) must be at least max_loras \(4\)"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be >= 1, got 0"),
+    (dict(kv_offloading_size=0.0), "kv_offloading_size must be > 0 GiB"),
+    (dict(kv_offloading_size=1.0, kv_transfer_config={"kv_connector": "NixlConnector"}),
+     "kv_offloading_size runs the OffloadingConnector; kv_transfer_config names NixlConnector"),
+    (dict(kv_transfer_config={"kv_role": "kv_sender"}), "kv_role must be one of kv_producer, kv_consumer, kv_both"),
+    (dict(kv_transfer_config={"kv_connector_extra_config": []}), "kv_connector_extra_config must be a JSON object"),
 ])
 def test_bad_values_are_config_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message):

@@ -15,7 +15,7 @@ FLOORS = [
     ["executor"],
     ["runner", "loader"],
     ["step_io", "models", "wire"],
-    ["layers", "sampling_params"],
+    ["layers", "sampling_params", "kv_connector"],
     ["quantization", "lora", "config", "chat_template", "structured_outputs"],
     ["kernels", "distributed", "logger", "errors", "version"],
 ]

@@ -139,6 +139,30 @@ class SpeculativeConfig:
         return self.num_speculative_tokens if self.method in ("draft_model", "layer_truncated") else 0
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+# The connector kv_offloading_size stands for (tokenmill/kv_connector/host_tier.py)
+OFFLOADING_CONNECTOR = "OffloadingConnector"
+
+
+@dataclass
+class KVTransferConfig:
+    """A KV connector (tokenmill/kv_connector/): moves KV blocks between this engine's GPU cache and
+    elsewhere. vLLM's shape: {"kv_connector": NAME, "kv_role": ..., "kv_connector_extra_config": {...}}."""
+
+    kv_connector: str = option(OFFLOADING_CONNECTOR, "the connector's name (kv_connector/factory.py lists them)")
+    kv_role: str = option("kv_both", "kv_producer (saves KV for others), kv_consumer (loads it) or kv_both",
+                          choices=KV_ROLES)
+    kv_connector_extra_config: dict = option(
+        default_factory=dict, help='the connector\'s own options (OffloadingConnector: {"size_gib": G})',
+        default_help="{}")
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ConfigError(f"kv_connector_extra_config must be a JSON object, got "
+                              f"{self.kv_connector_extra_config!r}")
+
+
 # On the CPU a step of a few hundred prompt tokens takes about a second for the embedded model:
 # with decodes running, a long prompt is taken in chunks of this size so streams keep moving
 # (docs/PERFORMANCE.md, CPU).
@@ -258,7 +282,19 @@ class EngineConfig:
               'random weights) or {"method": "layer_truncated", "num_draft_layers": N, '
               '"num_speculative_tokens": 4} (the target\'s first N layers draft)', default_help="off")
 
+    kv_transfer_config: Optional[KVTransferConfig] = option(
+        None, 'a KV connector as JSON: {"kv_connector": NAME, "kv_role": "kv_both", "kv_connector_extra_config": '
+              '{...}}; OffloadingConnector is the host-memory tier (kv_offloading_size)', default_help="none")
+    kv_offloading_size: Optional[float] = option(
+        None, "GiB of host memory (pinned on CUDA) that keeps KV blocks evicted from the GPU prefix cache, "
+              "loaded back when a prompt reuses them", default_help="off")
+
     def __post_init__(self) -> None:
+        if isinstance(self.kv_transfer_config, dict):
+            try:
+                self.kv_transfer_config = KVTransferConfig(**self.kv_transfer_config)
+            except TypeError as e:
+                raise ConfigError(f"kv_transfer_config: {e}") from None
         if isinstance(self.speculative_config, dict):
             try:
                 self.speculative_config = SpeculativeConfig(**self.speculative_config)
@@ -288,6 +324,24 @@ class EngineConfig:
                               "enable_expert_parallel")
         if self.batch_invariant:
             self._check_batch_invariant()
+        self._check_kv_transfer()
+
+    def _check_kv_transfer(self) -> None:
+        size, kv = self.kv_offloading_size, self.kv_transfer_config
+        if size is not None and not size > 0:
+            raise ConfigError(f"kv_offloading_size must be > 0 GiB, got {size}")
+        if size is not None and kv is not None and kv.kv_connector != OFFLOADING_CONNECTOR:
+            raise ConfigError(f"kv_offloading_size runs the {OFFLOADING_CONNECTOR}; kv_transfer_config names "
+                              f"{kv.kv_connector} (one connector at a time)")
+
+    def resolve_kv_transfer(self) -> Optional[KVTransferConfig]:
+        """The connector to run: kv_transfer_config, or the host tier that kv_offloading_size asks for."""
+        kv = self.kv_transfer_config
+        if self.kv_offloading_size is None:
+            return kv
+        extra = dict(kv.kv_connector_extra_config) if kv is not None else {}
+        extra["size_gib"] = self.kv_offloading_size
+        return KVTransferConfig(OFFLOADING_CONNECTOR, kv.kv_role if kv is not None else "kv_both", extra)
 
     def _check_batch_invariant(self) -> None:
         """What batch-invariant mode does not cover yet is refused, not run with batch-dependent numerics."""

@@ -6,6 +6,7 @@ from typing import Optional
 
 import numpy as np
 
+from tokenmill.kv_connector.base import KVConnectorMetadata
 from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
@@ -58,6 +59,7 @@ class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     freed_req_ids: list[str] = field(default_factory=list)  # rows to release before this step
     num_decodes: int = 0  # entries whose prompt was already done (the rest prefill a chunk)
+    kv_connector_metadata: Optional[KVConnectorMetadata] = None  # the step's KV transfers (kv_connector/)
 
     @property
     def kind(self) -> str:

@@ -10,7 +10,8 @@ import pytest
 
 from tokenmill.bench.roofline import (Ceilings, attention_context_sum, embedding_parameters, run_roofline, step_floor,
                                       step_kind)
-from tokenmill.bench.workloads import WORKLOADS, generate_requests, get_workload, parse_range, summarize
+from tokenmill.bench.workloads import (WORKLOADS, generate_conversations, generate_requests, get_workload, parse_range,
+                                      summarize)
 from tokenmill.engine.llm_engine import StepShape
 from tokenmill.entrypoints.cli import main
 from tokenmill.models.config import ModelArchConfig, MoEConfig
@@ -287,6 +288,31 @@ def test_latency_tiny(tmp_path):
     s = r["summary"]
     assert s["output_tokens"] == 8 and s["tpot_ms"] > 0 and s["ttft_ms"] > 0
     assert 0 < s["bandwidth_pct"] <= 100 and 0 < s["roofline_pct"] <= 100
+
+
+def test_multiturn_conversations_resend_their_history():
+    w = get_workload("multiturn-tiny")
+    convs = generate_conversations(w, 1024)
+    assert len(convs) == w.num_requests and all(len(c) == w.turns for c in convs)
+    for c in convs:
+        for prev, turn in zip(c, c[1:]):  # each turn repeats the previous prompt, its answer, then more
+            assert turn.prompt_token_ids[: len(prev.prompt_token_ids)] == prev.prompt_token_ids
+            assert len(turn.prompt_token_ids) >= len(prev.prompt_token_ids) + prev.max_tokens + w.input_len[0]
+    assert len({tuple(c[0].prompt_token_ids[: w.system_len]) for c in convs}) == 1  # one system prompt
+    assert generate_conversations(w, 1024) == convs
+
+
+def test_multiturn_tiny_with_the_host_tier(tmp_path):
+    rc = main(["bench", "multiturn", "--workload", "multiturn-tiny", "--device", "cpu", "--out", str(tmp_path),
+               "--working-set-ratio", "3", "--kv-offloading-size", "0.01", "--tag", "t", "--warmup-requests", "1"])
+    assert rc == 0
+    r = _load(tmp_path / "multiturn-multiturn-tiny-t.json")
+    s = r["summary"]
+    assert s["working_set_ratio"] > 2 and s["ttft_ms"]["p50"] > 0 and s["ttft_later_turns_ms"]["p50"] > 0
+    assert s["output_tokens"] == sum(t.max_tokens for c in generate_conversations(get_workload("multiturn-tiny"), 1024)
+                                     for t in c)
+    host = s["host_tier"]  # returning conversations found their evicted history on the host
+    assert host["hit_tokens"] > 0 and host["bytes_loaded"] > 0 and s["host_cached_prompt_tokens"] > 0
 
 
 class _FakeServer:

@@ -66,3 +66,15 @@ def test_shared_prefixes_hit_the_prefix_cache(smollm, chat_prompt_ids, hf_greedy
         assert out.outputs[0].token_ids == ref
     assert sum(o.metrics.num_cached_prompt_tokens for o in outs) >= 2 * 16
     assert_no_leaks(llm)
+
+
+def test_host_tier_reloads_match_hf(smollm, chat_prompt_ids, hf_greedy):
+    """The host-memory KV tier under a GPU cache of 12 blocks: the second pair of prompts evicts the
+    first pair's blocks to the host; run again, the first pair loads them back. HF's tokens each time."""
+    llm = make_llm(smollm, num_kv_blocks=12, max_num_seqs=2, kv_offloading_size=0.05)
+    first = llm.generate(chat_prompt_ids[:4], GREEDY, use_tqdm=False)
+    again = llm.generate(chat_prompt_ids[:2], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first + again] == hf_greedy[:4] + hf_greedy[:2]
+    assert all(o.metrics.num_host_cached_prompt_tokens > 0 for o in again)
+    assert llm.engine.snapshot().kv_offload.blocks_loaded > 0
+    assert_no_leaks(llm)

@@ -24,6 +24,7 @@ from tokenmill.config import ConfigError
 from tokenmill.serve.dp_client import (BalancerConfig, Placement, ReplicaBalancer, ReplicaLaunch, cpu_threads,
                                         replica_devices, total_snapshot)
 from tokenmill.engine.engine_snapshot import EngineSnapshot
+from tokenmill.kv_connector.host_tier import HostTierCounts
 from tokenmill.engine.spec_stats import SpecDecodeCounts
 
 openai = pytest.importorskip("openai")
@@ -117,9 +118,11 @@ def test_the_map_is_bounded_and_forgets_a_reset_replica():
 def test_totals_of_the_replicas_snapshots():
     a = EngineSnapshot(num_running=2, num_waiting=1, kv_cache_usage=0.5, num_free_blocks=50, num_blocks=100,
                        prefix_cache_hit_rate=0.5, num_preemptions=1, prompt_tokens=100, generation_tokens=7,
-                       spec_decode=SpecDecodeCounts(2, 3, 6, 4, (3, 3), (3, 1)))
+                       spec_decode=SpecDecodeCounts(2, 3, 6, 4, (3, 3), (3, 1)),
+                       kv_offload=HostTierCounts(hit_tokens=32, bytes_loaded=4096, load_seconds=0.5, num_slots=10))
     b = EngineSnapshot(num_running=1, num_waiting=0, kv_cache_usage=0.0, num_free_blocks=300, num_blocks=300,
-                       prefix_cache_hit_rate=0.0, prompt_tokens=200, generation_tokens=5)
+                       prefix_cache_hit_rate=0.0, prompt_tokens=200, generation_tokens=5,
+                       kv_offload=HostTierCounts(hit_tokens=16, bytes_saved=2048, failed_loads=1, num_slots=10))
     t = total_snapshot([a, b])
     assert (t.num_running, t.num_waiting, t.num_free_blocks, t.num_blocks) == (3, 1, 350, 400)
     assert t.kv_cache_usage == pytest.approx(50 / 400)
@@ -127,6 +130,8 @@ def test_totals_of_the_replicas_snapshots():
     assert t.prefix_cache_hit_rate == pytest.approx(0.25)
     assert (t.num_preemptions, t.prompt_tokens, t.generation_tokens) == (1, 300, 12)
     assert t.spec_decode == SpecDecodeCounts(2, 3, 6, 4, (3, 3), (3, 1))
+    assert t.kv_offload == HostTierCounts(hit_tokens=48, bytes_saved=2048, bytes_loaded=4096, load_seconds=0.5,
+                                          failed_loads=1, num_slots=20)  # the host tiers' totals
     assert total_snapshot([a]) is a
 
 

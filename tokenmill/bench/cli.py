@@ -1,4 +1,4 @@
-"""`tokenmill bench throughput|latency|serve|structured|profile|fidelity`: registered into the main CLI by `register(subparsers)`."""
+"""`tokenmill bench throughput|latency|serve|multiturn|structured|profile|fidelity`: registered into the main CLI by `register(subparsers)`."""
 
 from __future__ import annotations
 
@@ -108,6 +108,17 @@ def register(subparsers) -> None:
     gp.add_argument("--goodput-requests", type=int, default=200,
                     help="requests per probe (the workload's first N, Poisson arrivals at the probe's rate, seeded)")
     sv.set_defaults(func=functools.partial(_run, "serve"))
+
+    mt = add_command(sub, "multiturn", help="multi-turn chat: conversations resending their history; TTFT with "
+                                            "the GPU prefix cache and the host tier (--kv-offloading-size)")
+    _add_common(mt, "multiturn-8b", 1)
+    mt.add_argument("--concurrency", type=int, default=None,
+                    help="conversations in flight at once (default: the workload's)")
+    mt.add_argument("--working-set-ratio", type=float, default=None, metavar="R",
+                    help="size the GPU KV cache (num_kv_blocks) to 1/R of the conversations' KV working set, "
+                         "e.g. 4 (default: --num-kv-blocks or the memory budget)")
+    mt.add_argument("--keep-requests", action="store_true", help="keep every turn's TTFT in the JSON")
+    mt.set_defaults(func=functools.partial(_run, "multiturn"), no_plot=True, warmup_requests=4)
 
     st = add_command(sub, "structured", help="step time of one batch with and without JSON-schema grammars")
     _add_common(st, "structured-small", 3)

@@ -91,7 +91,9 @@ def free_device_memory(device) -> Optional[int]:
 
 
 def reset_prefix_cache(engine) -> bool:
-    """Forget cached prefixes so a repeat cannot reuse the previous run's prompts."""
+    """Forget cached prefixes so a repeat cannot reuse the previous run's prompts (the host tier's too)."""
+    if callable(getattr(engine, "reset_prefix_cache", None)) and engine.reset_prefix_cache():
+        return True
     kv = getattr(engine, "kv", None)
     if kv is not None and hasattr(kv, "reset_prefix_cache"):
         kv.reset_prefix_cache()

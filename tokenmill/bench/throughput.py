@@ -89,6 +89,7 @@ def _run_tokenmill(args, w, log) -> dict:
                "requests_per_s": len(requests) / elapsed, "num_steps": len(step_log),
                "num_preemptions": stats.num_preemptions, "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
                "roofline": roof, "speculative": spec,
+               "kv_offload": engine.snapshot().kv_offload,  # the host tier's counters so far (with --kv-offloading-size)
                "per_step": _per_step_points(step_log, seconds, kinds) if args.keep_steps else None}
         runs.append(run)
         log(f"run {i + 1}/{args.repeat}: {run['output_tok_per_s']:.0f} output tok/s, "

@@ -11,6 +11,12 @@ i.e. all prompts first (for each request: its length, then its ids), then all ou
 With seed 0 this gives 133,966 output tokens for offline-small (256 requests, 100..1024 / 100..1024)
 and 37,032 for offline-8b (128 requests, 100..1024 / 100..512); tests/bench checks both.
 
+Multi-turn workloads (`turns` > 1, `tokenmill bench multiturn`): num_requests conversations, each
+a shared system prompt of system_len tokens, then `turns` user turns (input_len) each answered by
+output_len tokens; turn t resends the whole history (system, every earlier user turn and answer)
+plus its new user turn, as a chat client does. The answers in the history are drawn here, not the
+model's (dummy weights say nothing), so the requests do not depend on what was generated.
+
 We use a private `random.Random(seed)` instead of the global generator: the sequence is the same
 (the global functions are bound methods of one Random instance) and nobody else's state is touched.
 Token ids are drawn from 0..min(10000, vocab_size - 1) so tiny test vocabularies work; for every
@@ -50,13 +56,21 @@ class Workload:
     description: str = ""
     # Engine options this workload needs (merged under the user's flags).
     engine_overrides: dict = field(default_factory=dict)
+    # Multi-turn conversations (bench multiturn): turns per conversation, the shared system prompt's
+    # length, and conversations in flight at once (each sends its next turn when its answer is done).
+    turns: int = 1
+    system_len: int = 0
+    concurrency: Optional[int] = None
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "model": self.model, "num_requests": self.num_requests,
-                "input_len": list(self.input_len), "output_len": list(self.output_len), "dtype": self.dtype,
-                "load_format": self.load_format, "seed": self.seed, "max_token_id": self.max_token_id,
-                "temperature": self.temperature, "request_rate": self.request_rate,
-                "expected_output_tokens": self.expected_output_tokens, "description": self.description}
+        d = {"name": self.name, "model": self.model, "num_requests": self.num_requests,
+             "input_len": list(self.input_len), "output_len": list(self.output_len), "dtype": self.dtype,
+             "load_format": self.load_format, "seed": self.seed, "max_token_id": self.max_token_id,
+             "temperature": self.temperature, "request_rate": self.request_rate,
+             "expected_output_tokens": self.expected_output_tokens, "description": self.description}
+        if self.turns > 1:
+            d.update(turns=self.turns, system_len=self.system_len, concurrency=self.concurrency)
+        return d
 
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in [
@@ -104,6 +118,13 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
              description="a few short requests on the tiny-qwen3-moe preset (CPU tests of the MoE paths)"),
     Workload("latency-tiny", "tiny-llama", 1, (32, 32), (32, 32), dtype="auto",
              description="batch-1 latency on the tiny-llama preset (CPU tests)"),
+    # Chat clients resending their growing history: 64 conversations of 8 turns end near 2,000
+    # tokens each, a prefix working set of about 130k tokens (bench multiturn --working-set-ratio
+    # sizes the GPU KV cache to a fraction of it, so prefixes must come back from the host tier).
+    Workload("multiturn-8b", "llama-3.1-8b", 64, (64, 192), (64, 128), turns=8, system_len=256, concurrency=8,
+             description="64 conversations x 8 turns resending their history, 8 in flight (bench multiturn)"),
+    Workload("multiturn-tiny", "tiny-llama", 6, (8, 24), (4, 8), dtype="auto", turns=3, system_len=16,
+             concurrency=2, description="bench multiturn on the tiny-llama preset (CPU tests)"),
 ]}
 
 
@@ -191,6 +212,25 @@ def warmup_requests(w: Workload, vocab_size: Optional[int], count: int = 8, max_
     n = max(1, min(count, w.num_requests))
     return [BenchRequest([rng.randint(0, top) for _ in range(rng.randint(in_lo, in_hi))],
                          min(max_tokens, rng.randint(out_lo, out_hi))) for _ in range(n)]
+
+
+def generate_conversations(w: Workload, vocab_size: Optional[int] = None) -> list[list[BenchRequest]]:
+    """The multi-turn workload's conversations: for each, its turns in order, each prompt the whole
+    history so far plus the new user turn (see the module docstring)."""
+    rng = random.Random(w.seed)
+    top = w.max_token_id if vocab_size is None else min(w.max_token_id, vocab_size - 1)
+    (in_lo, in_hi), (out_lo, out_hi) = w.input_len, w.output_len
+    system = [rng.randint(0, top) for _ in range(w.system_len)]  # one system prompt for every conversation
+    conversations = []
+    for _ in range(w.num_requests):
+        history, turns = list(system), []
+        for _ in range(w.turns):
+            history += [rng.randint(0, top) for _ in range(rng.randint(in_lo, in_hi))]
+            answer = [rng.randint(0, top) for _ in range(rng.randint(out_lo, out_hi))]
+            turns.append(BenchRequest(list(history), len(answer)))
+            history += answer
+        conversations.append(turns)
+    return conversations
 
 
 def summarize(requests: list[BenchRequest]) -> dict:

@@ -26,6 +26,9 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free: "OrderedDict[int, None]" = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # block key (engine/block_hash.py) -> block id
+        # With a KV connector that keeps evicted blocks (the host tier): (block id, key) of each cached
+        # block handed out again, until the scheduler passes them on; None: not recorded.
+        self.evicted: Optional[list[tuple[int, bytes]]] = None
 
     @property
     def num_free(self) -> int:
@@ -41,6 +44,8 @@ class BlockPool:
             if block.block_hash is not None:  # evict its cached contents
                 if self.cached.get(block.block_hash) == block_id:
                     del self.cached[block.block_hash]
+                    if self.evicted is not None:
+                        self.evicted.append((block_id, block.block_hash))
                 block.block_hash = None
             block.ref_cnt = 1
             ids.append(block_id)
@@ -76,6 +81,10 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block_id
+
+    def take_evicted(self) -> list[tuple[int, bytes]]:
+        evicted, self.evicted = self.evicted, []
+        return evicted
 
     def reset_cache(self) -> None:
         for block in self.blocks:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from tokenmill.engine.spec_stats import SpecDecodeCounts
+from tokenmill.kv_connector.host_tier import HostTierCounts
 
 
 @dataclass
@@ -24,18 +25,22 @@ class EngineSnapshot:
     kernel_compiles_after_warmup: int = 0
     kernel_compile_seconds_after_warmup: float = 0.0
     spec_decode: Optional[SpecDecodeCounts] = None
+    kv_offload: Optional[HostTierCounts] = None  # the host tier's counters (kv_offloading_size), when on
 
     def to_wire(self) -> list:
-        values = [getattr(self, f.name) for f in dataclasses.fields(self)]
-        spec = self.spec_decode
-        values[-1] = None if spec is None else [spec.num_speculative_tokens, spec.verify_steps, spec.drafts,
+        values = [getattr(self, f.name) for f in dataclasses.fields(EngineSnapshot)]
+        spec, host = self.spec_decode, self.kv_offload
+        values[-2] = None if spec is None else [spec.num_speculative_tokens, spec.verify_steps, spec.drafts,
                                                 spec.accepted, list(spec.drafted_at), list(spec.accepted_at)]
+        values[-1] = None if host is None else [getattr(host, f.name) for f in dataclasses.fields(host)]
         return values
 
     @classmethod
     def from_wire(cls, values: list) -> "EngineSnapshot":
         values = list(values)
+        if values[-2] is not None:
+            k, steps, drafts, accepted, at, acc_at = values[-2]
+            values[-2] = SpecDecodeCounts(k, steps, drafts, accepted, tuple(at), tuple(acc_at))
         if values[-1] is not None:
-            k, steps, drafts, accepted, at, acc_at = values[-1]
-            values[-1] = SpecDecodeCounts(k, steps, drafts, accepted, tuple(at), tuple(acc_at))
+            values[-1] = HostTierCounts(*values[-1])
         return cls(*values)

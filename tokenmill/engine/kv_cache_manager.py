@@ -103,6 +103,24 @@ class KVCacheManager:
         self._cache_full_blocks(request, min(computed + num_new_tokens, request.num_tokens))
         return True
 
+    def allocate_for_load(self, request: Request, cached_blocks: list[int], num_tokens: int) -> bool:
+        """Blocks for the first num_tokens tokens, after the cached ones, for a KV connector to load
+        into: not entered in the prefix cache until the load is done (cache_loaded). False if they
+        don't fit."""
+        needed = cdiv(num_tokens, self.block_size) - len(request.block_ids) - len(cached_blocks)
+        reclaimable = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_cnt == 0)
+        if needed > self.pool.num_free - reclaimable:
+            return False
+        self.pool.touch(cached_blocks)
+        request.block_ids.extend(cached_blocks)
+        if needed > 0:
+            request.block_ids.extend(self.pool.allocate(needed))
+        return True
+
+    def cache_loaded(self, request: Request, num_tokens: int) -> None:
+        """A connector filled the request's blocks up to num_tokens: they may be shared now."""
+        self._cache_full_blocks(request, num_tokens)
+
     def record_prefix_lookup(self, request: Request, num_cached_tokens: int) -> None:
         self.prefix_queries += request.num_tokens
         self.prefix_hits += num_cached_tokens

@@ -42,6 +42,7 @@ from tokenmill.lora.registry import LoRARegistry
 from tokenmill.lora.request import LoRARequest
 from tokenmill.models.config import architecture_spec
 from tokenmill.engine.compile_watch import CompileWatch, install_hooks
+from tokenmill.kv_connector.factory import check_connector_options, make_scheduler_connector
 from tokenmill.runner.async_output import AsyncOutput
 from tokenmill.step_io import ModelRunnerOutput, SchedulerOutput
 from tokenmill.runner.model_runner import ModelRunner
@@ -154,6 +155,7 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.config.validate()
         cfg = self.config
+        check_connector_options(cfg)  # refused before anything loads
         if cfg.enable_lora or cfg.batch_invariant or cfg.enable_expert_parallel:  # refused before anything loads
             check_model_options(cfg, loaded.arch if loaded is not None else read_arch(model, load_format))
         # tensor_parallel_size > 1: worker processes hold the other shards (executor/); this process is rank 0.
@@ -213,7 +215,10 @@ class LLMEngine:
                                                    self.config.pipeline_parallel_size,
                                                    self.config.resolve_prefill_step_cap(device_type),
                                                    self._prefill_context_scale(device_type)),
-                                   self.kv, self.step_budget)
+                                   self.kv, self.step_budget,
+                                   make_scheduler_connector(self.config, self.runner.kv_spec.bytes_per_block))
+        # A KV connector (kv_connector/): the scheduler side here, the worker side in the runner.
+        self.kv_connector = self.scheduler.connector
         # Steps kept in flight beyond the one being completed: one with async scheduling; with
         # pipeline stages pp - 1, so that every stage has a step (executor/pipeline.py).
         self.async_scheduling = self.config.async_scheduling
@@ -349,7 +354,9 @@ class LLMEngine:
                 self.step(emit_unfinished=False)
         self.scheduler.num_prefill_tokens = 0
         self.kv.prefix_queries = self.kv.prefix_hits = 0
-        self.kv.reset_prefix_cache()
+        self.reset_prefix_cache()
+        if self.kv_connector is not None:
+            self.kv_connector.reset_stats()
         self.generation_tokens = self.steps_completed = 0
         if self.spec_stats is not None:
             self.spec_stats = SpecDecodeStats(self.spec_stats.num_speculative_tokens)
@@ -461,6 +468,8 @@ class LLMEngine:
         launched = False
         results: list[RequestOutput] = []
         completed = 0
+        if self.kv_connector is not None:  # loads the worker finished since the last step
+            self.scheduler.update_from_kv_connector(self.runner.kv_connector_finished())
         sched = self.scheduler.schedule() if self.scheduler.has_unfinished else None
         if self.lockstep is not None:  # every replica agrees on the step; one without work runs a dummy
             agreement = self.lockstep.run_step(self.runner, sched.num_tokens if sched and sched.batch else 0,
@@ -489,13 +498,17 @@ class LLMEngine:
                 if self.step_budget is not None:
                     self.step_budget.launched()
                 launched = True
-            elif sched.freed_req_ids:
-                self.runner.release(sched.freed_req_ids)
+            else:
+                if sched.freed_req_ids:
+                    self.runner.release(sched.freed_req_ids)
+                if sched.kv_connector_metadata is not None:
+                    self.runner.kv_connector_no_forward(sched.kv_connector_metadata)
         # Nothing launched: complete the oldest step only (its requests may then be scheduled).
         keep = self.steps_ahead if launched else max(0, len(self._inflight) - 1)
         completed += self._complete(keep, results, emit_unfinished)
         # (A speculating request may wait a step for its in-flight tokens without finishing.)
-        if not launched and not completed and self.scheduler.has_unfinished and not self._inflight:
+        waits = self.kv_connector is not None and self.kv_connector.has_pending  # on a transfer: not stuck
+        if not launched and not completed and self.scheduler.has_unfinished and not self._inflight and not waits:
             raise RuntimeError("the scheduler could not schedule any request (this is a bug)")
         if not self.scheduler.has_unfinished:  # idle: release the rows of what just finished
             self.runner.release(self.scheduler.take_freed_ids())
@@ -584,27 +597,30 @@ class LLMEngine:
             self.structured.remove(request.request_id)
 
     def stats(self) -> EngineStats:
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,
+        return EngineStats(len(self.scheduler.running), self.scheduler.num_waiting, self.kv.usage,
                            self.kv.prefix_hit_rate, self.scheduler.num_preemptions,
                            self.scheduler.num_prefill_tokens, self.generation_tokens)
 
     def snapshot(self) -> EngineSnapshot:
         """The counters a server shows (its stats and /metrics), as one value safe to hand on."""
         kv, compiles, spec = self.kv, self.compile_watch.stats(), self.spec_stats
-        return EngineSnapshot(len(self.scheduler.running), len(self.scheduler.waiting), kv.usage,
+        return EngineSnapshot(len(self.scheduler.running), self.scheduler.num_waiting, kv.usage,
                               kv.num_free_blocks, kv.num_blocks, kv.prefix_hit_rate, self.scheduler.num_preemptions,
                               self.scheduler.num_prefill_tokens, self.generation_tokens,
                               compiles.compiles_after_warm, compiles.seconds_after_warm,
-                              None if spec is None else spec.snapshot())
+                              None if spec is None else spec.snapshot(),
+                              None if self.kv_connector is None else self.kv_connector.stats())
 
     def num_waiting_sequences(self) -> int:
-        return len(self.scheduler.waiting)  # each of a request's n samples waits
+        return self.scheduler.num_waiting  # each of a request's n samples waits
 
     def reset_prefix_cache(self) -> bool:
-        """Forget the prefix cache; only when no request runs (False otherwise)."""
+        """Forget the prefix cache (and a KV connector's host tier); only when no request runs (False otherwise)."""
         if self.has_unfinished_requests():
             return False
         self.kv.reset_prefix_cache()
+        if self.kv_connector is not None:
+            self.kv_connector.reset()
         return True
 
     def check_health(self) -> None:

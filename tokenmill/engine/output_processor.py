@@ -147,6 +147,7 @@ class OutputProcessor:
                 finish_reason=sample.finish_reason, stop_reason=req.stop_reason if done else None,
             ))
         user.metrics.num_cached_prompt_tokens = user.samples[0].request.num_cached_tokens
+        user.metrics.num_host_cached_prompt_tokens = user.samples[0].request.num_host_cached_tokens
         prompt_lp = list(user.prompt_logprobs) if user.prompt_logprobs is not None else None
         return RequestOutput(request_id, user.prompt, user.prompt_token_ids, outputs, user.finished, user.metrics,
                              prompt_lp)

@@ -37,7 +37,8 @@ class RequestMetrics:
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
-    num_cached_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens not computed: prefix-cache hits, all tiers
+    num_host_cached_prompt_tokens: int = 0  # of those, loaded from the host tier (kv_offloading_size)
 
 
 @dataclass

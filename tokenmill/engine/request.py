@@ -11,6 +11,7 @@ from tokenmill.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # waiting for a KV connector to load its prefix (holds the blocks)
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
@@ -37,7 +38,10 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks of known tokens
     num_registered_blocks: int = 0  # leading blocks already entered in the prefix cache
-    num_cached_tokens: int = 0  # prefix-cache hit at first admission
+    num_cached_tokens: int = 0  # prefix-cache hit at first admission (GPU and host tiers together)
+    num_host_cached_tokens: int = 0  # of which a KV connector loaded (the host tier)
+    num_external_tokens: int = 0  # tokens its connector load in flight brings, past num_cached_gpu
+    skip_kv_connector: bool = False  # a connector load failed: recompute instead of loading again
     num_prefill_tokens: int = 0  # tokens known at the last admission (prompt, plus outputs if resumed)
     num_preemptions: int = 0
     stop_reason: Optional[object] = None

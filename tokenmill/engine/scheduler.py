@@ -25,6 +25,12 @@ token is known on the CPU; the runner feeds that token from the device.
 With a draft that writes K/V (a draft model, the layer-truncated draft), a speculating request also
 holds `num_lookahead_tokens` slots beyond each step's tokens (`_lookahead`): the k draft steps that
 follow a step write positions up to k - 1 past it. The runner never writes past the slots held.
+
+With a KV connector (kv_connector/, e.g. the host tier), a waiting request whose prefix continues
+past its GPU hit where the connector has it takes blocks for that prefix and waits in the LOADING
+state (not in the queue, not in the step) while the worker side copies it in; a later step's report
+puts it back at the front of the queue with that prefix computed. A failed load puts it back to
+recompute; a request that ends while a load writes its blocks keeps them until the load is reported.
 """
 
 from collections import Counter, deque
@@ -35,6 +41,7 @@ from tokenmill.engine.kv_cache_manager import KVCacheManager, fits_problem
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.step_budget import StepBudget
 from tokenmill.errors import InvalidRequestError
+from tokenmill.kv_connector.base import KVConnectorOutput, KVConnectorScheduler
 from tokenmill.step_io import NewRequestData, ScheduledRequest, SchedulerOutput
 
 
@@ -114,9 +121,15 @@ class _Step:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager, step_budget: Optional[StepBudget] = None):
+    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager, step_budget: Optional[StepBudget] = None,
+                 connector: Optional[KVConnectorScheduler] = None):
         self.limits = limits
         self.kv = kv
+        self.connector = connector  # a KV connector's scheduler side (kv_connector/), if configured
+        self.loading: dict[str, Request] = {}  # requests whose prefix a connector is loading
+        self._held: dict[str, Request] = {}  # ended requests whose blocks a transfer still uses
+        if connector is not None:
+            kv.pool.evicted = []  # the connector sees the cached blocks the pool hands out again
         self.step_budget = step_budget  # caps the prompt tokens of a step with decodes (step-time target)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -148,15 +161,76 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self._remove_running(request)
             self._freed_ids.append(request.request_id)
+        elif request.status == RequestStatus.LOADING:
+            del self.loading[request.request_id]
         else:
             self.waiting.remove(request)
         request.status = status
-        self.kv.free(request)
         del self.requests[request.request_id]
+        if self.connector is not None and self.connector.request_finished(request, request.block_ids):
+            self._held[request.request_id] = request  # freed when the connector reports the transfer done
+            return
+        self.kv.free(request)
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self._held)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.loading)
+
+    # ---- KV connector ---------------------------------------------------------------------
+    def update_from_kv_connector(self, output: KVConnectorOutput) -> None:
+        """The worker side's report: admit loaded requests first, requeue failed ones to recompute,
+        free the blocks of ended requests no transfer uses any more."""
+        update = self.connector.update_connector_output(output)
+        for req_id in reversed(update.loaded):  # (appendleft: keep their order)
+            request = self.loading.pop(req_id)
+            request.num_computed_tokens += request.num_external_tokens
+            if request.num_preemptions == 0:
+                request.num_host_cached_tokens = request.num_external_tokens
+            request.num_external_tokens = 0
+            self.kv.cache_loaded(request, request.num_computed_tokens)
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        for req_id in reversed(update.failed):
+            request = self.loading.pop(req_id)
+            self.kv.free(request)
+            request.num_computed_tokens = request.num_external_tokens = 0
+            request.skip_kv_connector = True
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        for req_id in update.released:
+            self.kv.free(self._held.pop(req_id))
+
+    def _start_load(self, request: Request, cached_blocks: list[int], num_cached: int) -> Optional[bool]:
+        """Ask the connector for more of the request's prefix than the GPU cache has: None if it has
+        none; else whether its load could start (blocks taken, the request LOADING)."""
+        self._flush_evictions()  # a block evicted earlier in this step is on the host for this lookup
+        num_external, _ = self.connector.get_num_new_matched_tokens(request, num_cached)
+        if not num_external:
+            return None
+        # Asynchronous or not, the load is reported by the worker on a later step.
+        if not self.kv.allocate_for_load(request, cached_blocks, num_cached + num_external):
+            self.connector.request_finished(request, [])  # forget the match
+            return False
+        self.connector.update_state_after_alloc(request, request.block_ids, num_external, num_cached)
+        self.waiting.popleft()
+        if request.num_preemptions == 0:
+            self.kv.record_prefix_lookup(request, num_cached)
+        request.num_computed_tokens = num_cached
+        request.num_external_tokens = num_external
+        request.status = RequestStatus.LOADING
+        self.loading[request.request_id] = request
+        return True
+
+    def _flush_evictions(self) -> None:
+        """Hand the connector the cached blocks allocation took since the last call (their saves go
+        into this step's metadata, ahead of its loads and its forward pass)."""
+        evicted = self.kv.pool.take_evicted()
+        if evicted:
+            self.connector.on_blocks_evicted(evicted)
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -188,8 +262,13 @@ class Scheduler:
             # one tile (runner/lora_state.py); the order of a step's entries means nothing else.
             batch.sort(key=lambda e: self._lora_order(self.requests[e.req_id].lora_request))
 
+        meta = None
+        if self.connector is not None:
+            self._flush_evictions()
+            meta = self.connector.build_connector_meta()
+            meta = None if meta.empty else meta
         return SchedulerOutput(batch=batch, new_requests=step.new_requests, freed_req_ids=self.take_freed_ids(),
-                               num_decodes=step.num_decodes)
+                               num_decodes=step.num_decodes, kv_connector_metadata=meta)
 
     def _schedule_running(self, step: "_Step", request: Request, prefilling: bool) -> None:
         """Schedule a running request's next tokens (a decode, or its prompt's next chunk), preempting
@@ -236,17 +315,32 @@ class Scheduler:
             if not self._lora_slot_free(request):
                 skipped.append(self.waiting.popleft())
                 continue
-            # Prompt logprobs need the logits of every prompt position: no cached prefix (the
-            # request's blocks still enter the cache).
-            cached_blocks, num_cached = (self.kv.find_cached_prefix(request) if request.params.prompt_logprobs is None
-                                         else ([], 0))
+            loaded = request.num_computed_tokens  # a connector loaded its prefix (its blocks held)
+            if loaded:
+                cached_blocks, num_cached = [], loaded
+            else:
+                # Prompt logprobs need the logits of every prompt position: no cached prefix (the
+                # request's blocks still enter the cache).
+                cached_blocks, num_cached = (self.kv.find_cached_prefix(request)
+                                             if request.params.prompt_logprobs is None else ([], 0))
+                if self.connector is not None and request.params.prompt_logprobs is None \
+                        and not request.skip_kv_connector:
+                    started = self._start_load(request, cached_blocks, num_cached)
+                    if started:
+                        continue
+                    if started is False:
+                        break
             num_new = min(request.num_tokens - num_cached, step.prompt_room(num_cached))
             if num_new <= 0 or not self.kv.allocate(request, num_new, cached_blocks,
                                                     self._lookahead(request, num_cached + num_new)):
+                if loaded:  # give its blocks back (cached, a GPU hit next time) rather than hold them waiting
+                    self.kv.free(request)
+                    request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             if request.num_preemptions == 0:
-                self.kv.record_prefix_lookup(request, num_cached)
+                if not loaded and not request.skip_kv_connector:  # (a failed load's lookup is counted)
+                    self.kv.record_prefix_lookup(request, num_cached)
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached

@@ -12,6 +12,8 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.kernels.input_prep import post_update
+from tokenmill.kv_connector.base import KVConnectorMetadata, KVConnectorOutput
+from tokenmill.kv_connector.factory import make_worker_connector
 from tokenmill.layers.forward_context import AttentionMetadata, AttentionSplitter, forward_context
 from tokenmill.layers.invariance import with_batch_invariance
 from tokenmill.logger import init_logger
@@ -74,6 +76,8 @@ class ModelRunner:
         self.buffers = InputBuffers(self.max_num_tokens, config.max_num_seqs, max_blocks, device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.kv_caches: list = []  # per layer (k_cache, v_cache)
+        # A KV connector's worker side (kv_connector/: the host tier, ...), only when configured.
+        self.kv_connector = make_worker_connector(config, self.kv_spec.bytes_per_block, device)
         # Every CUDA graph (runner/cuda_graphs.py), planned from the weakest attention backend in use.
         self.graphs = GraphBank(resolve_graph_plan(
             weakest_graph_support(model, draft_model), enabled=device.type == "cuda" and not config.enforce_eager,
@@ -110,6 +114,8 @@ class ModelRunner:
         if num_blocks < 1:
             raise RuntimeError("no memory is left for the KV cache; lower max_num_batched_tokens or the model size")
         self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_caches)
         if self.spec is not None:  # a draft model's cache has the same blocks
             self.spec.bind_kv_cache(num_blocks, self.kv_caches)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, cfg.block_size,
@@ -165,6 +171,8 @@ class ModelRunner:
         """Drop the model, KV cache, CUDA graphs and buffers (the runner cannot step afterwards)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # nothing in flight reads what is dropped
+        if self.__dict__.get("kv_connector") is not None:
+            self.kv_connector.shutdown()
         device = self.device
         vars(self).clear()
         self.device = device
@@ -185,6 +193,8 @@ class ModelRunner:
         self.release(out.freed_req_ids)
         for new in out.new_requests:
             states.add(new)
+        if out.kv_connector_metadata is not None:  # before the forward pass: its saves and loads
+            self.kv_connector.start_load_kv(out.kv_connector_metadata)
         batch = out.batch
         rows = np.fromiter((states.row_of[e.req_id] for e in batch), dtype=np.int64, count=len(batch))
         for e, row in zip(batch, rows):
@@ -222,7 +232,17 @@ class ModelRunner:
                 self._logits = self.model.compute_logits(hidden[rows_out])
                 if lp_plan is not None:
                     self._prompt_lp = self.prompt_logprobs.compute(hidden, lp_plan, self.model.compute_logits)
+        if self.kv_connector is not None:
+            self.kv_connector.wait_for_save()
         self._step = step
+
+    def kv_connector_no_forward(self, meta: KVConnectorMetadata) -> None:
+        """A step that runs no tokens: its KV transfers still start."""
+        self.kv_connector.no_forward(meta)
+
+    def kv_connector_finished(self) -> KVConnectorOutput:
+        """The KV connector's transfers done (or failed) since the last call; never waits."""
+        return self.kv_connector.get_finished()
 
     def forget_step(self) -> None:
         """Drop the launched step unsampled (a pipeline stage before the last: its tokens come from

@@ -75,6 +75,7 @@ class _Live:
     samples: list
     arrival: float
     num_cached: int = 0
+    num_host_cached: int = 0  # of num_cached, loaded from the host tier
     prompt_logprobs: Optional[list] = None
 
     @property
@@ -86,7 +87,8 @@ class _Live:
                                     None if s.logprobs is None else list(s.logprobs), s.finish_reason,
                                     s.stop_reason) for i, s in enumerate(self.samples)]
         return RequestOutput(request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
-                             RequestMetrics(self.arrival, num_cached_prompt_tokens=self.num_cached),
+                             RequestMetrics(self.arrival, num_cached_prompt_tokens=self.num_cached,
+                                            num_host_cached_prompt_tokens=self.num_host_cached),
                              self.prompt_logprobs)
 
 
@@ -470,7 +472,7 @@ class EngineCoreClient:
         live = self._live.get(request_id)
         if live is None:
             return None  # aborted here meanwhile
-        live.num_cached = cached
+        live.num_cached, live.num_host_cached = cached
         if prompt_lps is not None:
             live.prompt_logprobs = prompt_logprobs_from_wire(prompt_lps)
         for index, new_ids, finish_reason, stop_reason, cumulative, new_lps in samples:

@@ -23,7 +23,7 @@ From the engine: ("ready", EngineFacts as a dict)
                  ("failed", message)                        the engine thread raised; the process ends
                  ("bye",)                                   after a shutdown: the last message
 
-A delta: [request_id, finished, num_cached_prompt_tokens, prompt_logprobs or None,
+A delta: [request_id, finished, [num_cached_prompt_tokens, of which from the host tier], prompt_logprobs or None,
 [[index, new_token_ids, finish_reason, stop_reason, cumulative_logprob, new_logprobs or None], ...]]
 where new_logprobs holds one [[token_id, logprob, rank], ...] list per new token.
 """
@@ -93,7 +93,8 @@ def output_delta(out, progress: RequestProgress) -> list:
     """The wire delta of a RequestOutput (cumulative) given what was sent before; updates progress."""
     samples = ((c.index, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason, c.cumulative_logprob)
                for c in out.outputs)
-    cached = out.metrics.num_cached_prompt_tokens if out.metrics is not None else 0
+    m = out.metrics
+    cached = [m.num_cached_prompt_tokens, m.num_host_cached_prompt_tokens] if m is not None else [0, 0]
     return _delta(out.request_id, out.finished, cached, out.prompt_logprobs, samples, progress)
 
 
@@ -106,11 +107,12 @@ def state_delta(user, progress: RequestProgress) -> list:
         done = s.finish_reason is not None
         samples.append((req.index, req.output_token_ids, s.logprobs, s.finish_reason,
                         req.stop_reason if done else None, s.cumulative_logprob))
-    return _delta(user.request_id, user.finished, user.samples[0].request.num_cached_tokens, user.prompt_logprobs,
-                  samples, progress)
+    req = user.samples[0].request
+    return _delta(user.request_id, user.finished, [req.num_cached_tokens, req.num_host_cached_tokens],
+                  user.prompt_logprobs, samples, progress)
 
 
-def _delta(request_id: str, finished: bool, cached: int, prompt_logprobs, samples, progress: RequestProgress) -> list:
+def _delta(request_id: str, finished: bool, cached: list, prompt_logprobs, samples, progress: RequestProgress) -> list:
     wire = []
     any_tokens = False
     for index, token_ids, logprobs, finish_reason, stop_reason, cumulative in samples:

@@ -51,6 +51,7 @@ from tokenmill.engine.dp_lockstep import DataParallelRank
 from tokenmill.engine.engine_snapshot import EngineSnapshot
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.spec_stats import SpecDecodeCounts
+from tokenmill.kv_connector.host_tier import HostTierCounts
 from tokenmill.errors import InvalidRequestError
 from tokenmill.logger import init_logger
 from tokenmill.lora.request import LoRARequest
@@ -536,6 +537,9 @@ def total_snapshot(snapshots: Sequence[EngineSnapshot]) -> EngineSnapshot:
 
         spec = SpecDecodeCounts(k, sum(x.verify_steps for x in specs), sum(x.drafts for x in specs),
                                 sum(x.accepted for x in specs), at("drafted_at"), at("accepted_at"))
+    hosts = [s.kv_offload for s in snapshots if s.kv_offload is not None]
+    host = (HostTierCounts(*(sum(getattr(h, f.name) for h in hosts) for f in dataclasses.fields(HostTierCounts)))
+            if hosts else None)
     return EngineSnapshot(
         num_running=sum(s.num_running for s in snapshots), num_waiting=sum(s.num_waiting for s in snapshots),
         kv_cache_usage=usage, num_free_blocks=sum(s.num_free_blocks for s in snapshots), num_blocks=blocks,
@@ -544,4 +548,4 @@ def total_snapshot(snapshots: Sequence[EngineSnapshot]) -> EngineSnapshot:
         generation_tokens=sum(s.generation_tokens for s in snapshots),
         kernel_compiles_after_warmup=sum(s.kernel_compiles_after_warmup for s in snapshots),
         kernel_compile_seconds_after_warmup=sum(s.kernel_compile_seconds_after_warmup for s in snapshots),
-        spec_decode=spec)
+        spec_decode=spec, kv_offload=host)

@@ -19,6 +19,14 @@ a frozen copy of the engine's `SpecDecodeStats` (tokenmill/engine/spec_stats.py)
   1 + accepted tokens / num_drafts). For a window, take the counters' increases instead, e.g.
   `rate(..._num_accepted_tokens_total[5m]) / rate(..._num_draft_tokens_total[5m])`.
 
+Host-memory KV tier (only with `--kv-offloading-size`): counters `tokenmill:kv_offload_hit_tokens`
+(prompt tokens loaded from host memory instead of computed), `_lookup_tokens` (prompt tokens looked
+up there, past each GPU hit), `_bytes_saved` (device to host), `_bytes_loaded` (host to device),
+`_load_seconds` (time the loads took), `_failed_loads` (loads that failed and were recomputed); gauge
+`tokenmill:kv_offload_num_blocks` (host blocks in all). Totals only, never per request; and like the
+prefix-cache series they move with single requests (a host hit tells a prefix was sent before), so
+they are in PREFIX_CACHE_SERIES.
+
 Data parallelism (`--data-parallel-size N`, serve/dp_client.py): the series above are the totals
 over the replicas; `tokenmill:data_parallel_size` and, with a `replica` label ("0".."N-1"), each
 replica's own `tokenmill:replica_num_requests_running`, `_num_requests_waiting`,
@@ -40,6 +48,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from tokenmill.serve.async_engine import AsyncLLMEngine, EngineObserver
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.spec_stats import SpecDecodeCounts
+from tokenmill.kv_connector.host_tier import HostTierCounts
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -77,10 +86,22 @@ _REPLICA_COUNTERS = (
 )
 
 
+# The host tier's counters (HostTierCounts field, help).
+_KV_OFFLOAD_COUNTERS = (
+    ("hit_tokens", "Prompt tokens loaded from the host-memory KV tier instead of computed."),
+    ("lookup_tokens", "Prompt tokens looked up in the host-memory KV tier (past each GPU prefix-cache hit)."),
+    ("bytes_saved", "Bytes of KV blocks copied from the device to the host tier."),
+    ("bytes_loaded", "Bytes of KV blocks copied from the host tier to the device."),
+    ("load_seconds", "Seconds the host-tier loads took (issue to completion on the device)."),
+    ("failed_loads", "Host-tier loads that failed (their prefix was recomputed)."),
+)
+KV_OFFLOAD_SERIES = frozenset(["tokenmill:kv_offload_" + name for name, _ in _KV_OFFLOAD_COUNTERS]
+                              + ["tokenmill:kv_offload_num_blocks"])
+
 # Series that tell a prompt prefix was cached (the computed-token count drops on a hit).
 PREFIX_CACHE_SERIES = frozenset({"tokenmill:prefix_cache_hit_rate", "tokenmill:replica_prefix_cache_hit_rate",
                                  "tokenmill:replica_requests_routed_by_prefix",
-                                 "tokenmill:replica_prompt_tokens_computed"})
+                                 "tokenmill:replica_prompt_tokens_computed"}) | KV_OFFLOAD_SERIES
 
 
 class _Without:
@@ -137,6 +158,8 @@ class _EngineStateCollector:
         yield c
         if s.spec_decode is not None:
             yield from self._spec_decode(s.spec_decode)
+        if s.kv_offload is not None:
+            yield from self._kv_offload(s.kv_offload)
         restarts = getattr(self.engine.engine, "engine_restarts", None)  # an engine in a process of its own
         if restarts is not None:
             c = CounterMetricFamily("tokenmill:engine_restarts", "Engine processes restarted after one died.",
@@ -166,6 +189,17 @@ class _EngineStateCollector:
             yield family(GaugeMetricFamily, name, doc, value_of)
         for name, doc, value_of in _REPLICA_COUNTERS:
             yield family(CounterMetricFamily, name, doc, value_of)
+
+    def _kv_offload(self, host: HostTierCounts):
+        labels = ["model_name"]
+        for name, doc in _KV_OFFLOAD_COUNTERS:
+            c = CounterMetricFamily("tokenmill:kv_offload_" + name, doc, labels=labels)
+            c.add_metric([self.model_name], getattr(host, name))
+            yield c
+        g = GaugeMetricFamily("tokenmill:kv_offload_num_blocks", "Blocks the host-memory KV tier holds in all.",
+                              labels=labels)
+        g.add_metric([self.model_name], host.num_slots)
+        yield g
 
     def _spec_decode(self, spec: SpecDecodeCounts):
         labels = ["model_name"]

@@ -1,0 +1,86 @@
+"""Connectors by name (EngineConfig.kv_transfer_config's "kv_connector"), each side built on its own.
+
+A connector registers a scheduler-side and a worker-side builder; the engine builds the scheduler
+side, the runner the worker side. A P/D connector (NIXL-style transport) is one more entry.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from tokenmill.config import OFFLOADING_CONNECTOR, ConfigError, EngineConfig, KVTransferConfig
+from tokenmill.kv_connector.base import KVConnectorScheduler, KVConnectorWorker
+from tokenmill.kv_connector.host_tier import HostTierScheduler, HostTierWorker
+
+
+@dataclass
+class ConnectorContext:
+    """What a connector is built from besides its config."""
+
+    config: KVTransferConfig
+    block_size: int
+    bytes_per_block: int  # one KV block on the device, all layers
+    device: torch.device
+
+
+def _host_slots(ctx: ConnectorContext) -> int:
+    size = ctx.config.kv_connector_extra_config.get("size_gib")
+    if size is None or not size > 0:
+        raise ConfigError(f'{OFFLOADING_CONNECTOR} needs kv_connector_extra_config {{"size_gib": G}} (G > 0), or '
+                          "kv_offloading_size")
+    slots = int(size * 2**30 // ctx.bytes_per_block)
+    if slots < 1:
+        raise ConfigError(f"kv_offloading_size {size} GiB holds no KV block of {ctx.bytes_per_block} bytes")
+    return slots
+
+
+@dataclass
+class ConnectorBuilders:
+    scheduler: Callable[[ConnectorContext], KVConnectorScheduler]
+    worker: Callable[[ConnectorContext], KVConnectorWorker]
+
+
+CONNECTORS: dict[str, ConnectorBuilders] = {
+    OFFLOADING_CONNECTOR: ConnectorBuilders(
+        lambda ctx: HostTierScheduler(_host_slots(ctx), ctx.block_size),
+        lambda ctx: HostTierWorker(_host_slots(ctx), ctx.device,
+                                   int(ctx.config.kv_connector_extra_config.get("fail_loads", 0)))),
+}
+
+
+def check_connector_options(config: EngineConfig) -> None:
+    """Refuse, naming them, the engine options a KV connector cannot run with yet (ConfigError)."""
+    if config.resolve_kv_transfer() is None:
+        return
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        raise ConfigError("a KV connector (kv_transfer_config, kv_offloading_size) with tensor or pipeline "
+                          "parallelism is not supported yet (the workers' caches are not registered)")
+    if config.data_parallel_size > 1 and config.enable_expert_parallel:
+        raise ConfigError("a KV connector with data-parallel lockstep (enable_expert_parallel) is not supported yet")
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        raise ConfigError("a KV connector (kv_transfer_config, kv_offloading_size) with a draft model is not "
+                          "supported yet (the draft's own KV cache is not transferred)")
+
+
+def _context(config: EngineConfig, bytes_per_block: int, device: torch.device) -> Optional[ConnectorContext]:
+    kv = config.resolve_kv_transfer()
+    if kv is None:
+        return None
+    if kv.kv_connector not in CONNECTORS:
+        raise ConfigError(f"unknown kv_connector {kv.kv_connector!r}; known: {', '.join(sorted(CONNECTORS))}")
+    return ConnectorContext(kv, config.block_size, bytes_per_block, device)
+
+
+def make_scheduler_connector(config: EngineConfig, bytes_per_block: int) -> Optional[KVConnectorScheduler]:
+    """The scheduler side of the configured connector, or None without one."""
+    ctx = _context(config, bytes_per_block, torch.device("cpu"))
+    return CONNECTORS[ctx.config.kv_connector].scheduler(ctx) if ctx is not None else None
+
+
+def make_worker_connector(config: EngineConfig, bytes_per_block: int,
+                          device: torch.device) -> Optional[KVConnectorWorker]:
+    """The worker side of the configured connector, or None without one."""
+    ctx = _context(config, bytes_per_block, device)
+    return CONNECTORS[ctx.config.kv_connector].worker(ctx) if ctx is not None else None

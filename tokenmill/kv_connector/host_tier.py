@@ -1,0 +1,313 @@
+"""The host-memory tier (kv_offloading_size): a second prefix cache in host memory, below the GPU's.
+
+Blocks that leave the GPU prefix cache (a cached block the pool hands out again) are copied to host
+memory, keyed by the same SHA-256 block keys (engine/block_hash.py), so adapters and cache salts
+stay apart exactly as on the GPU. A request whose prefix continues on the host past its GPU hit
+waits in the LOADING state while those blocks are copied back, then runs from the end of the
+loaded prefix. Host slots are reused least recently used first; a slot a load still reads is never
+reused.
+
+On CUDA the copies run on a side stream: a save (device -> pinned host) is ordered after the work
+already launched and before the step's forward pass (which may overwrite the saved blocks); a load
+(host -> device) completes on its own, and the worker reports it on a later step. On the CPU the
+copies are plain tensor copies, reported the same way, so the CPU tests run the CUDA code path.
+"""
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+from tokenmill.kv_connector.base import (BlockTransfer, ConnectorRequest, ConnectorUpdate, KVConnectorMetadata,
+                                         KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker,
+                                         KVTransferCounts, LoadRequest)
+from tokenmill.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class HostTierCounts:
+    """The host tier's counters since start (aggregates only: no request is named)."""
+
+    hit_tokens: int = 0  # prompt tokens loaded from host memory instead of computed
+    lookup_tokens: int = 0  # prompt tokens looked up on the host (past each GPU hit)
+    bytes_saved: int = 0  # device -> host
+    bytes_loaded: int = 0  # host -> device
+    blocks_saved: int = 0
+    blocks_loaded: int = 0
+    load_seconds: float = 0.0
+    failed_loads: int = 0  # loads that failed (their prefix recomputed)
+    num_slots: int = 0  # host blocks in all
+
+    def add(self, counts: KVTransferCounts) -> None:
+        for f in fields(KVTransferCounts):
+            setattr(self, f.name, getattr(self, f.name) + getattr(counts, f.name))
+
+    def copy(self) -> "HostTierCounts":
+        return HostTierCounts(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+
+class HostTierScheduler(KVConnectorScheduler):
+    """Which keys the host holds, in which slots; what to save and load each step."""
+
+    def __init__(self, num_slots: int, block_size: int):
+        self.block_size = block_size
+        self.index: "OrderedDict[bytes, int]" = OrderedDict()  # key -> slot, least recently used first
+        self.key_of: dict[int, bytes] = {}
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.pins: dict[int, int] = {}  # slot -> loads in flight reading it
+        self.loading: dict[str, list[int]] = {}  # request -> slots its load reads
+        self.matched: dict[str, list[int]] = {}  # request -> slots found, until its blocks are allocated
+        self.ended_while_loading: set[str] = set()
+        self._saves = BlockTransfer([], [])
+        self._loads: list[LoadRequest] = []
+        self.counts = HostTierCounts(num_slots=num_slots)
+
+    # ---- lookups and loads --------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        bs = self.block_size
+        first, last = num_computed_tokens // bs, (request.num_tokens - 1) // bs  # leave one token to compute
+        slots = []
+        for key in request.block_hashes[first:last]:
+            slot = self.index.get(key)
+            if slot is None:
+                break
+            slots.append(slot)
+        self.counts.lookup_tokens += max(0, last - first) * bs
+        if not slots:
+            self.matched.pop(request.request_id, None)
+            return 0, False
+        self.matched[request.request_id] = slots
+        return len(slots) * bs, True
+
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int,
+                                 num_computed_tokens: int) -> None:
+        n = num_external_tokens // self.block_size
+        slots = self.matched.pop(request.request_id)[:n]
+        first = num_computed_tokens // self.block_size
+        for slot in slots:
+            self.pins[slot] = self.pins.get(slot, 0) + 1
+            self.index.move_to_end(self.key_of[slot])  # recently used
+        self._loads.append(LoadRequest(request.request_id, BlockTransfer(block_ids[first:first + n], slots)))
+        self.loading[request.request_id] = slots
+        self.counts.hit_tokens += num_external_tokens
+
+    # ---- saves --------------------------------------------------------------------------------
+    def on_blocks_evicted(self, evicted: list[tuple[int, bytes]]) -> None:
+        for block_id, key in evicted:
+            if key in self.index:  # already on the host (saved before, loaded back since)
+                self.index.move_to_end(key)
+                continue
+            slot = self._take_slot()
+            if slot is None:  # every slot is being read by a load: this block is not kept
+                continue
+            self.index[key] = slot
+            self.key_of[slot] = key
+            self._saves.block_ids.append(block_id)
+            self._saves.slots.append(slot)
+
+    def _take_slot(self) -> Optional[int]:
+        if self.free_slots:
+            return self.free_slots.pop()
+        for key, slot in self.index.items():  # least recently used first
+            if not self.pins.get(slot):
+                del self.index[key]
+                del self.key_of[slot]
+                return slot
+        return None
+
+    # ---- the step -----------------------------------------------------------------------------
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        meta = KVConnectorMetadata(self._saves, self._loads)
+        self._saves, self._loads = BlockTransfer([], []), []
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> ConnectorUpdate:
+        self.counts.add(output.counts)
+        update = ConnectorUpdate()
+        for req_id in output.finished_loads:
+            self._unpin(req_id)
+            (update.released if self._ended(req_id) else update.loaded).append(req_id)
+        for req_id in output.failed_loads:
+            for slot in self._unpin(req_id):  # what it read may be bad: forget it
+                if not self.pins.get(slot) and slot in self.key_of:
+                    del self.index[self.key_of.pop(slot)]
+                    self.free_slots.append(slot)
+            self.counts.failed_loads += 1
+            (update.released if self._ended(req_id) else update.failed).append(req_id)
+        return update
+
+    def _unpin(self, req_id: str) -> list[int]:
+        slots = self.loading.pop(req_id)
+        for slot in slots:
+            self.pins[slot] -= 1
+            if not self.pins[slot]:
+                del self.pins[slot]
+        return slots
+
+    def _ended(self, req_id: str) -> bool:
+        if req_id in self.ended_while_loading:
+            self.ended_while_loading.discard(req_id)
+            return True
+        return False
+
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
+        self.matched.pop(request.request_id, None)
+        if request.request_id in self.loading:  # its load still writes into its blocks
+            self.ended_while_loading.add(request.request_id)
+            return True
+        return False
+
+    def reset(self) -> bool:
+        if self.loading:
+            return False
+        self.index.clear()
+        self.key_of.clear()
+        self.free_slots = list(range(self.counts.num_slots - 1, -1, -1))
+        return True
+
+    def stats(self) -> HostTierCounts:
+        return self.counts.copy()
+
+    def reset_stats(self) -> None:
+        self.counts = HostTierCounts(num_slots=self.counts.num_slots)
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self.loading)
+
+
+class HostTierWorker(KVConnectorWorker):
+    """The host copy of evicted blocks: one [slots, layers, 2, block_size, kv_heads, head_dim] tensor
+    (pinned on CUDA), each slot contiguous so that a run of slots is one copy."""
+
+    def __init__(self, num_slots: int, device: torch.device, fail_loads: int = 0):
+        self.num_slots = num_slots
+        self.device = device
+        self.on_cuda = device.type == "cuda"
+        # Fault injection for tests: this many load batches fail before any copy (recomputed instead).
+        self.fail_loads = fail_loads
+        self.cache: Optional[torch.Tensor] = None
+        self.store: Optional[torch.Tensor] = None
+        self.stream = torch.cuda.Stream(device) if self.on_cuda else None
+        # Loads issued, oldest first: (request, blocks, CUDA start and end events or the CPU copy's seconds)
+        self._pending: list[tuple[str, int, object]] = []
+        self._failed: list[str] = []
+        self._counts = KVTransferCounts()
+
+    def register_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        base = kv_caches[0][0]._base  # runner/kv_cache.py: one [layers, 2, blocks, ...] tensor, viewed per layer
+        if base is None or any(k._base is not base or v._base is not base for k, v in kv_caches):
+            raise ValueError("the host tier needs the KV cache as one tensor (runner/kv_cache.py's layout)")
+        self.cache = base.view(torch.uint8)  # bytes: any KV dtype (fp8 included) copies the same way
+        shape = (self.num_slots, base.shape[0], 2) + tuple(self.cache.shape[3:])
+        self.store = torch.empty(shape, dtype=torch.uint8, pin_memory=self.on_cuda)
+        logger.info("KV host tier: %d blocks (%.2f GiB%s)", self.num_slots, self.store.numel()
+                    * self.store.element_size() / 2**30, ", pinned" if self.on_cuda else "")
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.store[0].numel() * self.store.element_size()
+
+    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+        if not meta.saves.block_ids and not meta.loads:
+            return
+        if not self.on_cuda:
+            self._transfer(meta)
+            return
+        main = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(main)  # after the steps already launched (they may write these blocks)
+        with torch.cuda.stream(self.stream):
+            saved = self._transfer(meta)
+        if saved is not None:
+            main.wait_event(saved)  # the forward pass may overwrite the blocks just saved
+
+    def _transfer(self, meta: KVConnectorMetadata) -> Optional["torch.cuda.Event"]:
+        """Saves, then loads, on the current stream; returns the event after the saves (CUDA)."""
+        saved = None
+        if meta.saves.block_ids:
+            self._save(meta.saves)
+            if self.on_cuda:
+                saved = torch.cuda.Event()
+                saved.record()
+        for load in meta.loads:
+            start = torch.cuda.Event(enable_timing=True) if self.on_cuda else time.perf_counter()
+            if self.on_cuda:
+                start.record()
+            try:
+                self._load(load.transfer)
+            except Exception as e:  # the request recomputes its prefix instead
+                logger.warning("KV host tier: loading %d blocks failed (%s); recomputing them",
+                               len(load.transfer.block_ids), e)
+                self._failed.append(load.req_id)
+                continue
+            if self.on_cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                timing = (start, end)
+            else:
+                timing = time.perf_counter() - start
+            self._pending.append((load.req_id, len(load.transfer.block_ids), timing))
+        return saved
+
+    def _block_ids(self, block_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        if not self.on_cuda:
+            return ids
+        # From pinned memory, asynchronously: a pageable copy would make the host wait for the side
+        # stream, which waits for the steps in flight.
+        return ids.pin_memory().to(self.cache.device, non_blocking=True)
+
+    def _save(self, t: BlockTransfer) -> None:
+        ids = self._block_ids(t.block_ids)
+        staged = self.cache.index_select(2, ids).movedim(2, 0).contiguous()  # [n, layers, 2, ...]
+        for i, j, slot in _runs(t.slots):
+            self.store[slot:slot + j - i].copy_(staged[i:j], non_blocking=True)
+        self._counts.blocks_saved += len(t.block_ids)
+        self._counts.bytes_saved += len(t.block_ids) * self.bytes_per_block
+
+    def _load(self, t: BlockTransfer) -> None:
+        if self.fail_loads:
+            self.fail_loads -= 1
+            raise RuntimeError("injected load failure")
+        staged = torch.empty((len(t.slots),) + tuple(self.store.shape[1:]), dtype=self.store.dtype,
+                             device=self.cache.device)
+        for i, j, slot in _runs(t.slots):
+            staged[i:j].copy_(self.store[slot:slot + j - i], non_blocking=True)
+        self.cache.index_copy_(2, self._block_ids(t.block_ids), staged.movedim(0, 2))
+
+    def get_finished(self) -> KVConnectorOutput:
+        out = KVConnectorOutput(failed_loads=self._failed)
+        self._failed = []
+        while self._pending:
+            req_id, blocks, timing = self._pending[0]
+            if isinstance(timing, tuple):
+                if not timing[1].query():
+                    break  # later loads were issued after it on the same stream
+                timing = timing[0].elapsed_time(timing[1]) / 1e3
+            self._pending.pop(0)
+            out.finished_loads.append(req_id)
+            self._counts.blocks_loaded += blocks
+            self._counts.bytes_loaded += blocks * self.bytes_per_block
+            self._counts.load_seconds += timing
+        out.counts, self._counts = self._counts, KVTransferCounts()
+        return out
+
+    def shutdown(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+        self.store = self.cache = None
+
+
+def _runs(slots: list[int]):
+    """(i, j, first slot) for each run of consecutive slots slots[i:j]."""
+    i = 0
+    while i < len(slots):
+        j = i + 1
+        while j < len(slots) and slots[j] == slots[j - 1] + 1:
+            j += 1
+        yield i, j, slots[i]
+        i = j
