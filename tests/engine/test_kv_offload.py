@@ -241,9 +241,11 @@ def test_host_index_is_lru_and_never_reuses_a_slot_being_read():
     assert not s.has_pending and s.reset() and not s.index
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
-def test_host_worker_copies_blocks_out_and_back(dtype):
-    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=4, block_size=BS, dtype=dtype)
+# planes 1: multi-head latent attention's cache (one latent row per token, k and v the same view)
+@pytest.mark.parametrize("dtype,planes", [(torch.float32, 2), (torch.float8_e4m3fn, 2), (torch.float32, 1)],
+                         ids=["fp32", "fp8", "latent"])
+def test_host_worker_copies_blocks_out_and_back(dtype, planes):
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=4, block_size=BS, dtype=dtype, planes=planes)
     caches = allocate_kv_cache(spec, 6, torch.device("cpu"))
     for i, (k, v) in enumerate(caches):
         k.copy_(torch.randn(k.shape).to(dtype))

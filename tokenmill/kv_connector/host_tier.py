@@ -203,7 +203,7 @@ class HostTierWorker(KVConnectorWorker):
         if base is None or any(k._base is not base or v._base is not base for k, v in kv_caches):
             raise ValueError("the host tier needs the KV cache as one tensor (runner/kv_cache.py's layout)")
         self.cache = base.view(torch.uint8)  # bytes: any KV dtype (fp8 included) copies the same way
-        shape = (self.num_slots, base.shape[0], 2) + tuple(self.cache.shape[3:])
+        shape = (self.num_slots, base.shape[0], base.shape[1]) + tuple(self.cache.shape[3:])  # planes: K and V, or a latent
         self.store = torch.empty(shape, dtype=torch.uint8, pin_memory=self.on_cuda)
         logger.info("KV host tier: %d blocks (%.2f GiB%s)", self.num_slots, self.store.numel()
                     * self.store.element_size() / 2**30, ", pinned" if self.on_cuda else "")
@@ -263,7 +263,7 @@ class HostTierWorker(KVConnectorWorker):
 
     def _save(self, t: BlockTransfer) -> None:
         ids = self._block_ids(t.block_ids)
-        staged = self.cache.index_select(2, ids).movedim(2, 0).contiguous()  # [n, layers, 2, ...]
+        staged = self.cache.index_select(2, ids).movedim(2, 0).contiguous()  # [n, layers, planes, ...]
         for i, j, slot in _runs(t.slots):
             self.store[slot:slot + j - i].copy_(staged[i:j], non_blocking=True)
         self._counts.blocks_saved += len(t.block_ids)
