@@ -27,7 +27,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from tokenmill.distributed import divide, get_tp_size
 from tokenmill.kernels.mla_attention import gather_latent, mla_cache_write, mla_decode
@@ -141,6 +140,9 @@ class MLAAttention(nn.Module):
         kv = self.kv_b_proj(rows[:, :R]).view(seq_len, self.num_heads, nope + self.v_head_dim)
         k = torch.cat((kv[..., :nope], rows[:, None, R:].expand(seq_len, self.num_heads, -1)), dim=-1)
         k, v = k.transpose(0, 1)[None], kv[..., nope:].transpose(0, 1)[None]  # [1, H, seq_len, d]
+        # Imported here: torch.nn.attention.bias pulls in torch._dynamo (0.9 s at every process start).
+        from torch.nn.attention.bias import causal_lower_right
+
         n = q.shape[0]
         out = q.new_empty((n, self.num_heads, self.v_head_dim))
         step = max(1, SCORES_BUDGET // (self.num_heads * seq_len))
