@@ -7,6 +7,9 @@ import pytest
 import torch
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
+# fp32 rounding apart from HF's one pass: 8-token chunks, and prefix-cached blocks computed in whatever
+# batch the shared server had (3.1e-4 in one fresh-clone run at abddbad, under 1e-4 in others).
+TOL = 5e-4
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +36,12 @@ def check_prompt_part(lp, ids, ref, smollm, k):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.text_offset[0] == 0
     for i in range(1, n):
-        assert abs(lp.token_logprobs[i] - ref[i - 1][ids[i]].item()) < 1e-4
+        assert abs(lp.token_logprobs[i] - ref[i - 1][ids[i]].item()) < TOL
         assert lp.tokens[i] == smollm.tokenizer.decode([ids[i]])
         top = lp.top_logprobs[i]
         best = torch.topk(ref[i - 1], k)
         for value, tid in zip(best.values.tolist(), best.indices.tolist()):
-            assert abs(top[smollm.tokenizer.decode([tid])] - value) < 1e-4
+            assert abs(top[smollm.tokenizer.decode([tid])] - value) < TOL
         assert lp.text_offset[i] == lp.text_offset[i - 1] + len(lp.tokens[i - 1])
 
 
@@ -69,7 +72,7 @@ def test_echo_logprobs_with_generation(client, smollm, reference):
     assert lp.token_logprobs[len(ids):] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-5)
     assert lp.tokens[len(ids):] == plain.logprobs.tokens
     # The first generated token is greedy: its logprob is the largest HF gives after the whole prompt.
-    assert lp.token_logprobs[len(ids)] == pytest.approx(ref[-1].max().item(), abs=1e-4)
+    assert lp.token_logprobs[len(ids)] == pytest.approx(ref[-1].max().item(), abs=TOL)
 
 
 def test_echo_logprobs_token_prompts_and_stream(client, smollm, reference):
