@@ -10,6 +10,7 @@ from tests.helpers import full_logits
 from tests.models.moe_helpers import EOS, VOCAB, save_random_model
 from tests.models.test_deepseek import hf_deepseek_config
 from tests.models.test_gemma import hf_gemma_config
+from tests.models.test_gpt_oss import hf_gpt_oss_config
 from tests.models.test_phi3 import hf_phi3_config
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams
@@ -22,6 +23,8 @@ FAMILIES = {
     "gemma2": lambda: hf_gemma_config("gemma2"),
     "phi3": lambda: hf_phi3_config("phi3"),
     "phi4_mini": lambda: hf_phi3_config("phi4_mini"),
+    # attention sinks, alternating windows, biased experts with the clamped SwiGLU
+    "gpt_oss": hf_gpt_oss_config,
     # multi-head latent attention: decode graphs run the absorbed latent kernel
     "deepseek_v2": lambda: hf_deepseek_config("v2"),
     "deepseek_v3": lambda: hf_deepseek_config("v3"),

@@ -7,17 +7,11 @@ busy engine equal to HF's, with CUDA graphs and eager."""
 import pytest
 import torch
 
-from tests.engine.conftest import assert_no_leaks, make_llm
-from tests.helpers import full_logits
 from tests.kernels.common import TOL, rel_err
 from tests.kernels.test_attention import make_batch
 from tests.kernels.test_fused_moe import _experts
-from tests.models.moe_helpers import EOS, VOCAB, save_random_model
-from tests.models.test_gpt_oss import hf_gpt_oss_config
 from tokenmill.kernels import fused_moe as fm
 from tokenmill.kernels.attention import paged_attention_ref, paged_attention_triton
-from tokenmill.loader import load_model
-from tokenmill.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -64,31 +58,3 @@ def test_biased_clamped_experts_at_gpt_oss_shapes(dtype):
             cfg = None if path is None else fm.moe_config(E, I, H, T, k, dtype, path=path)
             out = fm.fused_moe_triton(x, w13, w2, weights, ids, config=cfg, w13_bias=b13, w2_bias=b2, activation=act)
             assert rel_err(out, ref) < TOL[dtype], (T, path)
-
-
-def test_tiny_gpt_oss_on_cuda_matches_hf_with_graphs_and_eager(tmp_path):
-    hf = save_random_model(hf_gpt_oss_config(), tmp_path)
-    loaded = load_model(str(tmp_path), dtype="float32", device="cuda")
-    gen = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 30, 100)]
-    for seq, logits in zip(seqs, full_logits(loaded.model, seqs)):
-        with torch.no_grad():
-            ref = hf(torch.tensor([seq])).logits[0].float()
-        err = ((logits.cpu() - ref).norm() / ref.norm()).item()
-        assert err < 1e-4, f"{len(seq)} tokens: relative error {err}"
-    gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, EOS, (n,), generator=gen).tolist() for n in (5, 11, 20, 37, 70)]
-    refs = []
-    for prompt in prompts:
-        with torch.no_grad():
-            refs.append(hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                                    pad_token_id=EOS)[0, len(prompt):].tolist())
-    greedy = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
-    for eager in (False, True):
-        llm = make_llm(loaded, max_model_len=128, max_num_batched_tokens=32, num_kv_blocks=9, enforce_eager=eager)
-        outs = llm.generate(prompts, greedy, use_tqdm=False)
-        for prompt, out, ref in zip(prompts, outs, refs):
-            assert out.outputs[0].token_ids == ref, f"eager={eager}: {len(prompt)}-token prompt"
-        assert llm.engine.scheduler.num_preemptions > 0
-        assert_no_leaks(llm)
-        del llm
