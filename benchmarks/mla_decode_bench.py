@@ -5,8 +5,8 @@ For each batch size and context length (every request the same context), the spl
 one CUDA graph replayed (median, launch cost excluded, latents read from outside L2); its bandwidth counts the latent cache bytes it must read,
 batch x context x (512 + 64) x 2, and is compared with the device's copy bandwidth (y.copy_(x),
 read + write, as the roofline measures it). Target: >= 70% of copy bandwidth at 4k-32k contexts.
---sweep also times the launch choices (block_n, num_warps, num_stages, block_h) and the split counts
-at each shape and reports the best, for tuning the module's defaults and mla_num_splits.
+--sweep also times launch choices (block_n, num_warps, num_stages) jointly with split counts at each
+shape and reports the best, for tuning the module's defaults and mla_num_splits.
 
     python benchmarks/mla_decode_bench.py --out $OUT/mla_decode.json [--sweep] [--heads 16 128]
 """
@@ -25,8 +25,12 @@ from tokenmill.kernels.mla_attention import BLOCK_H, BLOCK_N, mla_decode_triton,
 
 logger = logging.getLogger("mla_decode_bench")
 R, P, PAGE = 512, 64, 16
-SWEEP = dict(block_n=(16, 32, 64), num_warps=(4, 8), num_stages=(1, 2, 3), block_h=(16, 32, 64))
-SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)  # --sweep also times these against mla_num_splits' choice
+# --sweep times each launch choice (block_n, num_warps, num_stages) at split counts that fill 1, 2, 3,
+# 4, 6 or 8 programs per SM (and 1 split), every split as long as it comes out (min_split 0)
+LAUNCHES = [dict(block_n=32, num_warps=4, num_stages=2), dict(block_n=32, num_warps=4, num_stages=3),
+            dict(block_n=32, num_warps=8, num_stages=3), dict(block_n=64, num_warps=8, num_stages=2),
+            dict(block_n=64, num_warps=8, num_stages=3), dict(block_n=64, num_warps=4, num_stages=2)]
+WAVES = (1, 2, 3, 4, 6, 8)
 COLD_BYTES = 256 << 20  # > the L2 cache of an H100 / H200 (50 / 60 MiB) several times over
 MAX_COPIES = 64
 
@@ -70,13 +74,27 @@ def time_ms(sets, **launch) -> float:
     return ms / len(sets)
 
 
+def sweep(inputs, batch: int, latent_bytes: int, copy_bw: float, device: torch.device) -> list[dict]:
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    splits = sorted({1} | {max(1, min(128, w * sms // batch)) for w in WAVES})
+    rows = []
+    for launch, n in itertools.product(LAUNCHES, splits):
+        try:
+            t = time_ms(inputs, num_splits=n, min_split=0, **launch)
+        except Exception as e:  # noqa: BLE001 -- a launch choice the GPU cannot run (shared memory)
+            logger.info("  %s: %s", launch, type(e).__name__)
+            continue
+        rows.append({"launch": launch, "num_splits": n, "ms": t, "fraction_of_copy": latent_bytes / (t * 1e-3) / copy_bw})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="the JSON report")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--heads", type=int, nargs="+", default=[16])
-    parser.add_argument("--sweep", action="store_true", help="also time every launch choice of SWEEP")
+    parser.add_argument("--sweep", action="store_true", help="also time the LAUNCHES jointly with split counts")
     parser.add_argument("--max-cache-gib", type=float, default=16.0, help="skip shapes whose cache is larger")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -97,29 +115,13 @@ def main() -> None:
                "fraction_of_copy": latent_bytes / (ms * 1e-3) / copy_bw,
                "launch": {"block_h": BLOCK_H, "block_n": BLOCK_N}}
         if args.sweep:
-            best = None
-            for block_n, warps, stages, block_h in itertools.product(*SWEEP.values()):
-                launch = dict(block_n=block_n, num_warps=warps, num_stages=stages, block_h=block_h)
-                try:
-                    t = time_ms(inputs, max_seq_len=context, **launch)
-                except Exception as e:  # noqa: BLE001 -- a launch choice the GPU cannot run (shared memory)
-                    logger.info("  %s: %s", launch, type(e).__name__)
-                    continue
-                if best is None or t < best[0]:
-                    best = (t, launch)
-            if best is not None:
-                row["best"] = {"ms": best[0], "launch": best[1],
-                               "fraction_of_copy": latent_bytes / (best[0] * 1e-3) / copy_bw}
-            by_splits = {n: time_ms(inputs, num_splits=n, min_split=0) for n in SPLITS}  # exactly n splits
-            fastest = min(by_splits, key=by_splits.get)
-            row["splits"] = {"ms": by_splits, "best": fastest,
-                             "best_fraction_of_copy": latent_bytes / (by_splits[fastest] * 1e-3) / copy_bw}
+            row["sweep"] = sweep(inputs, batch, latent_bytes, copy_bw, device)
+            row["best"] = min(row["sweep"], key=lambda r: r["ms"])
         rows.append(row)
         logger.info("heads %3d batch %3d context %6d: %8.3f ms, %6.0f GB/s, %.0f%% of copy%s", heads, batch, context,
                     ms, row["gb_per_s"], 100 * row["fraction_of_copy"],
-                    f" (best {100 * row['best']['fraction_of_copy']:.0f}% {row['best']['launch']}; "
-                    f"best splits {row['splits']['best']}: {100 * row['splits']['best_fraction_of_copy']:.0f}%)"
-                    if "best" in row else "")
+                    f" (best {100 * row['best']['fraction_of_copy']:.0f}%: {row['best']['launch']}, "
+                    f"{row['best']['num_splits']} splits)" if "best" in row else "")
         del inputs
         torch.cuda.empty_cache()
     report = {"device": ceilings.device_name, "copy_gb_per_s": copy_bw / 1e9, "ceilings_method": ceilings.method,

@@ -26,7 +26,7 @@ part tests "$PY" -m pytest -q -rs --maxfail=8 -p no:cacheprovider -m gpu --junit
     tests/gpu/test_mla_cuda.py tests/kernels/test_mla_attention.py tests/gpu/test_families_cuda.py \
     tests/kernels/test_fused_moe.py -k "mla or deepseek or grouped"
 part kbench "$PY" benchmarks/mla_decode_bench.py ${KBENCH_ARGS:---heads 16 128} --out "$OUT/mla_decode.json"
-part sweep "$PY" benchmarks/mla_decode_bench.py --heads 16 --batches 1 8 64 --contexts 4096 32768 --sweep \
+part sweep "$PY" benchmarks/mla_decode_bench.py --heads 16 --batches 1 8 32 64 --contexts 4096 32768 --sweep \
     --out "$OUT/mla_sweep.json"
 # DeepSeek-V2-Lite's bf16 weights take 31 GB.
 part latency "${B[@]}" latency --workload latency-deepseek --repeat 3 --out "$OUT/bench" --no-plot
