@@ -98,13 +98,14 @@ def test_absorbed_reference_equals_expanded_attention():
 
 
 def test_num_splits_fill_the_gpu_without_short_splits():
-    """About two waves of programs over the SMs (132 off the GPU), no split under 256 tokens when the
+    """Two programs per SM in one wave (132 SMs off the GPU), no split under one 32-token tile when the
     longest context is known, at most 128 (CUDA graphs: the batch alone decides, the device the rest)."""
     from tokenmill.kernels.mla_attention import mla_num_splits
 
     cpu = torch.device("cpu")
     assert mla_num_splits(1, 16, 32768, cpu) == 128
-    assert mla_num_splits(1, 16, 4096, cpu) == 16  # 4096 / 256
-    assert mla_num_splits(64, 16, 4096, cpu) == 5  # cdiv(264, 64)
+    assert mla_num_splits(1, 16, 1000, cpu) == 32  # cdiv(1000, 32)
+    assert mla_num_splits(8, 16, 4096, cpu) == 33  # 264 // 8
+    assert mla_num_splits(64, 16, 4096, cpu) == 4  # 264 // 64: one full wave, not a partial second
     assert mla_num_splits(64, 128, 32768, cpu) == 1  # 64 x 8 head blocks already fill the GPU
     assert mla_num_splits(1, 16, None, cpu) == 128 and mla_num_splits(300, 16, None, cpu) == 1

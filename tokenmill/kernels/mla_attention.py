@@ -185,23 +185,25 @@ def _mla_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, H, R, num_splits, str
     tl.store(out_ptr + b * stride_ob + h * stride_oh + r, res.to(out_ptr.dtype.element_ty), mask=r < R)
 
 
-# Launch choices (to be tuned on the H100 / H200: benchmarks/mla_gpu_check.sh)
+# Launch choices, from benchmarks/mla_decode_bench.py --sweep on the H100 (docs/PERFORMANCE.md)
 BLOCK_H = 16  # heads per program: tl.dot needs 16 rows; V2-Lite's 16 heads read each latent tile once
 BLOCK_N = 32  # latent rows per tile: [32, 512] bf16 = 32 KiB
-# A split's partial output (H x R fp32, written and read again) costs 64 KiB at 16 heads, about a
-# fifth of what 256 latent rows of 576 bf16 numbers cost to read: shorter splits cost more in merging
-# than they gain in parallelism.
-MIN_TOKENS_PER_SPLIT = 256
+NUM_WARPS = 4
+NUM_STAGES = 3
+# Two programs per SM in one wave was fastest at every batch of the sweep (one more, partly filled
+# wave cost up to a third); a split may be as short as one tile.
+PROGRAMS_PER_SM = 2
+MIN_TOKENS_PER_SPLIT = BLOCK_N
 MAX_SPLITS = 128
 MERGE_BLOCK_R = 64  # latent columns per merge program: [128 splits, 64] fp32 is 32 KiB of registers
 
 
 def mla_num_splits(batch: int, num_heads: int, max_seq_len: Optional[int], device: torch.device,
                    block_h: int = BLOCK_H) -> int:
-    """Splits of the context per request: enough programs for about two waves over the SMs, no split
-    shorter than MIN_TOKENS_PER_SPLIT when the longest context is known (None inside CUDA graphs)."""
+    """Splits of the context per request: as many as fill PROGRAMS_PER_SM programs per SM in one wave,
+    no split shorter than MIN_TOKENS_PER_SPLIT when the longest context is known (None inside CUDA graphs)."""
     programs = batch * triton.cdiv(num_heads, block_h)
-    splits = triton.cdiv(2 * sm_count(device), programs)
+    splits = PROGRAMS_PER_SM * sm_count(device) // programs
     if max_seq_len is not None:
         splits = min(splits, triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT))
     return max(1, min(splits, MAX_SPLITS))
@@ -210,8 +212,8 @@ def mla_num_splits(batch: int, num_heads: int, max_seq_len: Optional[int], devic
 def mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, scale: float, num_splits: Optional[int] = None,
                       max_seq_len: Optional[int] = None, out: Optional[torch.Tensor] = None,
-                      block_h: int = BLOCK_H, block_n: int = BLOCK_N, num_warps: Optional[int] = None,
-                      num_stages: int = 2, min_split: int = MIN_TOKENS_PER_SPLIT) -> torch.Tensor:
+                      block_h: int = BLOCK_H, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
+                      num_stages: int = NUM_STAGES, min_split: int = MIN_TOKENS_PER_SPLIT) -> torch.Tensor:
     """mla_decode_ref in two launches (no host sync: CUDA-graph safe when num_splits is given or
     max_seq_len is None). num_splits is the most splits per request (each at least min_split
     tokens, rounded up to block_n); block_h / block_n / num_warps / num_stages: the split kernel's
@@ -233,8 +235,6 @@ def mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
     part_lse = part_out if direct else torch.empty((B, num_splits, H), dtype=torch.float32, device=q_lat.device)
     # tl.dot needs 16 along every dimension on the GPU (tiny test models have P = 8); masks pad
     block_r, block_p = max(16, triton.next_power_of_2(R)), max(16, triton.next_power_of_2(P))
-    if num_warps is None:
-        num_warps = 8 if block_r >= 256 else 4
     _mla_decode_split_kernel[(B, num_splits, triton.cdiv(H, block_h))](
         q_lat, q_pe, cache, block_tables, seq_lens, part_out, part_lse, out, H, R, P, num_splits,
         triton.cdiv(min_split, block_n) * block_n, scale * 1.4426950408889634,  # exp2 domain
