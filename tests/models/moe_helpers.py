@@ -86,6 +86,10 @@ def save_random_model(config, path, seed: int = 0):
                 p.normal_(0.0, 1.0)
             else:
                 p.normal_(0.0, 0.05)
+    if getattr(config, "swiglu_limit", None) is not None:  # gpt-oss
+        for module in model.modules():  # transformers up to 5.17 ignores the config's clamp (7.0 fixed)
+            if hasattr(module, "limit") and hasattr(module, "alpha"):
+                module.limit = config.swiglu_limit
     model.save_pretrained(path, safe_serialization=True)
     save_byte_tokenizer(path)
     return model.eval()
