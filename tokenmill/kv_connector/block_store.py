@@ -8,8 +8,10 @@ rename it, so a reader sees a whole block or none; a reader checks the header an
 raises BlockStoreError on anything else (the caller recomputes).
 """
 
+import contextlib
 import os
 import re
+import shutil
 import struct
 import tempfile
 import threading
@@ -59,6 +61,9 @@ class BlockFileStore:
         self.written: "OrderedDict[bytes, tuple[float, int]]" = OrderedDict()
         self.written_bytes = 0
 
+    def free_bytes(self) -> int:
+        return shutil.disk_usage(self.path).free
+
     def file_of(self, key: bytes) -> str:
         return os.path.join(self.path, key.hex() + SUFFIX)
 
@@ -91,10 +96,15 @@ class BlockFileStore:
         if os.path.exists(path):
             return False
         tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
-        with open(tmp, "wb") as f:
-            f.write(HEADER.pack(MAGIC, tag, block.numel(), key))
-            f.write(memoryview(block.numpy()).cast("B"))
-        os.replace(tmp, path)  # atomic: a reader never sees half a block
+        try:
+            with open(tmp, "wb") as f:
+                f.write(HEADER.pack(MAGIC, tag, block.numel(), key))
+                f.write(memoryview(block.numpy()).cast("B"))
+            os.replace(tmp, path)  # atomic: a reader never sees half a block
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         self.written[key] = (time.monotonic(), block.numel())
         self.written_bytes += block.numel()
         return True
@@ -117,14 +127,15 @@ class BlockFileStore:
         except FileNotFoundError:
             raise BlockStoreError(f"block {key.hex()[:12]}: no file") from None
 
-    def evict(self, bounds: StoreBounds, now: Optional[float] = None) -> int:
-        """Remove this writer's oldest files while it holds more than max_bytes, and any older than
-        ttl_s (a reader that never came: its request aborted, or the reader died); returns how many."""
+    def evict(self, bounds: StoreBounds, incoming: int = 0, now: Optional[float] = None) -> int:
+        """Remove this writer's oldest files while it holds more than max_bytes less `incoming` (about
+        to be written), and any older than ttl_s (a reader that never came: its request aborted, or
+        the reader died); returns how many."""
         now = time.monotonic() if now is None else now
         removed = 0
         while self.written:
             key, (born, size) = next(iter(self.written.items()))
-            if self.written_bytes <= bounds.max_bytes and now - born <= bounds.ttl_s:
+            if self.written_bytes + incoming <= bounds.max_bytes and now - born <= bounds.ttl_s:
                 break
             del self.written[key]
             self.written_bytes -= size

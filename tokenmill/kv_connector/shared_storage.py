@@ -234,6 +234,11 @@ class SharedStorageWorker(KVConnectorWorker):
             if removed:
                 logger.info("KV transfer: removed %d block files an earlier run left in %s", removed,
                             self.options.path)
+            free = self.store.free_bytes()
+            if free < self.bounds.max_bytes:
+                logger.warning("KV transfer: %s has %.2f GiB free, less than max_store_gib %.2f: blocks that do "
+                               "not fit are not written (the decode engine computes them)", self.options.path,
+                               free / 2**30, self.options.max_store_gib)
         logger.info("KV transfer (%s): blocks of %d bytes through %s", self.role, self.bytes_per_block,
                     self.options.path)
 
@@ -276,10 +281,18 @@ class SharedStorageWorker(KVConnectorWorker):
             # After the forward pass on its stream; the host waits for it here, so the files exist
             # before this step's tokens reach any client (a router then finds them).
             staged = gather_blocks(self.cache, block_ids).cpu()
-            written = sum(self.store.write(key, self.tag, staged[i]) for i, key in enumerate(keys))
+            self.store.evict(self.bounds, incoming=len(keys) * self.bytes_per_block)
+            written = 0
+            try:
+                for i, key in enumerate(keys):
+                    written += self.store.write(key, self.tag, staged[i])
+            except OSError as e:  # e.g. the directory is full: the decode engine computes these itself
+                logger.warning("KV transfer: writing blocks to %s failed (%s); %d of %d written this step",
+                               self.options.path, e, written, len(keys))
             self._counts.blocks_saved += written
             self._counts.bytes_saved += written * self.bytes_per_block
-        self.store.evict(self.bounds)
+        else:
+            self.store.evict(self.bounds)
 
     def get_finished(self) -> KVConnectorOutput:
         out = KVConnectorOutput()
