@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation in process (kv_connector/shared_storage.py): a producer engine writes
 its prompts' KV blocks into a shared directory, a consumer engine loads them and computes only the
 rest. On the embedded model: the consumer's greedy outputs (with n-gram speculation, and one request
-under a JSON-schema grammar) equal a plain engine's; a corrupt block file fails the load and the
+under a JSON-schema grammar) equal a plain engine's, the producer's prompts prefilled in chunks; a corrupt block file fails the load and the
 prefix is recomputed to the same output; an abort while the load is in flight leaks no block. The
 same through two `tokenmill serve` processes and the proxy: tests/server/test_pd_server.py."""
 
@@ -52,7 +52,9 @@ def prefill(llm, prompts, params) -> None:
 def engines(smollm, tmp_path_factory):
     path = tmp_path_factory.mktemp("kv")
     plain = make_llm(smollm, num_kv_blocks=64)
-    producer = make_llm(smollm, num_kv_blocks=64, kv_transfer_config=connector(path, "kv_producer"))
+    # The producer prefills in chunks of 32 tokens: its blocks are saved once a prompt's last chunk ran.
+    producer = make_llm(smollm, num_kv_blocks=64, max_num_batched_tokens=32,
+                        kv_transfer_config=connector(path, "kv_producer"))
     consumer = make_llm(smollm, num_kv_blocks=64, speculative_config=NGRAM,
                         kv_transfer_config=connector(path, "kv_consumer"))
     return path, plain, producer, consumer

@@ -31,6 +31,8 @@ past its GPU hit where the connector has it takes blocks for that prefix and wai
 state (not in the queue, not in the step) while the worker side copies it in; a later step's report
 puts it back at the front of the queue with that prefix computed. A failed load puts it back to
 recompute; a request that ends while a load writes its blocks keeps them until the load is reported.
+A connector that produces KV for another engine (wants_prefills: prefill/decode disaggregation) hears
+of every request whose prompt a step computes to its end.
 """
 
 from collections import Counter, deque
