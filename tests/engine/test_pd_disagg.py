@@ -1,20 +1,24 @@
 """Prefill/decode disaggregation in process (kv_connector/shared_storage.py): a producer engine writes
 its prompts' KV blocks into a shared directory, a consumer engine loads them and computes only the
 rest. On the embedded model: the consumer's greedy outputs (with n-gram speculation, and one request
-under a JSON-schema grammar) equal a plain engine's, the producer's prompts prefilled in chunks; a corrupt block file fails the load and the
-prefix is recomputed to the same output; an abort while the load is in flight leaks no block. The
-same through two `tokenmill serve` processes and the proxy: tests/server/test_pd_server.py."""
+under a JSON-schema grammar) equal a plain engine's, the producer's prompts prefilled in chunks; a
+corrupt block file fails the load and the prefix is recomputed to the same output; an abort while
+the load is in flight leaks no block; the directory's files stay whole and within the producer's
+bounds. The same through two `tokenmill serve` processes and the proxy: tests/server/test_pd_server.py."""
 
 import dataclasses
 import json
 import os
+import time
 
 import pytest
+import torch
 
 from tests.engine.conftest import assert_no_leaks, make_llm
 from tokenmill import StructuredOutputsParams
 from tokenmill.config import KVTransferConfig
 from tokenmill.engine.block_hash import hash_blocks
+from tokenmill.kv_connector.block_store import BlockFileStore, BlockStoreError, StoreBounds
 from tokenmill.sampling_params import SamplingParams
 
 BS = 16
@@ -107,3 +111,25 @@ def test_abort_while_loading_leaks_no_block(engines):
         engine.step()
     assert_no_leaks(consumer)
     assert_no_leaks(producer)
+
+
+def test_the_store_keeps_whole_blocks_within_its_bounds(tmp_path):
+    """The producer's side of the directory alone: files over max_bytes go oldest first, files past
+    the TTL go, a block of another layout or cut short is refused on reading."""
+    store = BlockFileStore(str(tmp_path))
+    blocks = [torch.full((1024,), i, dtype=torch.uint8) for i in range(3)]
+    keys = [bytes([i]) * 32 for i in range(3)]
+    for key, block in zip(keys, blocks):
+        assert store.write(key, b"t" * 16, block)
+    assert not store.write(keys[0], b"t" * 16, blocks[0])  # there already
+    assert store.evict(StoreBounds(max_bytes=2048, ttl_s=60)) == 1 and not store.has(keys[0])
+    out = torch.empty(1024, dtype=torch.uint8)
+    store.read_into(keys[1], b"t" * 16, out)
+    assert torch.equal(out, blocks[1])
+    with pytest.raises(BlockStoreError, match="another block layout"):
+        store.read_into(keys[1], b"u" * 16, out)
+    os.truncate(store.file_of(keys[2]), 500)
+    with pytest.raises(BlockStoreError, match="of 1024 bytes"):
+        store.read_into(keys[2], b"t" * 16, out)
+    assert store.evict(StoreBounds(max_bytes=2048, ttl_s=60), now=time.monotonic() + 61) == 2
+    assert not os.listdir(tmp_path)

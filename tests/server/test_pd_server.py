@@ -23,7 +23,7 @@ CONTEXT = ("The tide rose over the harbour wall while the fishing boats came hom
            "swinging in the dusk. ")
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
           "additionalProperties": False}
-LONG_PROMPT = CONTEXT * 24  # ~600 tokens: its prefill takes a few CPU steps (256 prompt tokens each)
+LONG_PROMPT = CONTEXT * 40  # ~1,000 tokens: its prefill takes four CPU steps of 256 prompt tokens
 
 
 def connector(path, role: str) -> list[str]:

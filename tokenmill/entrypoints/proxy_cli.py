@@ -29,6 +29,7 @@ def register(subparsers) -> None:
                    help="seconds an engine may take to answer (the prefill), or between two chunks of a stream")
     p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the HTTP server's own log level")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.set_defaults(func=cmd_proxy, log_level_default="INFO")
 
 
@@ -46,4 +47,5 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         print(f"error: the proxy needs the 'serve' extra (pip install 'tokenmill[serve]'): {e}", file=sys.stderr)
         return 2
     settings = ProxySettings(args.prefill, args.decode, connect_timeout=args.connect_timeout, timeout=args.timeout)
-    return run_proxy(settings, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    return run_proxy(settings, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                     access_log=args.access_log)

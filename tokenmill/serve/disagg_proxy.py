@@ -266,10 +266,11 @@ def build_proxy_app(settings: ProxySettings) -> FastAPI:
     return app
 
 
-def run_proxy(settings: ProxySettings, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> int:
+def run_proxy(settings: ProxySettings, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+              access_log: bool = False) -> int:
     """Serve the proxy until SIGINT/SIGTERM (uvicorn's graceful shutdown: in-flight streams finish)."""
     config = uvicorn.Config(build_proxy_app(settings), host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_keep_alive=30, timeout_graceful_shutdown=30)
+                            access_log=access_log, timeout_keep_alive=30, timeout_graceful_shutdown=30)
     server = uvicorn.Server(config)
     server.run()
     return 0 if server.started else 1
