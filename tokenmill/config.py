@@ -142,6 +142,7 @@ class SpeculativeConfig:
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # The connector kv_offloading_size stands for (tokenmill/kv_connector/host_tier.py)
 OFFLOADING_CONNECTOR = "OffloadingConnector"
+SHARED_STORAGE_CONNECTOR = "SharedStorageConnector"  # prefill/decode disaggregation on one host
 
 
 @dataclass
@@ -153,7 +154,8 @@ class KVTransferConfig:
     kv_role: str = option("kv_both", "kv_producer (saves KV for others), kv_consumer (loads it) or kv_both",
                           choices=KV_ROLES)
     kv_connector_extra_config: dict = option(
-        default_factory=dict, help='the connector\'s own options (OffloadingConnector: {"size_gib": G})',
+        default_factory=dict, help='the connector\'s own options (OffloadingConnector: {"size_gib": G}; '
+                                  'SharedStorageConnector: {"path": DIR, "max_store_gib": G, "ttl_s": S})',
         default_help="{}")
 
     def __post_init__(self) -> None:

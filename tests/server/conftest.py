@@ -31,13 +31,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], api_key: Optional[str] = None, env: Optional[dict] = None):
+    def __init__(self, args: list[str], api_key: Optional[str] = None, env: Optional[dict] = None,
+                 command: str = "serve"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = self.url + "/v1"
         self.api_key = api_key
         self.log_file = tempfile.NamedTemporaryFile("w+", prefix="tokenmill-serve-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", *args, "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", command, *args, "--port", str(self.port)]
         if api_key:
             cmd += ["--api-key", api_key]
         full_env = dict(os.environ, **(env or {}))

@@ -43,6 +43,8 @@ from tokenmill.lora.request import LoRARequest
 from tokenmill.models.config import architecture_spec
 from tokenmill.engine.compile_watch import CompileWatch, install_hooks
 from tokenmill.kv_connector.factory import check_connector_options, make_scheduler_connector
+from tokenmill.kv_connector.host_tier import HostTierCounts
+from tokenmill.kv_connector.shared_storage import SharedStorageCounts
 from tokenmill.runner.async_output import AsyncOutput
 from tokenmill.step_io import ModelRunnerOutput, SchedulerOutput
 from tokenmill.runner.model_runner import ModelRunner
@@ -604,12 +606,14 @@ class LLMEngine:
     def snapshot(self) -> EngineSnapshot:
         """The counters a server shows (its stats and /metrics), as one value safe to hand on."""
         kv, compiles, spec = self.kv, self.compile_watch.stats(), self.spec_stats
+        connector = None if self.kv_connector is None else self.kv_connector.stats()
         return EngineSnapshot(len(self.scheduler.running), self.scheduler.num_waiting, kv.usage,
                               kv.num_free_blocks, kv.num_blocks, kv.prefix_hit_rate, self.scheduler.num_preemptions,
                               self.scheduler.num_prefill_tokens, self.generation_tokens,
                               compiles.compiles_after_warm, compiles.seconds_after_warm,
                               None if spec is None else spec.snapshot(),
-                              None if self.kv_connector is None else self.kv_connector.stats())
+                              connector if isinstance(connector, HostTierCounts) else None,
+                              connector if isinstance(connector, SharedStorageCounts) else None)
 
     def num_waiting_sequences(self) -> int:
         return self.scheduler.num_waiting  # each of a request's n samples waits

@@ -38,7 +38,8 @@ class RequestMetrics:
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     num_cached_prompt_tokens: int = 0  # prompt tokens not computed: prefix-cache hits, all tiers
-    num_host_cached_prompt_tokens: int = 0  # of those, loaded from the host tier (kv_offloading_size)
+    # of those, loaded by a KV connector: the host tier (kv_offloading_size), or the prefill engine (P/D)
+    num_host_cached_prompt_tokens: int = 0
 
 
 @dataclass

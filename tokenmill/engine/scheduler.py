@@ -31,6 +31,8 @@ past its GPU hit where the connector has it takes blocks for that prefix and wai
 state (not in the queue, not in the step) while the worker side copies it in; a later step's report
 puts it back at the front of the queue with that prefix computed. A failed load puts it back to
 recompute; a request that ends while a load writes its blocks keeps them until the load is reported.
+A connector that produces KV for another engine (wants_prefills: prefill/decode disaggregation) hears
+of every request whose prompt a step computes to its end.
 """
 
 from collections import Counter, deque
@@ -225,6 +227,14 @@ class Scheduler:
         self.loading[request.request_id] = request
         return True
 
+    def _note_prefills(self, batch: list[ScheduledRequest]) -> None:
+        """Tell the connector of each request whose prompt this step computes to its end (a producer
+        saves those blocks after the forward pass)."""
+        for e in batch:
+            request = self.requests[e.req_id]
+            if e.start_pos < request.num_prefill_tokens <= e.start_pos + e.num_tokens:
+                self.connector.on_prefill_scheduled(request, request.block_ids, request.num_prefill_tokens)
+
     def _flush_evictions(self) -> None:
         """Hand the connector the cached blocks allocation took since the last call (their saves go
         into this step's metadata, ahead of its loads and its forward pass)."""
@@ -264,6 +274,8 @@ class Scheduler:
 
         meta = None
         if self.connector is not None:
+            if self.connector.wants_prefills:
+                self._note_prefills(batch)
             self._flush_evictions()
             meta = self.connector.build_connector_meta()
             meta = None if meta.empty else meta

@@ -1,4 +1,4 @@
-"""The `tokenmill` command line: generate, chat (and serve, bench when installed).
+"""The `tokenmill` command line: generate, chat (and serve, proxy, bench when installed).
 
 The engine and loader flags are generated from the fields of `EngineConfig` and `LoadConfig`
 (tokenmill/config.py): each field is one flag named after it, with its type, default and help.
@@ -327,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the weights' dtype")
     conv.set_defaults(func=cmd_convert)
 
-    for extra in ("tokenmill.entrypoints.serve_cli", "tokenmill.bench.cli"):
+    for extra in ("tokenmill.entrypoints.serve_cli", "tokenmill.entrypoints.proxy_cli", "tokenmill.bench.cli"):
         try:
             module = __import__(extra, fromlist=["register"])
         except ImportError:

@@ -15,6 +15,8 @@ Scheduler side, per request:
   request_finished            a request ends: True keeps its blocks until a transfer into or out of
                               them completes (the engine frees them when the worker reports it).
   on_blocks_evicted           cached GPU blocks leave the prefix cache (a tier below may keep them).
+  on_prefill_scheduled        (a connector with wants_prefills) a step computes a request's prompt to
+                              its end: a producer saves those blocks for another engine.
   build_connector_meta        the step's transfers, handed to the worker.
   update_connector_output     the worker's report; returns what the scheduler must act on.
 
@@ -117,6 +119,8 @@ class ConnectorUpdate:
 class KVConnectorScheduler(ABC):
     """The scheduler side (in the engine process; no tensors)."""
 
+    wants_prefills: bool = False  # the scheduler calls on_prefill_scheduled only when True
+
     @abstractmethod
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens past `num_computed_tokens` (the GPU hit, a block multiple) this connector can supply
@@ -130,6 +134,11 @@ class KVConnectorScheduler(ABC):
 
     def on_blocks_evicted(self, evicted: list[tuple[int, bytes]]) -> None:
         """(block id, key) pairs of cached blocks the GPU pool is about to reuse this step."""
+
+    def on_prefill_scheduled(self, request: ConnectorRequest, block_ids: list[int], num_tokens: int) -> None:
+        """This step computes the request's first num_tokens tokens (its prompt, or prompt and outputs
+        when resumed) to their end; `request.block_hashes` keys their full blocks, `block_ids` holds
+        them. Their K/V is complete after this step's forward pass (the worker's wait_for_save)."""
 
     @abstractmethod
     def build_connector_meta(self) -> KVConnectorMetadata:

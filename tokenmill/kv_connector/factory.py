@@ -1,7 +1,9 @@
 """Connectors by name (EngineConfig.kv_transfer_config's "kv_connector"), each side built on its own.
 
 A connector registers a scheduler-side and a worker-side builder; the engine builds the scheduler
-side, the runner the worker side. A P/D connector (NIXL-style transport) is one more entry.
+side, the runner the worker side. OffloadingConnector is the host-memory tier (host_tier.py),
+SharedStorageConnector prefill/decode disaggregation on one host (shared_storage.py); a network
+transport (NIXL-style) would be one more entry.
 """
 
 from dataclasses import dataclass
@@ -9,9 +11,12 @@ from typing import Callable, Optional
 
 import torch
 
-from tokenmill.config import OFFLOADING_CONNECTOR, ConfigError, EngineConfig, KVTransferConfig
+from tokenmill.config import (OFFLOADING_CONNECTOR, SHARED_STORAGE_CONNECTOR, ConfigError, EngineConfig,
+                              KVTransferConfig)
 from tokenmill.kv_connector.base import KVConnectorScheduler, KVConnectorWorker
+from tokenmill.kv_connector.block_store import default_store_path
 from tokenmill.kv_connector.host_tier import HostTierScheduler, HostTierWorker
+from tokenmill.kv_connector.shared_storage import SharedStorageOptions, SharedStorageScheduler, SharedStorageWorker
 
 
 @dataclass
@@ -35,6 +40,25 @@ def _host_slots(ctx: ConnectorContext) -> int:
     return slots
 
 
+def _shared_storage_options(ctx: ConnectorContext) -> SharedStorageOptions:
+    extra = dict(ctx.config.kv_connector_extra_config)
+    known = {"path", "max_store_gib", "ttl_s", "delete_after_load"}
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ConfigError(f"{SHARED_STORAGE_CONNECTOR}: unknown kv_connector_extra_config keys {unknown} "
+                          f"(known: {sorted(known)})")
+    try:
+        options = SharedStorageOptions(path=str(extra.get("path") or default_store_path()),
+                                       max_store_gib=float(extra.get("max_store_gib", 4.0)),
+                                       ttl_s=float(extra.get("ttl_s", 300.0)),
+                                       delete_after_load=bool(extra.get("delete_after_load", True)))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{SHARED_STORAGE_CONNECTOR}: bad kv_connector_extra_config ({e})") from None
+    if not options.max_store_gib > 0 or not options.ttl_s > 0:
+        raise ConfigError(f"{SHARED_STORAGE_CONNECTOR}: max_store_gib and ttl_s must be > 0")
+    return options
+
+
 @dataclass
 class ConnectorBuilders:
     scheduler: Callable[[ConnectorContext], KVConnectorScheduler]
@@ -46,13 +70,20 @@ CONNECTORS: dict[str, ConnectorBuilders] = {
         lambda ctx: HostTierScheduler(_host_slots(ctx), ctx.block_size),
         lambda ctx: HostTierWorker(_host_slots(ctx), ctx.device,
                                    int(ctx.config.kv_connector_extra_config.get("fail_loads", 0)))),
+    SHARED_STORAGE_CONNECTOR: ConnectorBuilders(
+        lambda ctx: SharedStorageScheduler(_shared_storage_options(ctx), ctx.config.kv_role, ctx.block_size),
+        lambda ctx: SharedStorageWorker(_shared_storage_options(ctx), ctx.config.kv_role, ctx.device)),
 }
 
 
 def check_connector_options(config: EngineConfig) -> None:
     """Refuse, naming them, the engine options a KV connector cannot run with yet (ConfigError)."""
-    if config.resolve_kv_transfer() is None:
+    kv = config.resolve_kv_transfer()
+    if kv is None:
         return
+    if kv.kv_connector == SHARED_STORAGE_CONNECTOR and not config.enable_prefix_caching:
+        raise ConfigError(f"the {SHARED_STORAGE_CONNECTOR} names blocks by their prefix-cache keys: it needs "
+                          "prefix caching (leave out --no-enable-prefix-caching)")
     if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
         raise ConfigError("a KV connector (kv_transfer_config, kv_offloading_size) with tensor or pipeline "
                           "parallelism is not supported yet (the workers' caches are not registered)")

@@ -23,6 +23,7 @@ import torch
 from tokenmill.kv_connector.base import (BlockTransfer, ConnectorRequest, ConnectorUpdate, KVConnectorMetadata,
                                          KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker,
                                          KVTransferCounts, LoadRequest)
+from tokenmill.kv_connector.blocks import block_shape, gather_blocks, kv_cache_bytes, scatter_blocks
 from tokenmill.logger import init_logger
 
 logger = init_logger(__name__)
@@ -199,12 +200,9 @@ class HostTierWorker(KVConnectorWorker):
         self._counts = KVTransferCounts()
 
     def register_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        base = kv_caches[0][0]._base  # runner/kv_cache.py: one [layers, 2, blocks, ...] tensor, viewed per layer
-        if base is None or any(k._base is not base or v._base is not base for k, v in kv_caches):
-            raise ValueError("the host tier needs the KV cache as one tensor (runner/kv_cache.py's layout)")
-        self.cache = base.view(torch.uint8)  # bytes: any KV dtype (fp8 included) copies the same way
-        shape = (self.num_slots, base.shape[0], base.shape[1]) + tuple(self.cache.shape[3:])  # planes: K and V, or a latent
-        self.store = torch.empty(shape, dtype=torch.uint8, pin_memory=self.on_cuda)
+        self.cache = kv_cache_bytes(kv_caches)
+        self.store = torch.empty((self.num_slots,) + block_shape(self.cache), dtype=torch.uint8,
+                                 pin_memory=self.on_cuda)
         logger.info("KV host tier: %d blocks (%.2f GiB%s)", self.num_slots, self.store.numel()
                     * self.store.element_size() / 2**30, ", pinned" if self.on_cuda else "")
 
@@ -253,17 +251,8 @@ class HostTierWorker(KVConnectorWorker):
             self._pending.append((load.req_id, len(load.transfer.block_ids), timing))
         return saved
 
-    def _block_ids(self, block_ids: list[int]) -> torch.Tensor:
-        ids = torch.tensor(block_ids, dtype=torch.int64)
-        if not self.on_cuda:
-            return ids
-        # From pinned memory, asynchronously: a pageable copy would make the host wait for the side
-        # stream, which waits for the steps in flight.
-        return ids.pin_memory().to(self.cache.device, non_blocking=True)
-
     def _save(self, t: BlockTransfer) -> None:
-        ids = self._block_ids(t.block_ids)
-        staged = self.cache.index_select(2, ids).movedim(2, 0).contiguous()  # [n, layers, planes, ...]
+        staged = gather_blocks(self.cache, t.block_ids)  # [n, layers, planes, ...]
         for i, j, slot in _runs(t.slots):
             self.store[slot:slot + j - i].copy_(staged[i:j], non_blocking=True)
         self._counts.blocks_saved += len(t.block_ids)
@@ -277,7 +266,7 @@ class HostTierWorker(KVConnectorWorker):
                              device=self.cache.device)
         for i, j, slot in _runs(t.slots):
             staged[i:j].copy_(self.store[slot:slot + j - i], non_blocking=True)
-        self.cache.index_copy_(2, self._block_ids(t.block_ids), staged.movedim(0, 2))
+        scatter_blocks(self.cache, t.block_ids, staged)
 
     def get_finished(self) -> KVConnectorOutput:
         out = KVConnectorOutput(failed_loads=self._failed)

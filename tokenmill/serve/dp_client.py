@@ -52,6 +52,7 @@ from tokenmill.engine.engine_snapshot import EngineSnapshot
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.spec_stats import SpecDecodeCounts
 from tokenmill.kv_connector.host_tier import HostTierCounts
+from tokenmill.kv_connector.shared_storage import SharedStorageCounts
 from tokenmill.errors import InvalidRequestError
 from tokenmill.logger import init_logger
 from tokenmill.lora.request import LoRARequest
@@ -540,6 +541,9 @@ def total_snapshot(snapshots: Sequence[EngineSnapshot]) -> EngineSnapshot:
     hosts = [s.kv_offload for s in snapshots if s.kv_offload is not None]
     host = (HostTierCounts(*(sum(getattr(h, f.name) for h in hosts) for f in dataclasses.fields(HostTierCounts)))
             if hosts else None)
+    moved = [s.kv_transfer for s in snapshots if s.kv_transfer is not None]
+    transfer = (SharedStorageCounts(*(sum(getattr(t, f.name) for t in moved)
+                                      for f in dataclasses.fields(SharedStorageCounts))) if moved else None)
     return EngineSnapshot(
         num_running=sum(s.num_running for s in snapshots), num_waiting=sum(s.num_waiting for s in snapshots),
         kv_cache_usage=usage, num_free_blocks=sum(s.num_free_blocks for s in snapshots), num_blocks=blocks,
@@ -548,4 +552,4 @@ def total_snapshot(snapshots: Sequence[EngineSnapshot]) -> EngineSnapshot:
         generation_tokens=sum(s.generation_tokens for s in snapshots),
         kernel_compiles_after_warmup=sum(s.kernel_compiles_after_warmup for s in snapshots),
         kernel_compile_seconds_after_warmup=sum(s.kernel_compile_seconds_after_warmup for s in snapshots),
-        spec_decode=spec, kv_offload=host)
+        spec_decode=spec, kv_offload=host, kv_transfer=transfer)

@@ -12,13 +12,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.serve.async_engine import EngineDeadError, EngineOverloadedError
+from tokenmill.serve.openai.error_format import ERROR_TYPES, error_body
 from tokenmill.errors import InvalidRequestError
 from tokenmill.logger import init_logger
 
 logger = init_logger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error"}
+_TYPES = ERROR_TYPES  # (the error body and its types: error_format.py, shared with the proxy)
 
 
 class APIError(Exception):
@@ -41,12 +41,6 @@ def echoed(value: str) -> str:
     if len(value) <= MAX_ECHOED_CHARS:
         return value
     return f"{value[:MAX_ECHOED_CHARS]}... ({len(value)} characters)"
-
-
-def error_body(status: int, message: str, type: Optional[str] = None, param: Optional[str] = None,
-               code: Optional[str] = None) -> dict:
-    return {"error": {"message": message, "type": type or _TYPES.get(status, "internal_server_error"),
-                      "param": param, "code": code}}
 
 
 class _ErrorJSONResponse(JSONResponse):

@@ -27,6 +27,12 @@ up there, past each GPU hit), `_bytes_saved` (device to host), `_bytes_loaded` (
 prefix-cache series they move with single requests (a host hit tells a prefix was sent before), so
 they are in PREFIX_CACHE_SERIES.
 
+Prefill/decode transfers (only with the SharedStorageConnector, kv_connector/shared_storage.py):
+counters `tokenmill:kv_transfer_loaded_tokens` (prompt tokens a decode engine loaded from its
+prefill peer instead of computing them), `_lookup_tokens`, `_blocks_saved` / `_bytes_saved` (what a
+prefill engine wrote for its peer), `_blocks_loaded` / `_bytes_loaded`, `_load_seconds` and
+`_failed_loads` (loads that failed and were recomputed). Also in PREFIX_CACHE_SERIES.
+
 Data parallelism (`--data-parallel-size N`, serve/dp_client.py): the series above are the totals
 over the replicas; `tokenmill:data_parallel_size` and, with a `replica` label ("0".."N-1"), each
 replica's own `tokenmill:replica_num_requests_running`, `_num_requests_waiting`,
@@ -49,6 +55,7 @@ from tokenmill.serve.async_engine import AsyncLLMEngine, EngineObserver
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.spec_stats import SpecDecodeCounts
 from tokenmill.kv_connector.host_tier import HostTierCounts
+from tokenmill.kv_connector.shared_storage import SharedStorageCounts
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -97,11 +104,22 @@ _KV_OFFLOAD_COUNTERS = (
 )
 KV_OFFLOAD_SERIES = frozenset(["tokenmill:kv_offload_" + name for name, _ in _KV_OFFLOAD_COUNTERS]
                               + ["tokenmill:kv_offload_num_blocks"])
+_KV_TRANSFER_COUNTERS = (
+    ("loaded_tokens", "Prompt tokens loaded from the prefill peer's KV blocks instead of computed."),
+    ("lookup_tokens", "Prompt tokens looked up among the peer's KV blocks (past each GPU prefix-cache hit)."),
+    ("blocks_saved", "KV blocks written for the decode peer."),
+    ("bytes_saved", "Bytes of KV blocks written for the decode peer."),
+    ("blocks_loaded", "KV blocks loaded from the prefill peer."),
+    ("bytes_loaded", "Bytes of KV blocks loaded from the prefill peer."),
+    ("load_seconds", "Seconds the loads from the prefill peer took (issue to completion)."),
+    ("failed_loads", "Loads from the prefill peer that failed (their prefix was recomputed)."),
+)
+KV_TRANSFER_SERIES = frozenset("tokenmill:kv_transfer_" + name for name, _ in _KV_TRANSFER_COUNTERS)
 
 # Series that tell a prompt prefix was cached (the computed-token count drops on a hit).
 PREFIX_CACHE_SERIES = frozenset({"tokenmill:prefix_cache_hit_rate", "tokenmill:replica_prefix_cache_hit_rate",
                                  "tokenmill:replica_requests_routed_by_prefix",
-                                 "tokenmill:replica_prompt_tokens_computed"}) | KV_OFFLOAD_SERIES
+                                 "tokenmill:replica_prompt_tokens_computed"}) | KV_OFFLOAD_SERIES | KV_TRANSFER_SERIES
 
 
 class _Without:
@@ -160,6 +178,8 @@ class _EngineStateCollector:
             yield from self._spec_decode(s.spec_decode)
         if s.kv_offload is not None:
             yield from self._kv_offload(s.kv_offload)
+        if s.kv_transfer is not None:
+            yield from self._kv_transfer(s.kv_transfer)
         restarts = getattr(self.engine.engine, "engine_restarts", None)  # an engine in a process of its own
         if restarts is not None:
             c = CounterMetricFamily("tokenmill:engine_restarts", "Engine processes restarted after one died.",
@@ -200,6 +220,12 @@ class _EngineStateCollector:
                               labels=labels)
         g.add_metric([self.model_name], host.num_slots)
         yield g
+
+    def _kv_transfer(self, moved: SharedStorageCounts):
+        for name, doc in _KV_TRANSFER_COUNTERS:
+            c = CounterMetricFamily("tokenmill:kv_transfer_" + name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], getattr(moved, name))
+            yield c
 
     def _spec_decode(self, spec: SpecDecodeCounts):
         labels = ["model_name"]

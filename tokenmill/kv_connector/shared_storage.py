@@ -1,0 +1,320 @@
+"""SharedStorageConnector: prefill/decode disaggregation between engines on one host, through files.
+
+A producer (kv_role kv_producer: the prefill engine) writes the full blocks of every prompt it
+computes into a directory (kv_connector_extra_config "path", default /dev/shm/tokenmill-kv: memory),
+one file per block named by its prefix-cache key (block_store.py). A consumer (kv_consumer: the
+decode engine) looks up each request's keys there past its own GPU prefix-cache hit, loads the
+longest run it finds while the request waits in the LOADING state, and computes only the rest (at
+least the last prompt token). kv_both does both.
+
+Ordering: the producer writes a step's blocks in wait_for_save, after that step's forward pass and
+before the step's tokens reach any client, so a router that sends the decode request once the
+prefill request has answered finds every block in place. A consumer's load runs on a thread of
+its worker (file reads, then one copy into the cache when get_finished sees it done), so the
+decode engine's steps go on meanwhile. A block that is missing or bad when read fails the request's
+load: the engine recomputes it (the LOADING machinery's failure path), the file is removed and
+counted in failed_loads. Files leave the directory when the consumer has loaded them (unless another
+load in flight reads them too), and the producer bounds what it leaves behind (max_store_gib, and
+ttl_s for files no consumer took).
+"""
+
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+import torch
+
+from tokenmill.kv_connector.base import (ConnectorRequest, ConnectorUpdate, KVConnectorMetadata, KVConnectorOutput,
+                                         KVConnectorScheduler, KVConnectorWorker, KVTransferCounts)
+from tokenmill.kv_connector.block_store import BlockFileStore, StoreBounds
+from tokenmill.kv_connector.blocks import block_shape, gather_blocks, kv_cache_bytes, layout_tag, scatter_blocks
+from tokenmill.logger import init_logger
+
+logger = init_logger(__name__)
+
+PRODUCER_ROLES = ("kv_producer", "kv_both")
+CONSUMER_ROLES = ("kv_consumer", "kv_both")
+
+
+@dataclass
+class SharedStorageOptions:
+    """kv_connector_extra_config of the SharedStorageConnector."""
+
+    path: str
+    max_store_gib: float = 4.0  # a producer's files in the directory at most (its oldest removed first)
+    ttl_s: float = 300.0  # a producer's file no consumer loaded within this is removed
+    delete_after_load: bool = True  # a consumer removes the files it loaded
+
+
+@dataclass
+class KeyedBlocks:
+    """One request's blocks and their keys, pairwise: a save (device -> files) or a load (files -> device)."""
+
+    req_id: str
+    block_ids: list[int]
+    keys: list[bytes]
+
+
+@dataclass
+class SharedStorageMeta:
+    """One step's transfers (KVConnectorMetadata.extra)."""
+
+    saves: list[KeyedBlocks] = field(default_factory=list)
+    loads: list[KeyedBlocks] = field(default_factory=list)
+
+
+@dataclass
+class SharedStorageCounts:
+    """The connector's counters since start (aggregates only: no request is named)."""
+
+    loaded_tokens: int = 0  # prompt tokens loaded from the store instead of computed (consumer)
+    lookup_tokens: int = 0  # prompt tokens looked up in the store (past each GPU hit)
+    bytes_saved: int = 0  # device -> store (producer)
+    bytes_loaded: int = 0  # store -> device (consumer)
+    blocks_saved: int = 0
+    blocks_loaded: int = 0
+    load_seconds: float = 0.0
+    failed_loads: int = 0  # loads that failed (their prefix recomputed)
+
+    def add(self, counts: KVTransferCounts) -> None:
+        for f in fields(KVTransferCounts):
+            setattr(self, f.name, getattr(self, f.name) + getattr(counts, f.name))
+
+    def copy(self) -> "SharedStorageCounts":
+        return SharedStorageCounts(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+
+class SharedStorageScheduler(KVConnectorScheduler):
+    """Which keys the store has for a request (consumer); which prompts to save (producer)."""
+
+    def __init__(self, options: SharedStorageOptions, role: str, block_size: int):
+        self.options = options
+        self.store = BlockFileStore(options.path)  # lookups and removals only (the worker reads and writes)
+        self.block_size = block_size
+        self.consumes = role in CONSUMER_ROLES
+        self.wants_prefills = role in PRODUCER_ROLES
+        self.matched: dict[str, list[bytes]] = {}  # request -> keys found, until its blocks are allocated
+        self.loading: dict[str, list[bytes]] = {}  # request -> keys its load in flight reads
+        self.pins: dict[bytes, int] = {}  # key -> loads in flight reading it (its file stays until 0)
+        self.ended_while_loading: set[str] = set()
+        self._meta = SharedStorageMeta()
+        self.counts = SharedStorageCounts()
+
+    # ---- consumer: lookups and loads --------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        if not self.consumes:
+            return 0, False
+        bs = self.block_size
+        first, last = num_computed_tokens // bs, (request.num_tokens - 1) // bs  # leave one token to compute
+        keys = []
+        for key in request.block_hashes[first:last]:
+            if not self.store.has(key):
+                break
+            keys.append(key)
+        self.counts.lookup_tokens += max(0, last - first) * bs
+        if not keys:
+            self.matched.pop(request.request_id, None)
+            return 0, False
+        self.matched[request.request_id] = keys
+        return len(keys) * bs, True
+
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int,
+                                 num_computed_tokens: int) -> None:
+        n = num_external_tokens // self.block_size
+        keys = self.matched.pop(request.request_id)[:n]
+        first = num_computed_tokens // self.block_size
+        for key in keys:
+            self.pins[key] = self.pins.get(key, 0) + 1
+        self._meta.loads.append(KeyedBlocks(request.request_id, block_ids[first:first + n], keys))
+        self.loading[request.request_id] = keys
+
+    # ---- producer: saves ----------------------------------------------------------------------
+    def on_prefill_scheduled(self, request: ConnectorRequest, block_ids: list[int], num_tokens: int) -> None:
+        # The blocks a consumer can load: it computes at least the last token itself, so a prompt
+        # that ends on a block boundary leaves its last block to it.
+        n = min((num_tokens - 1) // self.block_size, len(request.block_hashes), len(block_ids))
+        if n:
+            self._meta.saves.append(KeyedBlocks(request.request_id, block_ids[:n], request.block_hashes[:n]))
+
+    # ---- the step -----------------------------------------------------------------------------
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        meta, self._meta = self._meta, SharedStorageMeta()
+        return KVConnectorMetadata(extra=meta if meta.saves or meta.loads else None)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> ConnectorUpdate:
+        self.counts.add(output.counts)
+        update = ConnectorUpdate()
+        for req_id in output.finished_loads:
+            keys = self._unpin(req_id)
+            self.counts.loaded_tokens += len(keys) * self.block_size
+            if self.options.delete_after_load:
+                self._remove_unpinned(keys)
+            (update.released if self._ended(req_id) else update.loaded).append(req_id)
+        for req_id in output.failed_loads:
+            self._remove_unpinned(self._unpin(req_id))  # what it read may be bad: nobody reads it again
+            self.counts.failed_loads += 1
+            (update.released if self._ended(req_id) else update.failed).append(req_id)
+        return update
+
+    def _unpin(self, req_id: str) -> list[bytes]:
+        keys = self.loading.pop(req_id)
+        for key in keys:
+            self.pins[key] -= 1
+            if not self.pins[key]:
+                del self.pins[key]
+        return keys
+
+    def _remove_unpinned(self, keys: list[bytes]) -> None:
+        for key in keys:
+            if key not in self.pins:
+                self.store.remove(key)
+
+    def _ended(self, req_id: str) -> bool:
+        if req_id in self.ended_while_loading:
+            self.ended_while_loading.discard(req_id)
+            return True
+        return False
+
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
+        self.matched.pop(request.request_id, None)
+        if request.request_id in self.loading:  # its load still writes into its blocks
+            self.ended_while_loading.add(request.request_id)
+            return True
+        return False  # a producer's saves were written in the step that computed them
+
+    def reset(self) -> bool:
+        return not self.loading  # nothing cached here: the files are transfers in flight between engines
+
+    def stats(self) -> SharedStorageCounts:
+        return self.counts.copy()
+
+    def reset_stats(self) -> None:
+        self.counts = SharedStorageCounts()
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self.loading)
+
+
+@dataclass
+class _Load:
+    """A load in flight on the reader thread."""
+
+    blocks: KeyedBlocks
+    staged: torch.Tensor  # [n, layers, planes, ...] bytes, filled by the thread
+    done: Future
+    started: float
+
+
+class SharedStorageWorker(KVConnectorWorker):
+    """Writes a step's saves after its forward pass; reads loads on a thread, then copies them in."""
+
+    def __init__(self, options: SharedStorageOptions, role: str, device: torch.device):
+        self.options = options
+        self.role = role
+        self.device = device
+        self.on_cuda = device.type == "cuda"
+        self.store = BlockFileStore(options.path)
+        self.bounds = StoreBounds(int(options.max_store_gib * 2**30), options.ttl_s)
+        self.cache: Optional[torch.Tensor] = None
+        self.tag = b""
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-kv-read")
+        self._saves: list[KeyedBlocks] = []
+        self._loads: deque[_Load] = deque()
+        self._counts = KVTransferCounts()
+
+    def register_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.cache = kv_cache_bytes(kv_caches)
+        self.tag = layout_tag(kv_caches)
+        if self.role in PRODUCER_ROLES:
+            # One producer per directory: what an earlier run left there may be another model's KV.
+            removed = self.store.clear()
+            if removed:
+                logger.info("KV transfer: removed %d block files an earlier run left in %s", removed,
+                            self.options.path)
+            free = self.store.free_bytes()
+            if free < self.bounds.max_bytes:
+                logger.warning("KV transfer: %s has %.2f GiB free, less than max_store_gib %.2f: blocks that do "
+                               "not fit are not written (the decode engine computes them)", self.options.path,
+                               free / 2**30, self.options.max_store_gib)
+        logger.info("KV transfer (%s): blocks of %d bytes through %s", self.role, self.bytes_per_block,
+                    self.options.path)
+
+    @property
+    def bytes_per_block(self) -> int:
+        shape = block_shape(self.cache)
+        n = 1
+        for d in shape:
+            n *= d
+        return n
+
+    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+        extra: Optional[SharedStorageMeta] = meta.extra
+        if extra is None:
+            return
+        self._saves.extend(extra.saves)  # written after the forward pass (wait_for_save)
+        for load in extra.loads:
+            staged = torch.empty((len(load.keys),) + block_shape(self.cache), dtype=torch.uint8,
+                                 pin_memory=self.on_cuda)
+            self._loads.append(_Load(load, staged, self.reader.submit(self._read, load.keys, staged),
+                                     time.perf_counter()))
+
+    def _read(self, keys: list[bytes], staged: torch.Tensor) -> None:
+        for i, key in enumerate(keys):
+            self.store.read_into(key, self.tag, staged[i])
+
+    def wait_for_save(self) -> None:
+        if not self._saves:
+            return
+        saves, self._saves = self._saves, []
+        block_ids, keys = [], []
+        seen = set()
+        for s in saves:
+            for block_id, key in zip(s.block_ids, s.keys):
+                if key not in seen and not self.store.has(key):  # (a shared prefix: once)
+                    seen.add(key)
+                    block_ids.append(block_id)
+                    keys.append(key)
+        if block_ids:
+            # After the forward pass on its stream; the host waits for it here, so the files exist
+            # before this step's tokens reach any client (a router then finds them).
+            staged = gather_blocks(self.cache, block_ids).cpu()
+            self.store.evict(self.bounds, incoming=len(keys) * self.bytes_per_block)
+            written = 0
+            try:
+                for i, key in enumerate(keys):
+                    written += self.store.write(key, self.tag, staged[i])
+            except OSError as e:  # e.g. the directory is full: the decode engine computes these itself
+                logger.warning("KV transfer: writing blocks to %s failed (%s); %d of %d written this step",
+                               self.options.path, e, written, len(keys))
+            self._counts.blocks_saved += written
+            self._counts.bytes_saved += written * self.bytes_per_block
+        else:
+            self.store.evict(self.bounds)
+
+    def get_finished(self) -> KVConnectorOutput:
+        out = KVConnectorOutput()
+        while self._loads and self._loads[0].done.done():  # one reader thread: they finish in order
+            load = self._loads.popleft()
+            n = len(load.blocks.keys)
+            try:
+                load.done.result()
+            except Exception as e:  # missing, short or foreign files (BlockStoreError), I/O errors
+                logger.warning("KV transfer: loading %d blocks failed (%s); recomputing them", n, e)
+                out.failed_loads.append(load.blocks.req_id)
+                continue
+            scatter_blocks(self.cache, load.blocks.block_ids, load.staged)  # before the next forward pass
+            out.finished_loads.append(load.blocks.req_id)
+            self._counts.blocks_loaded += n
+            self._counts.bytes_loaded += n * self.bytes_per_block
+            self._counts.load_seconds += time.perf_counter() - load.started
+        out.counts, self._counts = self._counts, KVTransferCounts()
+        return out
+
+    def shutdown(self) -> None:
+        self.reader.shutdown(wait=True)
+        if self.on_cuda:
+            torch.cuda.synchronize(self.device)
+        self.cache = None
