@@ -17,7 +17,7 @@ CHAT_PROMPTS = [
     "Translate 'good morning' into Spanish.",
     "Why is the sky blue?",
 ]
-NEW_TOKENS = 48
+NEW_TOKENS = 32
 
 
 def make_llm(loaded, **overrides) -> LLM:

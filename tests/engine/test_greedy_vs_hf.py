@@ -69,9 +69,9 @@ def test_shared_prefixes_hit_the_prefix_cache(smollm, chat_prompt_ids, hf_greedy
 
 
 def test_host_tier_reloads_match_hf(smollm, chat_prompt_ids, hf_greedy):
-    """The host-memory KV tier under a GPU cache of 12 blocks: the second pair of prompts evicts the
+    """The host-memory KV tier under a GPU cache of 10 blocks: the second pair of prompts evicts the
     first pair's blocks to the host; run again, the first pair loads them back. HF's tokens each time."""
-    llm = make_llm(smollm, num_kv_blocks=12, max_num_seqs=2, kv_offloading_size=0.05)
+    llm = make_llm(smollm, num_kv_blocks=10, max_num_seqs=2, kv_offloading_size=0.05)
     first = llm.generate(chat_prompt_ids[:4], GREEDY, use_tqdm=False)
     again = llm.generate(chat_prompt_ids[:2], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in first + again] == hf_greedy[:4] + hf_greedy[:2]

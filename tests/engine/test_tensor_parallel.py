@@ -37,7 +37,7 @@ def test_embedded_model_equals_hf(layout, regime, chat_prompt_ids, hf_greedy):
     kw = {} if regime == "default" else dict(max_num_batched_tokens=24, num_kv_blocks=14)
     llm = _tp_llm(3, **kw) if layout == "tp3" else _tp_llm(1, pp=2, **kw)
     try:
-        # The first half of HF's greedy tokens: 8 prompts of ~37 + 24 tokens still overflow the 14
+        # The first half of HF's greedy tokens: 8 prompts of ~37 + 16 tokens still overflow the 14
         # blocks (preemptions), and every prompt is still split into 24-token chunks.
         n = NEW_TOKENS // 2
         outs = llm.generate(chat_prompt_ids, SamplingParams(temperature=0, max_tokens=n, min_tokens=n),

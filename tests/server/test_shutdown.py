@@ -72,9 +72,9 @@ def test_sigint_lets_a_short_stream_finish(start_server):
     _assert_clean_log(server)
 
 
-# Each signal once first and once second (a repeated signal is the same code path as a mixed pair).
-@pytest.mark.parametrize("first,second", [(signal.SIGTERM, signal.SIGINT), (signal.SIGINT, signal.SIGTERM)],
-                         ids=["term-int", "int-term"])
+# One mixed pair: a repeated signal, or the pair the other way round, is the same code path (the exit
+# status is 128 + the second signal's number either way).
+@pytest.mark.parametrize("first,second", [(signal.SIGTERM, signal.SIGINT)], ids=["term-int"])
 def test_a_second_signal_aborts_at_once_and_exits_non_zero(start_server, first, second):
     """With a grace period of 10 minutes, the second signal ends the wait: the stream is aborted
     (error event, then [DONE]) and the process is gone within seconds, with status 128 + signum."""

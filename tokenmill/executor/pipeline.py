@@ -155,7 +155,11 @@ class LastStageSteps:
                 continue
             self.runner.execute_model(arg)
             break
-        return self.runner.sample_tokens(grammar_bitmask)
+        sampled = self.runner.sample_tokens(grammar_bitmask)
+        # Releases queued behind this step are due now: an engine gone idle sends no later step to carry them.
+        while self.ops and self.ops[0][0] == "release":
+            self.runner.release(self.ops.popleft()[1])
+        return sampled
 
 
 class DeferredOutput:
