@@ -13,7 +13,7 @@ TARGETS = CHAT_PROMPTS[:4] + [
     "import numpy as np\nx = np.",
     "Dear committee, I am writing to",
 ]
-TOKENS = 12
+TOKENS = 8
 
 
 def _others(n: int) -> list[str]:
