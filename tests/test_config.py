@@ -26,8 +26,9 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
     return found
 
 
-# The commands that run an engine (convert only rewrites a file: it takes no engine options).
-COMMANDS = {k: v for k, v in subcommands(cli.build_parser()).items() if k != "convert"}
+# The commands that run an engine (convert only rewrites a file and proxy only forwards requests:
+# neither takes engine options).
+COMMANDS = {k: v for k, v in subcommands(cli.build_parser()).items() if k not in ("convert", "proxy")}
 BENCH_DEFAULTS = {"model": None, "load_format": None, "dtype": None}  # from the workload
 SERVE_ENGINE_DEFAULTS = serve_cli.SERVE_ENGINE_DEFAULTS
 

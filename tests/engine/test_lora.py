@@ -112,9 +112,9 @@ def test_adapters_on_fp8_weights_match_peft_on_the_same_weights(hf_smollm, adapt
                 mod.weight.copy_(dequantize_weight_fp8(w_q, scale, torch.float32))
     llm = make_llm(load_model(None, dtype="float32", device="cpu", quantization="fp8"), enable_lora=True,
                    max_loras=3, max_lora_rank=16)
-    choice = [adapters[0], None, adapters[2]]
+    choice = [adapters[0], None]  # an adapter's rows and the base rows in one batch
     seen = _record_logits(llm)
-    outs = llm.generate(prompts[:3], GREEDY, use_tqdm=False, lora_request=choice)
+    outs = llm.generate(prompts[:2], GREEDY, use_tqdm=False, lora_request=choice)
     for out, ids, lora in zip(outs, prompts, choice):
         ref_model = hf8 if lora is None else peft_reference(hf8, lora.lora_path)
         tokens = out.outputs[0].token_ids

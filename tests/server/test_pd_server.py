@@ -35,8 +35,11 @@ def connector(path, role: str) -> list[str]:
 def pd(tmp_path_factory):
     """(prefill server, decode server, proxy), started together; the last test kills the prefill one."""
     path = tmp_path_factory.mktemp("kv")
-    prefill = ServerProcess(SMALL_ENGINE + connector(path, "kv_producer"))
-    decode = ServerProcess(SMALL_ENGINE + ["--speculative-config", json.dumps(NGRAM)] + connector(path, "kv_consumer"))
+    # Each engine on its API server's thread: three processes to start instead of five on 2 cores
+    # (the engine process is tests/server/test_engine_process.py's subject, not this file's).
+    engine = SMALL_ENGINE + ["--no-engine-process"]
+    prefill = ServerProcess(engine + connector(path, "kv_producer"))
+    decode = ServerProcess(engine + ["--speculative-config", json.dumps(NGRAM)] + connector(path, "kv_consumer"))
     proxy = ServerProcess(["--prefill", prefill.url, "--decode", decode.url], command="proxy")
     try:
         for p in (prefill, decode, proxy):  # (the proxy's /health is 200 once both engines' are)

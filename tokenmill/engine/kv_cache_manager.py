@@ -90,8 +90,15 @@ class KVCacheManager:
             return True
         cached_blocks = cached_blocks or []
         computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
-        needed = (cdiv(computed + num_new_tokens + num_lookahead_tokens, self.block_size) - len(request.block_ids)
-                  - len(cached_blocks))
+        if not self._take_blocks(request, cached_blocks, computed + num_new_tokens + num_lookahead_tokens):
+            return False
+        self._cache_full_blocks(request, min(computed + num_new_tokens, request.num_tokens))
+        return True
+
+    def _take_blocks(self, request: Request, cached_blocks: list[int], num_tokens: int) -> bool:
+        """Append the cached blocks, then fresh ones, until the request holds num_tokens slots; False
+        (nothing taken) if they don't fit."""
+        needed = cdiv(num_tokens, self.block_size) - len(request.block_ids) - len(cached_blocks)
         # Cached blocks nobody holds sit in the free list; taking them makes them unavailable.
         reclaimable = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_cnt == 0)
         if needed > self.pool.num_free - reclaimable:
@@ -100,22 +107,13 @@ class KVCacheManager:
         request.block_ids.extend(cached_blocks)
         if needed > 0:
             request.block_ids.extend(self.pool.allocate(needed))
-        self._cache_full_blocks(request, min(computed + num_new_tokens, request.num_tokens))
         return True
 
     def allocate_for_load(self, request: Request, cached_blocks: list[int], num_tokens: int) -> bool:
         """Blocks for the first num_tokens tokens, after the cached ones, for a KV connector to load
         into: not entered in the prefix cache until the load is done (cache_loaded). False if they
         don't fit."""
-        needed = cdiv(num_tokens, self.block_size) - len(request.block_ids) - len(cached_blocks)
-        reclaimable = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_cnt == 0)
-        if needed > self.pool.num_free - reclaimable:
-            return False
-        self.pool.touch(cached_blocks)
-        request.block_ids.extend(cached_blocks)
-        if needed > 0:
-            request.block_ids.extend(self.pool.allocate(needed))
-        return True
+        return self._take_blocks(request, cached_blocks, num_tokens)
 
     def cache_loaded(self, request: Request, num_tokens: int) -> None:
         """A connector filled the request's blocks up to num_tokens: they may be shared now."""

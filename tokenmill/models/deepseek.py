@@ -34,7 +34,7 @@ from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.logger import init_logger
 from tokenmill.models.config import ModelArchConfig
 from tokenmill.models.interface import AttentionSpec
-from tokenmill.models.llama import LlamaMLP, LlamaModel, MLPFactory
+from tokenmill.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
 from tokenmill.models.moe import MoeForCausalLM
 
 logger = init_logger(__name__)
@@ -132,18 +132,8 @@ def deepseek_mlp(cfg: ModelArchConfig, layer_idx: int, dtype, device) -> nn.Modu
     return LlamaMLP(cfg, dtype, device)
 
 
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, layer_idx: int, dtype, device,
-                 make_mlp: MLPFactory = deepseek_mlp):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.self_attn = DeepseekAttention(cfg, rotary, layer_idx, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.mlp = make_mlp(cfg, layer_idx, dtype, device)
-
-    def forward(self, positions, hidden, residual: Optional[torch.Tensor]):
-        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm)
-        return self.mlp(hidden, residual, self.post_attention_layernorm)
+class DeepseekDecoderLayer(LlamaDecoderLayer):
+    attention_class = DeepseekAttention
 
 
 class DeepseekModel(LlamaModel):

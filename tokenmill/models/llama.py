@@ -139,11 +139,13 @@ def dense_mlp(cfg: ModelArchConfig, layer_idx: int, dtype, device) -> nn.Module:
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_class = LlamaAttention  # a family with another attention gives its own (models/deepseek.py)
+
     def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, layer_idx: int, dtype, device,
                  make_mlp: MLPFactory = dense_mlp):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.self_attn = LlamaAttention(cfg, rotary, layer_idx, dtype, device)
+        self.self_attn = self.attention_class(cfg, rotary, layer_idx, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.mlp = make_mlp(cfg, layer_idx, dtype, device)
 
