@@ -30,7 +30,7 @@ package needs nothing of the engine's.
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -114,6 +114,21 @@ class ConnectorUpdate:
     loaded: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
+
+
+def match_prefix(request: ConnectorRequest, num_computed_tokens: int, block_size: int,
+                 find: Callable[[bytes], Any]) -> tuple[list, int]:
+    """What `find` (block key -> its entry, or None) holds of the request's full blocks past
+    num_computed_tokens, up to the first miss and leaving the last token to compute; and how many
+    tokens were looked up."""
+    first, last = num_computed_tokens // block_size, (request.num_tokens - 1) // block_size
+    found = []
+    for key in request.block_hashes[first:last]:
+        entry = find(key)
+        if entry is None:
+            break
+        found.append(entry)
+    return found, max(0, last - first) * block_size
 
 
 class KVConnectorScheduler(ABC):

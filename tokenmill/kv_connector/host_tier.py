@@ -22,7 +22,7 @@ import torch
 
 from tokenmill.kv_connector.base import (BlockTransfer, ConnectorRequest, ConnectorUpdate, KVConnectorMetadata,
                                          KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker,
-                                         KVTransferCounts, LoadRequest)
+                                         KVTransferCounts, LoadRequest, match_prefix)
 from tokenmill.kv_connector.blocks import block_shape, gather_blocks, kv_cache_bytes, scatter_blocks
 from tokenmill.logger import init_logger
 
@@ -69,20 +69,13 @@ class HostTierScheduler(KVConnectorScheduler):
 
     # ---- lookups and loads --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
-        bs = self.block_size
-        first, last = num_computed_tokens // bs, (request.num_tokens - 1) // bs  # leave one token to compute
-        slots = []
-        for key in request.block_hashes[first:last]:
-            slot = self.index.get(key)
-            if slot is None:
-                break
-            slots.append(slot)
-        self.counts.lookup_tokens += max(0, last - first) * bs
+        slots, looked_up = match_prefix(request, num_computed_tokens, self.block_size, self.index.get)
+        self.counts.lookup_tokens += looked_up
         if not slots:
             self.matched.pop(request.request_id, None)
             return 0, False
         self.matched[request.request_id] = slots
-        return len(slots) * bs, True
+        return len(slots) * self.block_size, True
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int,
                                  num_computed_tokens: int) -> None:

@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 
 from tokenmill.kv_connector.base import (ConnectorRequest, ConnectorUpdate, KVConnectorMetadata, KVConnectorOutput,
-                                         KVConnectorScheduler, KVConnectorWorker, KVTransferCounts)
+                                         KVConnectorScheduler, KVConnectorWorker, KVTransferCounts,
+                                         match_prefix)
 from tokenmill.kv_connector.block_store import BlockFileStore, StoreBounds
 from tokenmill.kv_connector.blocks import block_shape, gather_blocks, kv_cache_bytes, layout_tag, scatter_blocks
 from tokenmill.logger import init_logger
@@ -106,19 +107,14 @@ class SharedStorageScheduler(KVConnectorScheduler):
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         if not self.consumes:
             return 0, False
-        bs = self.block_size
-        first, last = num_computed_tokens // bs, (request.num_tokens - 1) // bs  # leave one token to compute
-        keys = []
-        for key in request.block_hashes[first:last]:
-            if not self.store.has(key):
-                break
-            keys.append(key)
-        self.counts.lookup_tokens += max(0, last - first) * bs
+        keys, looked_up = match_prefix(request, num_computed_tokens, self.block_size,
+                                       lambda key: key if self.store.has(key) else None)
+        self.counts.lookup_tokens += looked_up
         if not keys:
             self.matched.pop(request.request_id, None)
             return 0, False
         self.matched[request.request_id] = keys
-        return len(keys) * bs, True
+        return len(keys) * self.block_size, True
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int,
                                  num_computed_tokens: int) -> None:
