@@ -525,6 +525,8 @@ class LLMEngine:
             completed += 1
             self.last_step_kind = sched.kind
             out = pending.get()
+            if self.kv_connector is not None:  # another engine may read this step's saves once its outputs leave
+                self.runner.kv_connector_flush_saves()
             if self.step_budget is not None:  # the step's measured time feeds the step-time model
                 self.step_budget.completed(sched.num_tokens, len(sched.batch))
             results.extend(self._process(sched, out, emit_unfinished))

@@ -21,7 +21,8 @@ Scheduler side, per request:
   update_connector_output     the worker's report; returns what the scheduler must act on.
 
 Worker side: register_kv_caches once; start_load_kv before each forward pass (no_forward for a step
-that runs no tokens), wait_for_save after it, get_finished for the report.
+that runs no tokens), wait_for_save after it, get_finished for the report, and flush_saves before
+the engine hands a step's outputs on (a save another engine reads must exist by then).
 
 A request is seen through `ConnectorRequest` (its id, prefix-cache keys and token count), so this
 package needs nothing of the engine's.
@@ -208,6 +209,10 @@ class KVConnectorWorker(ABC):
     @abstractmethod
     def get_finished(self) -> KVConnectorOutput:
         """Loads and saves completed (or failed) since the last call; never waits."""
+
+    def flush_saves(self) -> None:
+        """Finish the saves issued so far (the engine calls it before a step's outputs leave it, off
+        the device's critical path: the next step is already launched)."""
 
     def shutdown(self) -> None:
         """Release buffers and finish outstanding copies."""

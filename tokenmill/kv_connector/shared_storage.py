@@ -7,9 +7,11 @@ decode engine) looks up each request's keys there past its own GPU prefix-cache 
 longest run it finds while the request waits in the LOADING state, and computes only the rest (at
 least the last prompt token). kv_both does both.
 
-Ordering: the producer writes a step's blocks in wait_for_save, after that step's forward pass and
-before the step's tokens reach any client, so a router that sends the decode request once the
-prefill request has answered finds every block in place. A consumer's load runs on a thread of
+Ordering: in wait_for_save, after a step's forward pass, the producer copies the step's blocks out
+(into pinned memory on CUDA, without waiting) and queues their files on a writer thread; the engine
+calls flush_saves before it hands that step's outputs on, so a router that sends the decode request
+once the prefill request has answered finds every block in place, and the device never waits for
+the files. A consumer's load runs on a thread of
 its worker (file reads, then one copy into the cache when get_finished sees it done), so the
 decode engine's steps go on meanwhile. A block that is missing or bad when read fails the request's
 load: the engine recomputes it (the LOADING machinery's failure path), the file is removed and
@@ -217,7 +219,10 @@ class SharedStorageWorker(KVConnectorWorker):
         self.cache: Optional[torch.Tensor] = None
         self.tag = b""
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-kv-read")
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-kv-write")
         self._saves: list[KeyedBlocks] = []
+        self._writes: deque[Future] = deque()  # queued writes, oldest first: each gives (keys, blocks written)
+        self._writing: set[bytes] = set()  # keys a queued write will create
         self._loads: deque[_Load] = deque()
         self._counts = KVTransferCounts()
 
@@ -266,32 +271,54 @@ class SharedStorageWorker(KVConnectorWorker):
             return
         saves, self._saves = self._saves, []
         block_ids, keys = [], []
-        seen = set()
         for s in saves:
             for block_id, key in zip(s.block_ids, s.keys):
-                if key not in seen and not self.store.has(key):  # (a shared prefix: once)
-                    seen.add(key)
+                if key not in self._writing and not self.store.has(key):  # (a shared prefix: once)
+                    self._writing.add(key)
                     block_ids.append(block_id)
                     keys.append(key)
-        if block_ids:
-            # After the forward pass on its stream; the host waits for it here, so the files exist
-            # before this step's tokens reach any client (a router then finds them).
-            staged = gather_blocks(self.cache, block_ids).cpu()
-            self.store.evict(self.bounds, incoming=len(keys) * self.bytes_per_block)
-            written = 0
-            try:
-                for i, key in enumerate(keys):
-                    written += self.store.write(key, self.tag, staged[i])
-            except OSError as e:  # e.g. the directory is full: the decode engine computes these itself
-                logger.warning("KV transfer: writing blocks to %s failed (%s); %d of %d written this step",
-                               self.options.path, e, written, len(keys))
-            self._counts.blocks_saved += written
-            self._counts.bytes_saved += written * self.bytes_per_block
-        else:
-            self.store.evict(self.bounds)
+        if not block_ids:
+            return
+        # After the forward pass, in stream order: the blocks are copied out before anything can
+        # reuse them, so the request may free them at once.
+        staged = gather_blocks(self.cache, block_ids)
+        ready = None
+        if self.on_cuda:
+            host = torch.empty(staged.shape, dtype=torch.uint8, pin_memory=True)
+            host.copy_(staged, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            staged = host
+        self._writes.append(self.writer.submit(self._write, keys, staged, ready))
+
+    def _write(self, keys: list[bytes], staged: torch.Tensor, ready) -> tuple[list[bytes], int]:
+        """On the writer thread: the blocks' files, once the copy out of the cache is done."""
+        if ready is not None:
+            ready.synchronize()
+        self.store.evict(self.bounds, incoming=len(keys) * self.bytes_per_block)
+        written = 0
+        try:
+            for i, key in enumerate(keys):
+                written += self.store.write(key, self.tag, staged[i])
+        except OSError as e:  # e.g. the directory is full: the decode engine computes these itself
+            logger.warning("KV transfer: writing blocks to %s failed (%s); %d of %d written this step",
+                           self.options.path, e, written, len(keys))
+        return keys, written
+
+    def flush_saves(self) -> None:
+        while self._writes:
+            self._take_write(self._writes.popleft())
+
+    def _take_write(self, done: Future) -> None:
+        keys, written = done.result()
+        self._writing.difference_update(keys)
+        self._counts.blocks_saved += written
+        self._counts.bytes_saved += written * self.bytes_per_block
 
     def get_finished(self) -> KVConnectorOutput:
         out = KVConnectorOutput()
+        while self._writes and self._writes[0].done():  # one writer thread: they finish in order
+            self._take_write(self._writes.popleft())
         while self._loads and self._loads[0].done.done():  # one reader thread: they finish in order
             load = self._loads.popleft()
             n = len(load.blocks.keys)
@@ -310,6 +337,8 @@ class SharedStorageWorker(KVConnectorWorker):
         return out
 
     def shutdown(self) -> None:
+        self.flush_saves()
+        self.writer.shutdown(wait=True)
         self.reader.shutdown(wait=True)
         if self.on_cuda:
             torch.cuda.synchronize(self.device)

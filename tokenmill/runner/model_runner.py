@@ -240,6 +240,10 @@ class ModelRunner:
         """A step that runs no tokens: its KV transfers still start."""
         self.kv_connector.no_forward(meta)
 
+    def kv_connector_flush_saves(self) -> None:
+        """The KV connector's saves issued so far, finished (before the engine hands outputs on)."""
+        self.kv_connector.flush_saves()
+
     def kv_connector_finished(self) -> KVConnectorOutput:
         """The KV connector's transfers done (or failed) since the last call; never waits."""
         return self.kv_connector.get_finished()
