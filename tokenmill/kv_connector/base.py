@@ -132,6 +132,52 @@ def match_prefix(request: ConnectorRequest, num_computed_tokens: int, block_size
     return found, max(0, last - first) * block_size
 
 
+class LoadBook:
+    """A scheduler side's loads in flight: the entries (host slots, file keys...) each request matched,
+    the ones its load reads, pinned until the worker reports it, and the requests that ended meanwhile
+    (their blocks are kept until then)."""
+
+    def __init__(self):
+        self.matched: dict[str, list] = {}  # request -> entries found, until its blocks are allocated
+        self.loading: dict[str, list] = {}  # request -> entries its load in flight reads
+        self.pins: dict[Any, int] = {}  # entry -> loads in flight reading it
+        self.ended_while_loading: set[str] = set()
+
+    def match(self, req_id: str, entries: list) -> bool:
+        if not entries:
+            self.matched.pop(req_id, None)
+            return False
+        self.matched[req_id] = entries
+        return True
+
+    def start(self, req_id: str, n: int) -> list:
+        """The first n matched entries, pinned: the request's load reads them now."""
+        entries = self.matched.pop(req_id)[:n]
+        for e in entries:
+            self.pins[e] = self.pins.get(e, 0) + 1
+        self.loading[req_id] = entries
+        return entries
+
+    def finish(self, req_id: str) -> tuple[list, bool]:
+        """A reported load: its entries (unpinned) and whether its request ended while it ran."""
+        entries = self.loading.pop(req_id)
+        for e in entries:
+            self.pins[e] -= 1
+            if not self.pins[e]:
+                del self.pins[e]
+        ended = req_id in self.ended_while_loading
+        self.ended_while_loading.discard(req_id)
+        return entries, ended
+
+    def request_finished(self, req_id: str) -> bool:
+        """True if the request's load still writes into its blocks (keep them until it is reported)."""
+        self.matched.pop(req_id, None)
+        if req_id in self.loading:
+            self.ended_while_loading.add(req_id)
+            return True
+        return False
+
+
 class KVConnectorScheduler(ABC):
     """The scheduler side (in the engine process; no tensors)."""
 

@@ -22,7 +22,7 @@ import torch
 
 from tokenmill.kv_connector.base import (BlockTransfer, ConnectorRequest, ConnectorUpdate, KVConnectorMetadata,
                                          KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker,
-                                         KVTransferCounts, LoadRequest, match_prefix)
+                                         KVTransferCounts, LoadBook, LoadRequest, match_prefix)
 from tokenmill.kv_connector.blocks import block_shape, gather_blocks, kv_cache_bytes, scatter_blocks
 from tokenmill.logger import init_logger
 
@@ -59,10 +59,7 @@ class HostTierScheduler(KVConnectorScheduler):
         self.index: "OrderedDict[bytes, int]" = OrderedDict()  # key -> slot, least recently used first
         self.key_of: dict[int, bytes] = {}
         self.free_slots = list(range(num_slots - 1, -1, -1))
-        self.pins: dict[int, int] = {}  # slot -> loads in flight reading it
-        self.loading: dict[str, list[int]] = {}  # request -> slots its load reads
-        self.matched: dict[str, list[int]] = {}  # request -> slots found, until its blocks are allocated
-        self.ended_while_loading: set[str] = set()
+        self.book = LoadBook()  # slots the loads in flight read
         self._saves = BlockTransfer([], [])
         self._loads: list[LoadRequest] = []
         self.counts = HostTierCounts(num_slots=num_slots)
@@ -71,22 +68,18 @@ class HostTierScheduler(KVConnectorScheduler):
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         slots, looked_up = match_prefix(request, num_computed_tokens, self.block_size, self.index.get)
         self.counts.lookup_tokens += looked_up
-        if not slots:
-            self.matched.pop(request.request_id, None)
+        if not self.book.match(request.request_id, slots):
             return 0, False
-        self.matched[request.request_id] = slots
         return len(slots) * self.block_size, True
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int,
                                  num_computed_tokens: int) -> None:
         n = num_external_tokens // self.block_size
-        slots = self.matched.pop(request.request_id)[:n]
+        slots = self.book.start(request.request_id, n)
         first = num_computed_tokens // self.block_size
         for slot in slots:
-            self.pins[slot] = self.pins.get(slot, 0) + 1
             self.index.move_to_end(self.key_of[slot])  # recently used
         self._loads.append(LoadRequest(request.request_id, BlockTransfer(block_ids[first:first + n], slots)))
-        self.loading[request.request_id] = slots
         self.counts.hit_tokens += num_external_tokens
 
     # ---- saves --------------------------------------------------------------------------------
@@ -107,7 +100,7 @@ class HostTierScheduler(KVConnectorScheduler):
         if self.free_slots:
             return self.free_slots.pop()
         for key, slot in self.index.items():  # least recently used first
-            if not self.pins.get(slot):
+            if not self.book.pins.get(slot):
                 del self.index[key]
                 del self.key_of[slot]
                 return slot
@@ -123,40 +116,23 @@ class HostTierScheduler(KVConnectorScheduler):
         self.counts.add(output.counts)
         update = ConnectorUpdate()
         for req_id in output.finished_loads:
-            self._unpin(req_id)
-            (update.released if self._ended(req_id) else update.loaded).append(req_id)
+            _, ended = self.book.finish(req_id)
+            (update.released if ended else update.loaded).append(req_id)
         for req_id in output.failed_loads:
-            for slot in self._unpin(req_id):  # what it read may be bad: forget it
-                if not self.pins.get(slot) and slot in self.key_of:
+            slots, ended = self.book.finish(req_id)
+            for slot in slots:  # what it read may be bad: forget it
+                if not self.book.pins.get(slot) and slot in self.key_of:
                     del self.index[self.key_of.pop(slot)]
                     self.free_slots.append(slot)
             self.counts.failed_loads += 1
-            (update.released if self._ended(req_id) else update.failed).append(req_id)
+            (update.released if ended else update.failed).append(req_id)
         return update
 
-    def _unpin(self, req_id: str) -> list[int]:
-        slots = self.loading.pop(req_id)
-        for slot in slots:
-            self.pins[slot] -= 1
-            if not self.pins[slot]:
-                del self.pins[slot]
-        return slots
-
-    def _ended(self, req_id: str) -> bool:
-        if req_id in self.ended_while_loading:
-            self.ended_while_loading.discard(req_id)
-            return True
-        return False
-
     def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
-        self.matched.pop(request.request_id, None)
-        if request.request_id in self.loading:  # its load still writes into its blocks
-            self.ended_while_loading.add(request.request_id)
-            return True
-        return False
+        return self.book.request_finished(request.request_id)
 
     def reset(self) -> bool:
-        if self.loading:
+        if self.book.loading:
             return False
         self.index.clear()
         self.key_of.clear()
@@ -171,7 +147,7 @@ class HostTierScheduler(KVConnectorScheduler):
 
     @property
     def has_pending(self) -> bool:
-        return bool(self.loading)
+        return bool(self.book.loading)
 
 
 class HostTierWorker(KVConnectorWorker):

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from tokenmill.kv_connector.base import (ConnectorRequest, ConnectorUpdate, KVConnectorMetadata, KVConnectorOutput,
-                                         KVConnectorScheduler, KVConnectorWorker, KVTransferCounts,
+                                         KVConnectorScheduler, KVConnectorWorker, KVTransferCounts, LoadBook,
                                          match_prefix)
 from tokenmill.kv_connector.block_store import BlockFileStore, StoreBounds
 from tokenmill.kv_connector.blocks import block_shape, gather_blocks, kv_cache_bytes, layout_tag, scatter_blocks
@@ -98,10 +98,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
         self.block_size = block_size
         self.consumes = role in CONSUMER_ROLES
         self.wants_prefills = role in PRODUCER_ROLES
-        self.matched: dict[str, list[bytes]] = {}  # request -> keys found, until its blocks are allocated
-        self.loading: dict[str, list[bytes]] = {}  # request -> keys its load in flight reads
-        self.pins: dict[bytes, int] = {}  # key -> loads in flight reading it (its file stays until 0)
-        self.ended_while_loading: set[str] = set()
+        self.book = LoadBook()  # keys the loads in flight read (a pinned key's file stays)
         self._meta = SharedStorageMeta()
         self.counts = SharedStorageCounts()
 
@@ -112,21 +109,16 @@ class SharedStorageScheduler(KVConnectorScheduler):
         keys, looked_up = match_prefix(request, num_computed_tokens, self.block_size,
                                        lambda key: key if self.store.has(key) else None)
         self.counts.lookup_tokens += looked_up
-        if not keys:
-            self.matched.pop(request.request_id, None)
+        if not self.book.match(request.request_id, keys):
             return 0, False
-        self.matched[request.request_id] = keys
         return len(keys) * self.block_size, True
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int,
                                  num_computed_tokens: int) -> None:
         n = num_external_tokens // self.block_size
-        keys = self.matched.pop(request.request_id)[:n]
+        keys = self.book.start(request.request_id, n)
         first = num_computed_tokens // self.block_size
-        for key in keys:
-            self.pins[key] = self.pins.get(key, 0) + 1
         self._meta.loads.append(KeyedBlocks(request.request_id, block_ids[first:first + n], keys))
-        self.loading[request.request_id] = keys
 
     # ---- producer: saves ----------------------------------------------------------------------
     def on_prefill_scheduled(self, request: ConnectorRequest, block_ids: list[int], num_tokens: int) -> None:
@@ -145,45 +137,28 @@ class SharedStorageScheduler(KVConnectorScheduler):
         self.counts.add(output.counts)
         update = ConnectorUpdate()
         for req_id in output.finished_loads:
-            keys = self._unpin(req_id)
+            keys, ended = self.book.finish(req_id)
             self.counts.loaded_tokens += len(keys) * self.block_size
             if self.options.delete_after_load:
                 self._remove_unpinned(keys)
-            (update.released if self._ended(req_id) else update.loaded).append(req_id)
+            (update.released if ended else update.loaded).append(req_id)
         for req_id in output.failed_loads:
-            self._remove_unpinned(self._unpin(req_id))  # what it read may be bad: nobody reads it again
+            keys, ended = self.book.finish(req_id)
+            self._remove_unpinned(keys)  # what it read may be bad: nobody reads it again
             self.counts.failed_loads += 1
-            (update.released if self._ended(req_id) else update.failed).append(req_id)
+            (update.released if ended else update.failed).append(req_id)
         return update
-
-    def _unpin(self, req_id: str) -> list[bytes]:
-        keys = self.loading.pop(req_id)
-        for key in keys:
-            self.pins[key] -= 1
-            if not self.pins[key]:
-                del self.pins[key]
-        return keys
 
     def _remove_unpinned(self, keys: list[bytes]) -> None:
         for key in keys:
-            if key not in self.pins:
+            if key not in self.book.pins:
                 self.store.remove(key)
 
-    def _ended(self, req_id: str) -> bool:
-        if req_id in self.ended_while_loading:
-            self.ended_while_loading.discard(req_id)
-            return True
-        return False
-
     def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
-        self.matched.pop(request.request_id, None)
-        if request.request_id in self.loading:  # its load still writes into its blocks
-            self.ended_while_loading.add(request.request_id)
-            return True
-        return False  # a producer's saves were written in the step that computed them
+        return self.book.request_finished(request.request_id)  # (a producer's saves hold no blocks)
 
     def reset(self) -> bool:
-        return not self.loading  # nothing cached here: the files are transfers in flight between engines
+        return not self.book.loading  # nothing cached here: the files are transfers in flight between engines
 
     def stats(self) -> SharedStorageCounts:
         return self.counts.copy()
@@ -193,7 +168,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
 
     @property
     def has_pending(self) -> bool:
-        return bool(self.loading)
+        return bool(self.book.loading)
 
 
 @dataclass
