@@ -12,6 +12,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
+import numpy as np
+
 import torch
 
 
@@ -24,6 +26,10 @@ class AttentionMetadata:
     max_query_len: int  # host-side hints for kernel launch shapes (never read from the device)
     max_seq_len: Optional[int] = None  # None inside CUDA graphs, where it varies between replays
     num_splits: Optional[int] = None  # split-KV factor for decode, fixed per captured graph
+    # Host copies of query_start_loc and seq_lens for the step's real requests (None inside graphs):
+    # a layer that plans per request on the host (layers/mla.py's mixed steps) reads these, not the device.
+    host_query_start_loc: Optional[np.ndarray] = None
+    host_seq_lens: Optional[np.ndarray] = None
 
 
 class AttentionSplitter(Protocol):

@@ -113,14 +113,16 @@ class MLAAttention(nn.Module):
 
     def _mixed(self, q: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
         """A step with prefill chunks (and maybe decodes): the one-token requests together through the
-        absorbed path, each longer chunk over its expanded context (the host reads the step's query
-        starts and context lengths: such steps are never inside a full graph)."""
+        absorbed path, each longer chunk over its expanded context (planned on the host from the
+        runner's copies of the step's query starts and context lengths: such steps are never inside a full graph)."""
         out = q.new_zeros((q.shape[0], self.num_heads, self.v_head_dim))
-        starts = meta.query_start_loc.tolist()
-        seq_lens = meta.seq_lens.tolist()
+        if meta.host_seq_lens is not None:  # the runner's host copies: no device read on the step path
+            starts, seq_lens = meta.host_query_start_loc.tolist(), meta.host_seq_lens.tolist()
+        else:  # (a warm-up or dummy run's metadata)
+            starts, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
         decodes = [b for b in range(len(seq_lens)) if starts[b + 1] - starts[b] == 1]
         if decodes:
-            reqs = torch.tensor(decodes, device=q.device)
+            reqs = torch.tensor(decodes).to(q.device, non_blocking=True)  # (a blocking copy would wait for the device)
             rows = meta.query_start_loc[reqs].long()
             out[rows] = self._absorbed(q[rows], cache, meta.block_tables[reqs], meta.seq_lens[reqs], None,
                                        max(seq_lens[b] for b in decodes))
