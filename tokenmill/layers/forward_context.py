@@ -26,10 +26,10 @@ class AttentionMetadata:
     max_query_len: int  # host-side hints for kernel launch shapes (never read from the device)
     max_seq_len: Optional[int] = None  # None inside CUDA graphs, where it varies between replays
     num_splits: Optional[int] = None  # split-KV factor for decode, fixed per captured graph
-    # Host copies of query_start_loc and seq_lens for the step's real requests (None inside graphs):
-    # a layer that plans per request on the host (layers/mla.py's mixed steps) reads these, not the device.
-    host_query_start_loc: Optional[np.ndarray] = None
-    host_seq_lens: Optional[np.ndarray] = None
+    # The host arrays the step's real requests were uploaded from (None inside graphs): a layer that
+    # plans per request on the host (layers/mla.py's mixed steps) reads these, not the device.
+    host_q_lens: Optional[np.ndarray] = None
+    host_start_pos: Optional[np.ndarray] = None
 
 
 class AttentionSplitter(Protocol):

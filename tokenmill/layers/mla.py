@@ -24,6 +24,7 @@ decode batches; other steps eager or piecewise).
 
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -116,8 +117,9 @@ class MLAAttention(nn.Module):
         absorbed path, each longer chunk over its expanded context (planned on the host from the
         runner's copies of the step's query starts and context lengths: such steps are never inside a full graph)."""
         out = q.new_zeros((q.shape[0], self.num_heads, self.v_head_dim))
-        if meta.host_seq_lens is not None:  # the runner's host copies: no device read on the step path
-            starts, seq_lens = meta.host_query_start_loc.tolist(), meta.host_seq_lens.tolist()
+        if meta.host_q_lens is not None:  # the runner's host arrays: no device read on the step path
+            starts = [0] + np.cumsum(meta.host_q_lens).tolist()
+            seq_lens = (meta.host_start_pos + meta.host_q_lens).tolist()  # as prepare_inputs computes them
         else:  # (a warm-up or dummy run's metadata)
             starts, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
         decodes = [b for b in range(len(seq_lens)) if starts[b + 1] - starts[b] == 1]

@@ -24,8 +24,8 @@ class StepDescriptor:
     max_seq_len: int
     rows: np.ndarray  # [num_reqs] request rows
     sample_mask: np.ndarray  # [num_reqs] bool
-    query_start_loc: Optional[np.ndarray] = None  # [num_reqs + 1], as uploaded (host copy)
-    seq_lens: Optional[np.ndarray] = None  # [num_reqs] start + q_len, as prepare_inputs computes it
+    q_lens: Optional[np.ndarray] = None  # [num_reqs] the host arrays the step was uploaded from
+    start_pos: Optional[np.ndarray] = None  # [num_reqs]
 
 
 class InputBuffers:
@@ -77,6 +77,5 @@ class InputBuffers:
             query_start_loc=self.query_start_loc[: b + 1], seq_lens=self.seq_lens[:b],
             block_tables=self.block_tables[:b], slot_mapping=self.slot_mapping[:t],
             max_query_len=step.max_query_len, max_seq_len=None if in_graph else step.max_seq_len,
-            host_query_start_loc=None if in_graph else step.query_start_loc,
-            host_seq_lens=None if in_graph else step.seq_lens,
+            host_q_lens=None if in_graph else step.q_lens, host_start_pos=None if in_graph else step.start_pos,
         )

@@ -212,9 +212,8 @@ class ModelRunner:
         q = uniform_query_len(q_lens, lambda: all(e.speculative for e in batch)) if lp_plan is None else None
         key = self.graphs.dispatch(len(batch), num_tokens, q, lora)
         padded, padded_tokens = key.padded(len(batch), num_tokens)
-        seq_lens = start + q_lens
-        step = StepDescriptor(len(batch), num_tokens, padded, padded_tokens, int(q_lens.max()), int(seq_lens.max()),
-                              rows, samples, np.concatenate(([0], np.cumsum(q_lens))), seq_lens)
+        step = StepDescriptor(len(batch), num_tokens, padded, padded_tokens,
+                              int(q_lens.max()), int((start + q_lens).max()), rows, samples, q_lens, start)
         self.buffers.upload(rows, q_lens, start, samples, padded)
         self.buffers.prepare(step, states)
         lora_ctx = self.lora.step_context(rows, q_lens, step.padded_tokens) if lora else None
