@@ -167,12 +167,14 @@ def test_features_together_in_parallel_layouts(layout, features_alone):
         together = llm.generate([p for p, _ in requests], [q for _, q in requests], use_tqdm=False)
         for want, got in zip(alone, together):
             assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
-        # the same tokens and ranks; the values to fp32 rounding (TP sums in another order)
+        # the same tokens and ranks; the values to fp32 rounding, relative to the logprob's size (usually
+        # under 1e-5; a fresh-clone run saw 2.2e-4, at -1.25)
         got_lp, want_lp = together[5].prompt_logprobs, alone[5].prompt_logprobs
         assert len(got_lp) == len(want_lp) and got_lp[0] is None and want_lp[0] is None
         for g, w in zip(got_lp[1:], want_lp[1:]):
             assert {t: lp.rank for t, lp in g.items()} == {t: lp.rank for t, lp in w.items()}
-            assert all(abs(g[t].logprob - w[t].logprob) < 5e-4 for t in w)  # (fp32, TP = 3 sums in another order: 1e-4 failed once in a fresh-clone run)
+            diffs = {t: abs(g[t].logprob - w[t].logprob) / max(1.0, abs(w[t].logprob)) for t in w}
+            assert max(diffs.values()) < 1e-3, (diffs, g, w)
         assert banned not in together[3].outputs[0].token_ids
         engine = llm.engine
         assert engine.scheduler.num_preemptions > 0
