@@ -18,7 +18,8 @@ from tokenmill.engine.block_hash import hash_blocks
 from tokenmill.engine.engine_snapshot import EngineSnapshot
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.kv_connector.base import BlockTransfer, KVConnectorMetadata, KVConnectorOutput, LoadRequest
-from tokenmill.kv_connector.host_tier import HostTierCounts, HostTierScheduler, HostTierWorker
+from tokenmill.kv_connector.counts import HostTierCounts
+from tokenmill.kv_connector.host_tier import HostTierScheduler, HostTierWorker
 from tokenmill.lora.request import LoRARequest
 from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_cache
 from tokenmill.sampling_params import SamplingParams
@@ -274,7 +275,7 @@ def test_host_worker_copies_blocks_out_and_back(dtype, planes):
 
 def test_counts_add_up():
     counts = HostTierCounts(num_slots=4)
-    from tokenmill.kv_connector.base import KVTransferCounts
+    from tokenmill.kv_connector.counts import KVTransferCounts
 
     counts.add(KVTransferCounts(bytes_saved=10, blocks_saved=1, load_seconds=0.5))
     assert (counts.bytes_saved, counts.blocks_saved, counts.load_seconds, counts.num_slots) == (10, 1, 0.5, 4)

@@ -24,7 +24,7 @@ from tokenmill.config import ConfigError
 from tokenmill.serve.dp_client import (BalancerConfig, Placement, ReplicaBalancer, ReplicaLaunch, cpu_threads,
                                         replica_devices, total_snapshot)
 from tokenmill.engine.engine_snapshot import EngineSnapshot
-from tokenmill.kv_connector.host_tier import HostTierCounts
+from tokenmill.kv_connector.counts import HostTierCounts
 from tokenmill.engine.spec_stats import SpecDecodeCounts
 
 openai = pytest.importorskip("openai")

@@ -6,7 +6,8 @@
   with status 1 within seconds;
 - SIGTERM still exits 0, and the engine process ends with the server;
 - killing the server process ends the engine process too (it watches its parent);
-- the engine process's garbage collections reach /metrics.
+- the engine process's garbage collections reach /metrics;
+- API server processes never load torch (only the engine process does).
 """
 
 import json
@@ -39,6 +40,11 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except OSError:
         return False
+
+
+def _maps_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
 
 
 def _wait_gone(pid: int, timeout: float) -> bool:
@@ -139,6 +145,8 @@ def test_two_api_servers_share_the_port_and_the_engine(start_server):
         answers = list(pool.map(one, range(16)))
     texts = {a["choices"][0]["text"] for a in answers}
     assert len(texts) == 1 and all(a["usage"]["completion_tokens"] == 8 for a in answers)
+    # start-up and memory: the API servers (both served requests) import no torch; the engine does
+    assert not _maps_torch(server.proc.pid) and not _maps_torch(child) and _maps_torch(engine)
     server.signal(signal.SIGTERM)
     assert server.wait(timeout=60) == 0
     assert _wait_gone(child, 10) and _wait_gone(engine, 10)

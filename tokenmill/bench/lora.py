@@ -11,7 +11,6 @@ import os
 import tempfile
 from typing import Optional
 
-from tokenmill.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, TARGETS, model_shapes
 from tokenmill.lora.request import LoRARequest
 
 
@@ -38,6 +37,8 @@ def write_random_adapter(path: str, arch, rank: int, seed: int, std: float = 0.0
     """A rank-`rank` adapter of every projection of `arch` at `path`, as PEFT saves one (bf16)."""
     import torch
     from safetensors.torch import save_file
+
+    from tokenmill.lora.adapter import CONFIG_FILE, TARGETS, WEIGHTS_FILE, model_shapes
 
     shapes = model_shapes(arch)
     gen = torch.Generator().manual_seed(seed)

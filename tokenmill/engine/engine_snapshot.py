@@ -6,8 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from tokenmill.engine.spec_stats import SpecDecodeCounts
-from tokenmill.kv_connector.host_tier import HostTierCounts
-from tokenmill.kv_connector.shared_storage import SharedStorageCounts
+from tokenmill.kv_connector.counts import HostTierCounts, SharedStorageCounts
 
 
 @dataclass

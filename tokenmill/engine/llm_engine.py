@@ -43,8 +43,7 @@ from tokenmill.lora.request import LoRARequest
 from tokenmill.models.config import architecture_spec
 from tokenmill.engine.compile_watch import CompileWatch, install_hooks
 from tokenmill.kv_connector.factory import check_connector_options, make_scheduler_connector
-from tokenmill.kv_connector.host_tier import HostTierCounts
-from tokenmill.kv_connector.shared_storage import SharedStorageCounts
+from tokenmill.kv_connector.counts import HostTierCounts, SharedStorageCounts
 from tokenmill.runner.async_output import AsyncOutput
 from tokenmill.step_io import ModelRunnerOutput, SchedulerOutput
 from tokenmill.runner.model_runner import ModelRunner

@@ -31,9 +31,12 @@ package needs nothing of the engine's.
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
-import torch
+from tokenmill.kv_connector.counts import KVTransferCounts
+
+if TYPE_CHECKING:
+    import torch
 
 
 class KVConnectorRole(enum.Enum):
@@ -80,17 +83,6 @@ class KVConnectorMetadata:
     @property
     def empty(self) -> bool:
         return not self.saves.block_ids and not self.loads and self.extra is None
-
-
-@dataclass
-class KVTransferCounts:
-    """What the worker side moved since its last report (aggregates only)."""
-
-    bytes_saved: int = 0  # device -> connector
-    bytes_loaded: int = 0  # connector -> device
-    blocks_saved: int = 0
-    blocks_loaded: int = 0
-    load_seconds: float = 0.0  # from a load's issue to when its completion was seen
 
 
 @dataclass
@@ -237,7 +229,7 @@ class KVConnectorWorker(ABC):
     """The worker side (beside the runner's KV cache)."""
 
     @abstractmethod
-    def register_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def register_kv_caches(self, kv_caches: "list[tuple[torch.Tensor, torch.Tensor]]") -> None:
         """The runner's KV cache: per layer (k, v) views of [blocks, block_size, kv_heads, head_dim]."""
 
     @abstractmethod

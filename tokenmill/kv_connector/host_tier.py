@@ -15,40 +15,18 @@ copies are plain tensor copies, reported the same way, so the CPU tests run the 
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
 
 from tokenmill.kv_connector.base import (BlockTransfer, ConnectorRequest, ConnectorUpdate, KVConnectorMetadata,
-                                         KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker,
-                                         KVTransferCounts, LoadBook, LoadRequest, match_prefix)
+                                         KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker, LoadBook,
+                                         LoadRequest, match_prefix)
+from tokenmill.kv_connector.counts import HostTierCounts, KVTransferCounts
 from tokenmill.kv_connector.blocks import block_shape, gather_blocks, kv_cache_bytes, scatter_blocks
 from tokenmill.logger import init_logger
 
 logger = init_logger(__name__)
-
-
-@dataclass
-class HostTierCounts:
-    """The host tier's counters since start (aggregates only: no request is named)."""
-
-    hit_tokens: int = 0  # prompt tokens loaded from host memory instead of computed
-    lookup_tokens: int = 0  # prompt tokens looked up on the host (past each GPU hit)
-    bytes_saved: int = 0  # device -> host
-    bytes_loaded: int = 0  # host -> device
-    blocks_saved: int = 0
-    blocks_loaded: int = 0
-    load_seconds: float = 0.0
-    failed_loads: int = 0  # loads that failed (their prefix recomputed)
-    num_slots: int = 0  # host blocks in all
-
-    def add(self, counts: KVTransferCounts) -> None:
-        for f in fields(KVTransferCounts):
-            setattr(self, f.name, getattr(self, f.name) + getattr(counts, f.name))
-
-    def copy(self) -> "HostTierCounts":
-        return HostTierCounts(**{f.name: getattr(self, f.name) for f in fields(self)})
 
 
 class HostTierScheduler(KVConnectorScheduler):

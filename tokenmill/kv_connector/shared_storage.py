@@ -23,14 +23,14 @@ ttl_s for files no consumer took).
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from tokenmill.kv_connector.base import (ConnectorRequest, ConnectorUpdate, KVConnectorMetadata, KVConnectorOutput,
-                                         KVConnectorScheduler, KVConnectorWorker, KVTransferCounts, LoadBook,
-                                         match_prefix)
+                                         KVConnectorScheduler, KVConnectorWorker, LoadBook, match_prefix)
+from tokenmill.kv_connector.counts import KVTransferCounts, SharedStorageCounts
 from tokenmill.kv_connector.block_store import BlockFileStore, StoreBounds
 from tokenmill.kv_connector.blocks import block_shape, gather_blocks, kv_cache_bytes, layout_tag, scatter_blocks
 from tokenmill.logger import init_logger
@@ -66,27 +66,6 @@ class SharedStorageMeta:
 
     saves: list[KeyedBlocks] = field(default_factory=list)
     loads: list[KeyedBlocks] = field(default_factory=list)
-
-
-@dataclass
-class SharedStorageCounts:
-    """The connector's counters since start (aggregates only: no request is named)."""
-
-    loaded_tokens: int = 0  # prompt tokens loaded from the store instead of computed (consumer)
-    lookup_tokens: int = 0  # prompt tokens looked up in the store (past each GPU hit)
-    bytes_saved: int = 0  # device -> store (producer)
-    bytes_loaded: int = 0  # store -> device (consumer)
-    blocks_saved: int = 0
-    blocks_loaded: int = 0
-    load_seconds: float = 0.0
-    failed_loads: int = 0  # loads that failed (their prefix recomputed)
-
-    def add(self, counts: KVTransferCounts) -> None:
-        for f in fields(KVTransferCounts):
-            setattr(self, f.name, getattr(self, f.name) + getattr(counts, f.name))
-
-    def copy(self) -> "SharedStorageCounts":
-        return SharedStorageCounts(**{f.name: getattr(self, f.name) for f in fields(self)})
 
 
 class SharedStorageScheduler(KVConnectorScheduler):

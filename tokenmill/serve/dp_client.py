@@ -51,8 +51,7 @@ from tokenmill.engine.dp_lockstep import DataParallelRank
 from tokenmill.engine.engine_snapshot import EngineSnapshot
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.spec_stats import SpecDecodeCounts
-from tokenmill.kv_connector.host_tier import HostTierCounts
-from tokenmill.kv_connector.shared_storage import SharedStorageCounts
+from tokenmill.kv_connector.counts import HostTierCounts, SharedStorageCounts
 from tokenmill.errors import InvalidRequestError
 from tokenmill.logger import init_logger
 from tokenmill.lora.request import LoRARequest

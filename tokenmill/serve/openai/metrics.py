@@ -54,8 +54,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from tokenmill.serve.async_engine import AsyncLLMEngine, EngineObserver
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.spec_stats import SpecDecodeCounts
-from tokenmill.kv_connector.host_tier import HostTierCounts
-from tokenmill.kv_connector.shared_storage import SharedStorageCounts
+from tokenmill.kv_connector.counts import HostTierCounts, SharedStorageCounts
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
