@@ -2,21 +2,23 @@
 # The host-memory KV tier (--kv-offloading-size) on one GPU, side by side with it off:
 #   mt_off / mt_on  bench multiturn multiturn-8b (64 conversations x 8 turns resending their history,
 #                   8 in flight), the GPU KV cache sized to 1/$RATIO of the conversations' working set:
-#                   TTFT p50 (all turns, and turns 2+) without and with the tier
+#                   TTFT p50 (all turns, and turns 2+) without and with the tier (its loads in the step
+#                   that needs them, the default)
+#   mt_async        the same with the tier's loads asynchronous (load_async: the request waits LOADING)
 #   tp_off / tp_on  bench throughput offline-8b (nothing reused): what the tier costs when it never hits
 #   copy            host<->device bandwidth of the tier's batched copies (8B block shape) against a
 #                   measured pinned-copy ceiling (benchmarks/kv_offload_copy_bench.py)
 #   OUT=/tmp/x bash benchmarks/kv_offload_gpu_check.sh
-#   knobs: PARTS (default "mt_off mt_on tp_off tp_on copy"), RATIO (working set / GPU KV, default 4),
+#   knobs: PARTS (default "mt_off mt_on mt_async tp_off tp_on copy"), RATIO (working set / GPU KV, default 4),
 #   HOST_GIB (the tier's size, default 24), T (seconds a part may take, default 400), DRY=1 (the same
 #   pipeline on the CPU with the tiny dummy model, seconds)
-# $OUT gets: each part's log and JSON (mt_off/, mt_on/, tp_off/, tp_on/, copy.json), status.txt,
+# $OUT gets: each part's log and JSON (mt_off/, mt_on/, mt_async/, tp_off/, tp_on/, copy.json), status.txt,
 # kv_offload.json (the figures side by side) and kv_offload.md.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT}
 PY=${PYTHON:-python3}
-PARTS=${PARTS:-mt_off mt_on tp_off tp_on copy}
+PARTS=${PARTS:-mt_off mt_on mt_async tp_off tp_on copy}
 RATIO=${RATIO:-4}
 HOST_GIB=${HOST_GIB:-24}
 T=${T:-400}
@@ -36,6 +38,8 @@ fi
 
 part mt_off "${B[@]}" multiturn "${MT[@]}" --tag off --out "$OUT/mt_off"
 part mt_on "${B[@]}" multiturn "${MT[@]}" --kv-offloading-size "$HOST_GIB" --tag on --out "$OUT/mt_on"
+ASYNC='{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"size_gib": '"$HOST_GIB"', "load_async": true}}'
+part mt_async "${B[@]}" multiturn "${MT[@]}" --kv-transfer-config "$ASYNC" --tag async --out "$OUT/mt_async"
 part tp_off "${B[@]}" throughput "${TP[@]}" --tag off --out "$OUT/tp_off"
 part tp_on "${B[@]}" throughput "${TP[@]}" --kv-offloading-size "$HOST_GIB" --tag on --out "$OUT/tp_on"
 part copy "$PY" benchmarks/kv_offload_copy_bench.py --out "$OUT/copy.json" "${COPY[@]}"
@@ -55,7 +59,7 @@ def load(pattern):
 
 
 report, lines = {}, []
-for name in ("mt_off", "mt_on"):
+for name in ("mt_off", "mt_on", "mt_async"):
     r = load(f"{name}/multiturn-*.json")
     if r is None:
         report[name] = {"error": f"no result (see {name}.log)"}

@@ -1,7 +1,8 @@
 """The KV connector and the host-memory tier (kv_offloading_size, tokenmill/kv_connector/).
 
 Mechanics on the tiny dummy Llama: outputs with the tier equal those without it (greedy and seeded,
-with GPU eviction and host reload, preemption, a LoRA adapter and cache salts), a failed load is
+with GPU eviction and host reload, preemption, a LoRA adapter and cache salts), with loads in the
+step that needs them (the default) and asynchronous ones (load_async); a failed asynchronous load is
 recomputed, an abort mid-load leaks no block, the counters reach /metrics. The host tier's two
 sides are also tried alone. The embedded model's check against HF is tests/engine/test_greedy_vs_hf.py's
 "host-tier" configuration.
@@ -61,6 +62,11 @@ def tier(loaded, **overrides):
     return make_llm(loaded, **{**ENGINE, "enable_lora": True, "max_lora_rank": 4, **overrides})
 
 
+def offloading(**extra) -> dict:
+    """kv_transfer_config of the host tier with kv_connector_extra_config options."""
+    return {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"size_gib": HOST_GIB, **extra}}
+
+
 def workload(adapter):
     """Rounds of (prompt, params, adapter): shared 56-token prefixes with different tails, each
     prefix coming back in later rounds (by then evicted from the GPU), some under a LoRA adapter or
@@ -99,8 +105,9 @@ def plain_run(tiny, adapter):
     return out
 
 
-def test_outputs_equal_those_without_the_host_tier(tiny, adapter, plain_run):
-    llm = tier(tiny, kv_offloading_size=HOST_GIB)
+@pytest.mark.parametrize("load_async", [False, True], ids=["in-step-loads", "async-loads"])
+def test_outputs_equal_those_without_the_host_tier(tiny, adapter, plain_run, load_async):
+    llm = tier(tiny, kv_transfer_config=offloading(load_async=load_async))
     got = run(llm, workload(adapter))
     assert [[t for t, _, _ in b] for b in got] == [[t for t, _, _ in b] for b in plain_run]
     host = llm.engine.snapshot().kv_offload
@@ -143,8 +150,7 @@ def test_salts_and_adapters_stay_apart_on_the_host(tiny, adapter):
 
 
 def test_a_failed_load_recomputes_the_prefix(tiny, adapter, plain_run):
-    kv = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"size_gib": HOST_GIB, "fail_loads": 2}}
-    llm = tier(tiny, kv_transfer_config=kv)
+    llm = tier(tiny, kv_transfer_config=offloading(load_async=True, fail_loads=2))
     got = run(llm, workload(adapter))
     assert [[t for t, _, _ in b] for b in got] == [[t for t, _, _ in b] for b in plain_run]
     host = llm.engine.snapshot().kv_offload
@@ -153,7 +159,7 @@ def test_a_failed_load_recomputes_the_prefix(tiny, adapter, plain_run):
 
 
 def test_an_abort_mid_load_frees_every_block(tiny):
-    llm = tier(tiny, kv_offloading_size=HOST_GIB, async_scheduling=False)
+    llm = tier(tiny, kv_transfer_config=offloading(load_async=True), async_scheduling=False)
     engine = llm.engine
     prompt = list(range(200, 260))
     first = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
@@ -215,7 +221,7 @@ def _request(req_id: str, num_blocks: int, salt=None) -> Request:
 
 
 def test_host_index_is_lru_and_never_reuses_a_slot_being_read():
-    s = HostTierScheduler(num_slots=2, block_size=BS)
+    s = HostTierScheduler(num_slots=2, block_size=BS, load_async=True)
     r = _request("r", 2)
     a, b = r.block_hashes
     s.on_blocks_evicted([(5, a), (6, b)])
@@ -240,6 +246,24 @@ def test_host_index_is_lru_and_never_reuses_a_slot_being_read():
     assert update.released == ["r"] and not update.failed
     assert s.get_num_new_matched_tokens(r, BS) == (0, False) and s.counts.failed_loads == 1
     assert not s.has_pending and s.reset() and not s.index
+
+
+def test_an_in_step_load_pins_its_slots_until_the_step_is_built():
+    """A synchronous load's slots cannot take a save of the same step (saves run first); the next
+    step's saves come after it on the worker's stream, so it is nothing to wait for then."""
+    s = HostTierScheduler(num_slots=2, block_size=BS)
+    r = _request("r", 2)
+    s.on_blocks_evicted([(5, r.block_hashes[0]), (6, r.block_hashes[1])])
+    s.build_connector_meta()
+    assert s.get_num_new_matched_tokens(r, 0) == (16, False)
+    s.update_state_after_alloc(r, [10, 11], 16, 0)
+    c = _request("c", 1, salt="s").block_hashes[0]
+    s.on_blocks_evicted([(7, c)])  # both slots are read by r's load: c is not kept
+    meta = s.build_connector_meta()
+    assert meta.saves.block_ids == [] and meta.loads == [LoadRequest("r", BlockTransfer([10, 11], [0, 1]), sync=True)]
+    assert not s.has_pending and not s.book.pins and not s.request_finished(r, [10, 11])
+    s.on_blocks_evicted([(7, c)])
+    assert s.build_connector_meta().saves == BlockTransfer([7], [0])
 
 
 # planes 1: multi-head latent attention's cache (one latent row per token, k and v the same view)
@@ -268,9 +292,14 @@ def test_host_worker_copies_blocks_out_and_back(dtype, planes):
         assert torch.equal(k[0], k0[1]) and torch.equal(v[0], v0[1])
         assert not k[1].any()
     assert w.get_finished().empty
+    # An in-step load is counted, never reported (its request runs); fault injection skips it.
     w.fail_loads = 1
-    w.start_load_kv(KVConnectorMetadata(loads=[LoadRequest("y", BlockTransfer([3], [1]))]))
-    assert w.get_finished().failed_loads == ["y"]
+    w.start_load_kv(KVConnectorMetadata(loads=[LoadRequest("y", BlockTransfer([3], [1])),
+                                               LoadRequest("z", BlockTransfer([2], [0]), sync=True)]))
+    out = w.get_finished()
+    assert out.failed_loads == ["y"] and out.finished_loads == [] and out.counts.blocks_loaded == 1
+    for (k, v), (k0, v0) in zip(caches_bytes, before):
+        assert torch.equal(k[2], k0[4]) and torch.equal(v[2], v0[4])
 
 
 def test_counts_add_up():
@@ -289,7 +318,7 @@ def test_scheduler_loads_then_admits_or_gives_the_loaded_blocks_back():
     from tokenmill.engine.scheduler import Scheduler, SchedulerLimits
 
     kv = KVCacheManager(num_blocks=6, block_size=BS)
-    host = HostTierScheduler(num_slots=8, block_size=BS)
+    host = HostTierScheduler(num_slots=8, block_size=BS, load_async=True)
     sched = Scheduler(SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv,
                       connector=host)
     r = Request("r", list(range(3, 3 + 3 * BS + 1)), SamplingParams(), 0, 4, frozenset())
@@ -322,6 +351,8 @@ def test_scheduler_loads_then_admits_or_gives_the_loaded_blocks_back():
      "with a draft model is not supported yet"),
     (dict(kv_transfer_config={"kv_connector": "NoSuchConnector"}), "unknown kv_connector 'NoSuchConnector'"),
     (dict(kv_transfer_config={"kv_connector": "OffloadingConnector"}), 'needs kv_connector_extra_config'),
+    (dict(kv_transfer_config=offloading(load_async="yes")), "load_async must be true or false, not 'yes'"),
+    (dict(kv_transfer_config=offloading(fail_loads=1)), "fail_loads .* needs load_async"),
 ])
 def test_what_a_connector_cannot_run_with_is_refused(options, message):
     from tokenmill.config import ConfigError, EngineConfig
@@ -331,3 +362,26 @@ def test_what_a_connector_cannot_run_with_is_refused(options, message):
     with pytest.raises(ConfigError, match=message):
         LLMEngine("tiny-llama", EngineConfig(num_kv_blocks=16, **options), load_format="dummy", dtype="float32",
                   device="cpu")
+
+
+def test_scheduler_runs_an_in_step_load_at_once():
+    """The default host tier: a request found on the host runs in the step that loads its prefix,
+    from the end of that prefix, its blocks shareable at once (any reader runs after the load)."""
+    from tokenmill.engine.kv_cache_manager import KVCacheManager
+    from tokenmill.engine.scheduler import Scheduler, SchedulerLimits
+
+    kv = KVCacheManager(num_blocks=6, block_size=BS)
+    host = HostTierScheduler(num_slots=8, block_size=BS)
+    sched = Scheduler(SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv,
+                      connector=host)
+    r = Request("r", list(range(3, 3 + 3 * BS + 1)), SamplingParams(), 0, 4, frozenset())
+    keys = hash_blocks(None, r.prompt_token_ids[: 3 * BS], BS)
+    host.on_blocks_evicted([(i, k) for i, k in enumerate(keys)])  # r's prefix is on the host only
+    host.build_connector_meta()
+    sched.add_request(r)
+    out = sched.schedule()
+    assert [(e.req_id, e.start_pos, e.num_tokens) for e in out.batch] == [("r", 3 * BS, 1)]
+    assert out.kv_connector_metadata.loads == [LoadRequest("r", BlockTransfer(r.block_ids[:3], [0, 1, 2]), sync=True)]
+    assert r.status == RequestStatus.RUNNING and not sched.loading and not host.has_pending
+    assert r.num_cached_tokens == 3 * BS and r.num_host_cached_tokens == 3 * BS
+    assert kv.pool.lookup(keys[2]) == r.block_ids[2]

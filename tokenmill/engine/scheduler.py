@@ -27,10 +27,12 @@ holds `num_lookahead_tokens` slots beyond each step's tokens (`_lookahead`): the
 follow a step write positions up to k - 1 past it. The runner never writes past the slots held.
 
 With a KV connector (kv_connector/, e.g. the host tier), a waiting request whose prefix continues
-past its GPU hit where the connector has it takes blocks for that prefix and waits in the LOADING
-state (not in the queue, not in the step) while the worker side copies it in; a later step's report
-puts it back at the front of the queue with that prefix computed. A failed load puts it back to
-recompute; a request that ends while a load writes its blocks keeps them until the load is reported.
+past its GPU hit where the connector has it takes blocks for that prefix. A synchronous load (the
+host tier's default) is copied in before this step's forward pass, so the request runs from the end
+of that prefix at once. An asynchronous one waits in the LOADING state (not in the queue, not in the
+step) while the worker side copies it in; a later step's report puts it back at the front of the
+queue with that prefix computed. A failed load puts it back to recompute; a request that ends while
+a load writes its blocks keeps them until the load is reported.
 A connector that produces KV for another engine (wants_prefills: prefill/decode disaggregation) hears
 of every request whose prompt a step computes to its end.
 """
@@ -189,11 +191,7 @@ class Scheduler:
         update = self.connector.update_connector_output(output)
         for req_id in reversed(update.loaded):  # (appendleft: keep their order)
             request = self.loading.pop(req_id)
-            request.num_computed_tokens += request.num_external_tokens
-            if request.num_preemptions == 0:
-                request.num_host_cached_tokens = request.num_external_tokens
-            request.num_external_tokens = 0
-            self.kv.cache_loaded(request, request.num_computed_tokens)
+            self._loaded(request)
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
         for req_id in reversed(update.failed):
@@ -208,24 +206,36 @@ class Scheduler:
 
     def _start_load(self, request: Request, cached_blocks: list[int], num_cached: int) -> Optional[bool]:
         """Ask the connector for more of the request's prefix than the GPU cache has: None if it has
-        none; else whether its load could start (blocks taken, the request LOADING)."""
+        none; False if its blocks don't fit; True if it loads asynchronously (the request LOADING);
+        else the request stays first in line with the loaded prefix computed (this step loads it)."""
         self._flush_evictions()  # a block evicted earlier in this step is on the host for this lookup
-        num_external, _ = self.connector.get_num_new_matched_tokens(request, num_cached)
+        num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_cached)
         if not num_external:
             return None
-        # Asynchronous or not, the load is reported by the worker on a later step.
         if not self.kv.allocate_for_load(request, cached_blocks, num_cached + num_external):
             self.connector.request_finished(request, [])  # forget the match
             return False
         self.connector.update_state_after_alloc(request, request.block_ids, num_external, num_cached)
-        self.waiting.popleft()
         if request.num_preemptions == 0:
             self.kv.record_prefix_lookup(request, num_cached)
         request.num_computed_tokens = num_cached
         request.num_external_tokens = num_external
+        if not load_async:  # the worker fills the blocks before this step's forward pass
+            self._loaded(request)
+            return None
+        self.waiting.popleft()
         request.status = RequestStatus.LOADING
         self.loading[request.request_id] = request
         return True
+
+    def _loaded(self, request: Request) -> None:
+        """The connector's part of the request's prefix is in its blocks (or will be, before any step
+        reads them): computed, and shareable."""
+        request.num_computed_tokens += request.num_external_tokens
+        if request.num_preemptions == 0:
+            request.num_host_cached_tokens = request.num_external_tokens
+        request.num_external_tokens = 0
+        self.kv.cache_loaded(request, request.num_computed_tokens)
 
     def _note_prefills(self, batch: list[ScheduledRequest]) -> None:
         """Tell the connector of each request whose prompt this step computes to its end (a producer
@@ -342,6 +352,9 @@ class Scheduler:
                         continue
                     if started is False:
                         break
+                    loaded = request.num_computed_tokens  # (a synchronous load: this step's)
+                    if loaded:
+                        cached_blocks, num_cached = [], loaded
             num_new = min(request.num_tokens - num_cached, step.prompt_room(num_cached))
             if num_new <= 0 or not self.kv.allocate(request, num_new, cached_blocks,
                                                     self._lookahead(request, num_cached + num_new)):

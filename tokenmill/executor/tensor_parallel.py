@@ -195,7 +195,7 @@ def _build(launch: RankLaunch, rank: int, device: torch.device, state: ParallelS
         loaded = load_model(launch.model, dtype=launch.dtype, device=device, load_format=launch.load_format,
                             max_positions=launch.max_positions, seed=launch.seed,
                             tokenizer=launch.tokenizer if rank == 0 else None,
-                            quantization=launch.config.quantization)
+                            quantization=launch.config.quantization, with_tokenizer=rank == 0)
     max_model_len = launch.config.resolve_max_model_len(loaded.arch.max_position_embeddings)
     runner = ModelRunner(loaded.model, launch.config, max_model_len, loaded.device, loaded.dtype)
     if state.pp_size > 1:

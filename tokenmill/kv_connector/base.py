@@ -64,10 +64,12 @@ class BlockTransfer:
 
 @dataclass
 class LoadRequest:
-    """One request's load: its device blocks to fill before it may run."""
+    """One request's load: its device blocks to fill before it may run. A synchronous one (sync) is
+    read by this very step's forward pass, which waits for it; the worker never reports it."""
 
     req_id: str
     transfer: BlockTransfer
+    sync: bool = False
 
 
 @dataclass
@@ -178,7 +180,8 @@ class KVConnectorScheduler(ABC):
     @abstractmethod
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens past `num_computed_tokens` (the GPU hit, a block multiple) this connector can supply
-        for the request, leaving at least one to compute; and whether they load asynchronously."""
+        for the request, leaving at least one to compute; and whether they load asynchronously (else
+        the request runs in the step that loads them, and its load cannot fail)."""
 
     @abstractmethod
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int,

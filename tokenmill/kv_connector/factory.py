@@ -59,6 +59,18 @@ def _shared_storage_options(ctx: ConnectorContext) -> SharedStorageOptions:
     return options
 
 
+def _load_async(ctx: ConnectorContext) -> bool:
+    """The host tier's loads: in the step that needs them (default), or overlapping steps (load_async)."""
+    extra = ctx.config.kv_connector_extra_config
+    load_async = extra.get("load_async", False)
+    if not isinstance(load_async, bool):
+        raise ConfigError(f"{OFFLOADING_CONNECTOR}: load_async must be true or false, not {load_async!r}")
+    if extra.get("fail_loads") and not load_async:
+        raise ConfigError(f"{OFFLOADING_CONNECTOR}: fail_loads (a test's fault injection) needs load_async: "
+                          "a synchronous load's request runs in the step that loads it")
+    return load_async
+
+
 @dataclass
 class ConnectorBuilders:
     scheduler: Callable[[ConnectorContext], KVConnectorScheduler]
@@ -67,7 +79,7 @@ class ConnectorBuilders:
 
 CONNECTORS: dict[str, ConnectorBuilders] = {
     OFFLOADING_CONNECTOR: ConnectorBuilders(
-        lambda ctx: HostTierScheduler(_host_slots(ctx), ctx.block_size),
+        lambda ctx: HostTierScheduler(_host_slots(ctx), ctx.block_size, _load_async(ctx)),
         lambda ctx: HostTierWorker(_host_slots(ctx), ctx.device,
                                    int(ctx.config.kv_connector_extra_config.get("fail_loads", 0)))),
     SHARED_STORAGE_CONNECTOR: ConnectorBuilders(

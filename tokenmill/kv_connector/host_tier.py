@@ -3,14 +3,16 @@
 Blocks that leave the GPU prefix cache (a cached block the pool hands out again) are copied to host
 memory, keyed by the same SHA-256 block keys (engine/block_hash.py), so adapters and cache salts
 stay apart exactly as on the GPU. A request whose prefix continues on the host past its GPU hit
-waits in the LOADING state while those blocks are copied back, then runs from the end of the
-loaded prefix. Host slots are reused least recently used first; a slot a load still reads is never
-reused.
+runs from the end of that prefix in the step that copies it back (the step's forward pass waits for
+the copy). With load_async, it waits in the LOADING state instead while the copy overlaps other
+steps, and is admitted once the worker reports it; only such a load can fail (fault injection for
+tests: then its prefix is recomputed), since a host-to-device copy has no other recoverable failure.
+Host slots are reused least recently used first; a slot a load still reads is never reused.
 
 On CUDA the copies run on a side stream: a save (device -> pinned host) is ordered after the work
-already launched and before the step's forward pass (which may overwrite the saved blocks); a load
-(host -> device) completes on its own, and the worker reports it on a later step. On the CPU the
-copies are plain tensor copies, reported the same way, so the CPU tests run the CUDA code path.
+already launched and before the step's forward pass (which may overwrite the saved blocks); the
+forward pass waits for the step's synchronous loads too, while an asynchronous load completes on
+its own. On the CPU the copies are plain tensor copies, so the CPU tests run the CUDA code path.
 """
 
 import time
@@ -32,8 +34,9 @@ logger = init_logger(__name__)
 class HostTierScheduler(KVConnectorScheduler):
     """Which keys the host holds, in which slots; what to save and load each step."""
 
-    def __init__(self, num_slots: int, block_size: int):
+    def __init__(self, num_slots: int, block_size: int, load_async: bool = False):
         self.block_size = block_size
+        self.load_async = load_async
         self.index: "OrderedDict[bytes, int]" = OrderedDict()  # key -> slot, least recently used first
         self.key_of: dict[int, bytes] = {}
         self.free_slots = list(range(num_slots - 1, -1, -1))
@@ -48,7 +51,7 @@ class HostTierScheduler(KVConnectorScheduler):
         self.counts.lookup_tokens += looked_up
         if not self.book.match(request.request_id, slots):
             return 0, False
-        return len(slots) * self.block_size, True
+        return len(slots) * self.block_size, self.load_async
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int,
                                  num_computed_tokens: int) -> None:
@@ -57,7 +60,8 @@ class HostTierScheduler(KVConnectorScheduler):
         first = num_computed_tokens // self.block_size
         for slot in slots:
             self.index.move_to_end(self.key_of[slot])  # recently used
-        self._loads.append(LoadRequest(request.request_id, BlockTransfer(block_ids[first:first + n], slots)))
+        self._loads.append(LoadRequest(request.request_id, BlockTransfer(block_ids[first:first + n], slots),
+                                       sync=not self.load_async))
         self.counts.hit_tokens += num_external_tokens
 
     # ---- saves --------------------------------------------------------------------------------
@@ -88,6 +92,9 @@ class HostTierScheduler(KVConnectorScheduler):
     def build_connector_meta(self) -> KVConnectorMetadata:
         meta = KVConnectorMetadata(self._saves, self._loads)
         self._saves, self._loads = BlockTransfer([], []), []
+        for load in meta.loads:  # the step's own loads: its later saves come after them on the stream
+            if load.sync:
+                self.book.finish(load.req_id)
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> ConnectorUpdate:
@@ -133,6 +140,7 @@ class HostTierWorker(KVConnectorWorker):
     (pinned on CUDA), each slot contiguous so that a run of slots is one copy."""
 
     def __init__(self, num_slots: int, device: torch.device, fail_loads: int = 0):
+        # fail_loads applies to asynchronous loads only: a synchronous one's request runs this step
         self.num_slots = num_slots
         self.device = device
         self.on_cuda = device.type == "cuda"
@@ -141,8 +149,8 @@ class HostTierWorker(KVConnectorWorker):
         self.cache: Optional[torch.Tensor] = None
         self.store: Optional[torch.Tensor] = None
         self.stream = torch.cuda.Stream(device) if self.on_cuda else None
-        # Loads issued, oldest first: (request, blocks, CUDA start and end events or the CPU copy's seconds)
-        self._pending: list[tuple[str, int, object]] = []
+        # Loads issued, oldest first: (request, None for a synchronous one; blocks; CUDA events or CPU seconds)
+        self._pending: list[tuple[Optional[str], int, object]] = []
         self._failed: list[str] = []
         self._counts = KVTransferCounts()
 
@@ -166,37 +174,57 @@ class HostTierWorker(KVConnectorWorker):
         main = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(main)  # after the steps already launched (they may write these blocks)
         with torch.cuda.stream(self.stream):
-            saved = self._transfer(meta)
+            saved, loaded = self._transfer(meta)
         if saved is not None:
             main.wait_event(saved)  # the forward pass may overwrite the blocks just saved
+        if loaded is not None:
+            main.wait_event(loaded)  # and reads the blocks its synchronous loads fill
 
-    def _transfer(self, meta: KVConnectorMetadata) -> Optional["torch.cuda.Event"]:
-        """Saves, then loads, on the current stream; returns the event after the saves (CUDA)."""
-        saved = None
+    def _transfer(self, meta: KVConnectorMetadata) -> tuple[Optional["torch.cuda.Event"], Optional["torch.cuda.Event"]]:
+        """Saves, then synchronous loads, then asynchronous ones, on the current stream; returns the
+        events (CUDA) after the saves and after the synchronous loads, for the forward pass to wait on."""
+        saved = loaded = None
         if meta.saves.block_ids:
             self._save(meta.saves)
-            if self.on_cuda:
-                saved = torch.cuda.Event()
-                saved.record()
+            saved = self._mark()
+        sync = [load for load in meta.loads if load.sync]
+        for load in sync:
+            self._issue(load)
+        if sync:
+            loaded = self._mark()
         for load in meta.loads:
-            start = torch.cuda.Event(enable_timing=True) if self.on_cuda else time.perf_counter()
-            if self.on_cuda:
-                start.record()
-            try:
-                self._load(load.transfer)
-            except Exception as e:  # the request recomputes its prefix instead
-                logger.warning("KV host tier: loading %d blocks failed (%s); recomputing them",
-                               len(load.transfer.block_ids), e)
-                self._failed.append(load.req_id)
-                continue
-            if self.on_cuda:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                timing = (start, end)
-            else:
-                timing = time.perf_counter() - start
-            self._pending.append((load.req_id, len(load.transfer.block_ids), timing))
-        return saved
+            if not load.sync:
+                self._issue(load)
+        return saved, loaded
+
+    def _mark(self) -> Optional["torch.cuda.Event"]:
+        if not self.on_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _issue(self, load: LoadRequest) -> None:
+        start = torch.cuda.Event(enable_timing=True) if self.on_cuda else time.perf_counter()
+        if self.on_cuda:
+            start.record()
+        try:
+            self._load(load.transfer, load.sync)
+        except Exception as e:
+            if load.sync:  # its request runs this step: nothing to fall back on
+                raise
+            logger.warning("KV host tier: loading %d blocks failed (%s); recomputing them",
+                           len(load.transfer.block_ids), e)
+            self._failed.append(load.req_id)  # the request recomputes its prefix instead
+            return
+        if self.on_cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            timing = (start, end)
+        else:
+            timing = time.perf_counter() - start
+        # (a synchronous load is timed and counted, never reported: its request already runs)
+        self._pending.append((None if load.sync else load.req_id, len(load.transfer.block_ids), timing))
 
     def _save(self, t: BlockTransfer) -> None:
         staged = gather_blocks(self.cache, t.block_ids)  # [n, layers, planes, ...]
@@ -205,8 +233,8 @@ class HostTierWorker(KVConnectorWorker):
         self._counts.blocks_saved += len(t.block_ids)
         self._counts.bytes_saved += len(t.block_ids) * self.bytes_per_block
 
-    def _load(self, t: BlockTransfer) -> None:
-        if self.fail_loads:
+    def _load(self, t: BlockTransfer, sync: bool) -> None:
+        if self.fail_loads and not sync:
             self.fail_loads -= 1
             raise RuntimeError("injected load failure")
         staged = torch.empty((len(t.slots),) + tuple(self.store.shape[1:]), dtype=self.store.dtype,
@@ -225,7 +253,8 @@ class HostTierWorker(KVConnectorWorker):
                     break  # later loads were issued after it on the same stream
                 timing = timing[0].elapsed_time(timing[1]) / 1e3
             self._pending.pop(0)
-            out.finished_loads.append(req_id)
+            if req_id is not None:
+                out.finished_loads.append(req_id)
             self._counts.blocks_loaded += blocks
             self._counts.bytes_loaded += blocks * self.bytes_per_block
             self._counts.load_seconds += timing

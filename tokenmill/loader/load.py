@@ -135,9 +135,10 @@ def read_arch(model: Optional[str] = None, load_format: str = "auto"):
 def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_format: str = "auto",
                max_positions: Optional[int] = None, seed: int = 0, tokenizer: Optional[str] = None,
                quantization: Optional[str] = None, revision: Optional[str] = None,
-               download_dir: Optional[str] = None) -> LoadedModel:
+               download_dir: Optional[str] = None, with_tokenizer: bool = True) -> LoadedModel:
     """quantization: quantize the linear layers after loading ("fp8", loader/quantize.py);
-    revision, download_dir: for a Hugging Face Hub id (loader/hub.py)."""
+    revision, download_dir: for a Hugging Face Hub id (loader/hub.py); with_tokenizer=False: the
+    weights only (a tensor-parallel worker rank, which never sees text)."""
     started = time.perf_counter()
     dev = resolve_device(device)
     source = resolve_model(model, load_format, revision, download_dir)
@@ -182,7 +183,7 @@ def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_f
         from tokenmill.loader.dummy import initialize_dummy_weights
 
         initialize_dummy_weights(net, seed=seed)
-        if directory is not None and tokenizer_ref is None:
+        if directory is not None and tokenizer_ref is None and with_tokenizer:
             from tokenmill.loader.tokenizer import load_hf_tokenizer
 
             tokenizer = load_hf_tokenizer(directory)
@@ -190,7 +191,7 @@ def load_model(model: Optional[str] = None, *, dtype="auto", device=None, load_f
         _load_checkpoint(net, directory, plan)
         if plan is not None and plan.block_size is not None:
             convert_block_fp8_checkpoint(net)  # block scales -> the per-row scales the kernels read
-        if tokenizer_ref is None:
+        if tokenizer_ref is None and with_tokenizer:
             from tokenmill.loader.tokenizer import load_hf_tokenizer
 
             tokenizer = load_hf_tokenizer(directory)
