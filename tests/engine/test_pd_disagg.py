@@ -3,8 +3,9 @@ its prompts' KV blocks into a shared directory, a consumer engine loads them and
 rest. On the embedded model: the consumer's greedy outputs (with n-gram speculation, and one request
 under a JSON-schema grammar) equal a plain engine's, the producer's prompts prefilled in chunks; a
 corrupt block file fails the load and the prefix is recomputed to the same output; an abort while
-the load is in flight leaks no block; the directory's files stay whole and within the producer's
-bounds. The same through two `tokenmill serve` processes and the proxy: tests/server/test_pd_server.py."""
+the load is in flight leaks no block; an adapter's blocks pass under its own keys (its output equal,
+the base model's request on the same prompt finding none); the directory's files stay whole and
+within the producer's bounds. The same through two `tokenmill serve` processes and the proxy: tests/server/test_pd_server.py."""
 
 import dataclasses
 import json
@@ -47,9 +48,9 @@ def requests(llm) -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, [greedy, grammar, greedy]
 
 
-def prefill(llm, prompts, params) -> None:
+def prefill(llm, prompts, params, lora=None) -> None:
     """What the proxy asks of the prefill engine: the same requests with one output token."""
-    llm.generate(prompts, [dataclasses.replace(p, max_tokens=1) for p in params], use_tqdm=False)
+    llm.generate(prompts, [dataclasses.replace(p, max_tokens=1) for p in params], use_tqdm=False, lora_request=lora)
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +110,34 @@ def test_abort_while_loading_leaks_no_block(engines):
     engine.abort_request(req_id)
     while engine.has_unfinished_requests():
         engine.step()
+    assert_no_leaks(consumer)
+    assert_no_leaks(producer)
+
+
+def test_an_adapters_blocks_pass_under_its_own_keys(smollm, hf_smollm, tmp_path_factory):
+    """Both engines serve the same adapter (same name, id and directory, as two servers started with
+    the same --lora-modules): the consumer loads the producer's LoRA blocks and its greedy output is
+    the one it computes alone; the base model's request on the same prompt loads nothing."""
+    from tests.lora_adapters import make_adapter
+    from tokenmill.lora.request import LoRARequest
+
+    path = tmp_path_factory.mktemp("kv-lora")
+    lora = LoRARequest("a", 1, make_adapter(hf_smollm, tmp_path_factory.mktemp("adapter") / "a", rank=8))
+    kw = dict(num_kv_blocks=64, enable_lora=True, max_lora_rank=8)
+    producer = make_llm(smollm, kv_transfer_config=connector(path, "kv_producer"), **kw)
+    consumer = make_llm(smollm, kv_transfer_config=connector(path, "kv_consumer"), **kw)
+    prompts, params = requests(producer)
+    prompt, greedy = prompts[0], params[0]
+    alone = consumer.generate([prompt], greedy, use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids
+    base = consumer.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert alone != base  # the adapter matters, or matching it would show nothing
+    consumer.engine.reset_prefix_cache()
+    prefill(producer, [prompt], [greedy], lora)
+    assert consumer.generate([prompt], greedy, use_tqdm=False)[0].metrics.num_cached_prompt_tokens == 0
+    out = consumer.generate([prompt], greedy, use_tqdm=False, lora_request=lora)[0]
+    assert out.outputs[0].token_ids == alone
+    assert out.metrics.num_cached_prompt_tokens == (len(prompt) - 1) // BS * BS
+    assert consumer.engine.snapshot().kv_transfer.loaded_tokens == (len(prompt) - 1) // BS * BS
     assert_no_leaks(consumer)
     assert_no_leaks(producer)
 
