@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The host-memory KV tier (--kv-offloading-size) on one GPU, side by side with it off:
+#   tests           tests/gpu/test_kv_offload_cuda.py (outputs with the tier equal those without it)
 #   mt_off / mt_on  bench multiturn multiturn-8b (64 conversations x 8 turns resending their history,
 #                   8 in flight), the GPU KV cache sized to 1/$RATIO of the conversations' working set:
 #                   TTFT p50 (all turns, and turns 2+) without and with the tier (its loads in the step
@@ -9,7 +10,7 @@
 #   copy            host<->device bandwidth of the tier's batched copies (8B block shape) against a
 #                   measured pinned-copy ceiling (benchmarks/kv_offload_copy_bench.py)
 #   OUT=/tmp/x bash benchmarks/kv_offload_gpu_check.sh
-#   knobs: PARTS (default "mt_off mt_on mt_async tp_off tp_on copy"), RATIO (working set / GPU KV, default 4),
+#   knobs: PARTS (default "tests mt_off mt_on mt_async tp_off tp_on copy"), RATIO (working set / GPU KV, default 4),
 #   HOST_GIB (the tier's size, default 24), T (seconds a part may take, default 400), DRY=1 (the same
 #   pipeline on the CPU with the tiny dummy model, seconds)
 # $OUT gets: each part's log and JSON (mt_off/, mt_on/, mt_async/, tp_off/, tp_on/, copy.json), status.txt,
@@ -18,7 +19,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT}
 PY=${PYTHON:-python3}
-PARTS=${PARTS:-mt_off mt_on mt_async tp_off tp_on copy}
+PARTS=${PARTS:-tests mt_off mt_on mt_async tp_off tp_on copy}
 RATIO=${RATIO:-4}
 HOST_GIB=${HOST_GIB:-24}
 T=${T:-400}
@@ -36,6 +37,8 @@ if [ -n "${DRY:-}" ]; then  # the whole pipeline on the CPU in seconds: tiny mod
     COPY=(--device cpu --blocks 4,16 --layers 4 --kv-heads 2 --head-dim 32 --cache-blocks 64 --repeat 2)
 fi
 
+part tests "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu --junitxml "$OUT/kv_offload_tests.xml" \
+    tests/gpu/test_kv_offload_cuda.py
 part mt_off "${B[@]}" multiturn "${MT[@]}" --tag off --out "$OUT/mt_off"
 part mt_on "${B[@]}" multiturn "${MT[@]}" --kv-offloading-size "$HOST_GIB" --tag on --out "$OUT/mt_on"
 ASYNC='{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"size_gib": '"$HOST_GIB"', "load_async": true}}'

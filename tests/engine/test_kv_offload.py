@@ -45,9 +45,8 @@ def tiny():
     return load_model("tiny-llama", load_format="dummy", device="cpu", dtype="float32")
 
 
-@pytest.fixture(scope="module")
-def adapter(tmp_path_factory):
-    """A LoRA adapter of tiny-llama's shapes (random non-zero A and B)."""
+def tiny_adapter(path) -> LoRARequest:
+    """A LoRA adapter of tiny-llama's shapes (random non-zero A and B) saved at path."""
     import transformers as tf
 
     from tests.lora_adapters import make_adapter
@@ -55,7 +54,12 @@ def adapter(tmp_path_factory):
     hf = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256,
                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                             head_dim=32))
-    return LoRARequest("tiny-a", 1, make_adapter(hf, tmp_path_factory.mktemp("lora") / "a", rank=4))
+    return LoRARequest("tiny-a", 1, make_adapter(hf, path, rank=4))
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    return tiny_adapter(tmp_path_factory.mktemp("lora") / "a")
 
 
 def tier(loaded, **overrides):
