@@ -142,6 +142,17 @@ def test_an_adapters_blocks_pass_under_its_own_keys(smollm, hf_smollm, tmp_path_
     assert_no_leaks(producer)
 
 
+def test_bad_options_are_refused(tmp_path):
+    from tokenmill.config import ConfigError, EngineConfig
+    from tokenmill.kv_connector.factory import make_scheduler_connector
+
+    for extra, message in (({"io_threads": 0}, "io_threads >= 1"), ({"threads": 2}, r"unknown .*\['threads'\]")):
+        config = EngineConfig(kv_transfer_config=KVTransferConfig("SharedStorageConnector", "kv_both",
+                                                                  {"path": str(tmp_path), **extra}))
+        with pytest.raises(ConfigError, match=message):
+            make_scheduler_connector(config, 1024)
+
+
 def test_the_store_keeps_whole_blocks_within_its_bounds(tmp_path):
     """The producer's side of the directory alone: files over max_bytes go oldest first, files past
     the TTL go, a block of another layout or cut short is refused on reading."""
@@ -162,3 +173,10 @@ def test_the_store_keeps_whole_blocks_within_its_bounds(tmp_path):
         store.read_into(keys[2], b"t" * 16, out)
     assert store.evict(StoreBounds(max_bytes=2048, ttl_s=60), now=time.monotonic() + 61) == 2
     assert not os.listdir(tmp_path)
+    # Writes from several threads at once (the connector's I/O threads) keep the books whole.
+    from concurrent.futures import ThreadPoolExecutor
+
+    many = [bytes([9, i]) * 16 for i in range(64)]
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(lambda key: store.write(key, b"t" * 16, blocks[0]), many))
+    assert list(store.written) != [] and store.written_bytes == 64 * 1024 == sum(n for _, n in store.written.values())

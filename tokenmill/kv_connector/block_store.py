@@ -60,6 +60,7 @@ class BlockFileStore:
         # the writer's side bounds the directory (StoreBounds); a reader removes what it loaded.
         self.written: "OrderedDict[bytes, tuple[float, int]]" = OrderedDict()
         self.written_bytes = 0
+        self._lock = threading.Lock()  # writes run on several threads
 
     def free_bytes(self) -> int:
         return shutil.disk_usage(self.path).free
@@ -105,8 +106,9 @@ class BlockFileStore:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        self.written[key] = (time.monotonic(), block.numel())
-        self.written_bytes += block.numel()
+        with self._lock:
+            self.written[key] = (time.monotonic(), block.numel())
+            self.written_bytes += block.numel()
         return True
 
     def read_into(self, key: bytes, tag: bytes, out: torch.Tensor) -> None:

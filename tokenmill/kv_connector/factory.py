@@ -42,7 +42,7 @@ def _host_slots(ctx: ConnectorContext) -> int:
 
 def _shared_storage_options(ctx: ConnectorContext) -> SharedStorageOptions:
     extra = dict(ctx.config.kv_connector_extra_config)
-    known = {"path", "max_store_gib", "ttl_s", "delete_after_load"}
+    known = {"path", "max_store_gib", "ttl_s", "delete_after_load", "io_threads"}
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ConfigError(f"{SHARED_STORAGE_CONNECTOR}: unknown kv_connector_extra_config keys {unknown} "
@@ -51,11 +51,12 @@ def _shared_storage_options(ctx: ConnectorContext) -> SharedStorageOptions:
         options = SharedStorageOptions(path=str(extra.get("path") or default_store_path()),
                                        max_store_gib=float(extra.get("max_store_gib", 4.0)),
                                        ttl_s=float(extra.get("ttl_s", 300.0)),
-                                       delete_after_load=bool(extra.get("delete_after_load", True)))
+                                       delete_after_load=bool(extra.get("delete_after_load", True)),
+                                       io_threads=int(extra.get("io_threads", 4)))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{SHARED_STORAGE_CONNECTOR}: bad kv_connector_extra_config ({e})") from None
-    if not options.max_store_gib > 0 or not options.ttl_s > 0:
-        raise ConfigError(f"{SHARED_STORAGE_CONNECTOR}: max_store_gib and ttl_s must be > 0")
+    if not options.max_store_gib > 0 or not options.ttl_s > 0 or options.io_threads < 1:
+        raise ConfigError(f"{SHARED_STORAGE_CONNECTOR}: max_store_gib and ttl_s must be > 0, io_threads >= 1")
     return options
 
 
