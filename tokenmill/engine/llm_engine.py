@@ -55,6 +55,7 @@ PromptType = Union[str, list[int]]
 _SEED_MASK = (1 << 63) - 1
 # On the CPU attention (a gather of the context, then SDPA) runs at about half the matmuls' FLOP rate.
 CPU_ATTENTION_SLOWDOWN = 2.0
+LOAD_WAIT_S = 0.002  # the longest a step with only KV-connector loads pending blocks on them
 
 
 def check_model_options(config: EngineConfig, arch) -> None:
@@ -509,8 +510,12 @@ class LLMEngine:
         completed += self._complete(keep, results, emit_unfinished)
         # (A speculating request may wait a step for its in-flight tokens without finishing.)
         waits = self.kv_connector is not None and self.kv_connector.has_pending  # on a transfer: not stuck
-        if not launched and not completed and self.scheduler.has_unfinished and not self._inflight and not waits:
-            raise RuntimeError("the scheduler could not schedule any request (this is a bug)")
+        if not launched and not completed and self.scheduler.has_unfinished and not self._inflight:
+            if not waits:
+                raise RuntimeError("the scheduler could not schedule any request (this is a bug)")
+            # Only loads to wait for: block on them (briefly, so new requests are still seen) rather
+            # than spin, which held the GIL from the connector's reading threads (a load took 40x longer)
+            self.runner.kv_connector_wait_for_loads(LOAD_WAIT_S)
         if not self.scheduler.has_unfinished:  # idle: release the rows of what just finished
             self.runner.release(self.scheduler.take_freed_ids())
         return results

@@ -255,5 +255,10 @@ class KVConnectorWorker(ABC):
         """Finish the saves issued so far (the engine calls it before a step's outputs leave it, off
         the device's critical path: the next step is already launched)."""
 
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block, without the GIL, until the oldest load may have finished, at most `timeout` seconds:
+        the engine calls it when a step had nothing to run but loads (rather than spin, which starves
+        a connector's reading threads of the GIL)."""
+
     def shutdown(self) -> None:
         """Release buffers and finish outstanding copies."""

@@ -22,7 +22,7 @@ ttl_s for files no consumer took).
 
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -292,6 +292,10 @@ class SharedStorageWorker(KVConnectorWorker):
         self._writing.difference_update(keys)
         self._counts.blocks_saved += written
         self._counts.bytes_saved += written * self.bytes_per_block
+
+    def wait_for_loads(self, timeout: float) -> None:
+        if self._loads:
+            wait([self._loads[0].done], timeout=timeout)
 
     def get_finished(self) -> KVConnectorOutput:
         out = KVConnectorOutput()

@@ -244,6 +244,10 @@ class ModelRunner:
         """The KV connector's saves issued so far, finished (before the engine hands outputs on)."""
         self.kv_connector.flush_saves()
 
+    def kv_connector_wait_for_loads(self, timeout: float) -> None:
+        """Until the KV connector's oldest load may be done, at most timeout seconds (nothing else to run)."""
+        self.kv_connector.wait_for_loads(timeout)
+
     def kv_connector_finished(self) -> KVConnectorOutput:
         """The KV connector's transfers done (or failed) since the last call; never waits."""
         return self.kv_connector.get_finished()
