@@ -44,8 +44,8 @@ def feature_requests(plain) -> tuple[list, list[int], int]:
 
 
 def test_features_together(smollm, features_alone):
-    # A step-time target too: it changes the chunks, never the tokens.
-    busy = make_llm(smollm, step_time_target_ms=20.0, **BUSY)
+    # A step-time target and the host KV tier too: they change the chunks and where blocks come from, never the tokens.
+    busy = make_llm(smollm, step_time_target_ms=20.0, kv_offloading_size=0.05, **BUSY)
     requests, reference, banned, alone = features_alone
     schema = SCHEMAS[0]
     animals = requests[3][0]
@@ -53,6 +53,10 @@ def test_features_together(smollm, features_alone):
     together = busy.generate(prompts, params, use_tqdm=False)
     stats = busy.engine
     assert stats.scheduler.num_preemptions > 0 and stats.spec_stats.accepted > 0
+    # The host tier under it all: preemption evicts blocks to the host (a resumed request reloaded
+    # one block in-step in local runs; how many depends on the step-time target's chunks)
+    host = stats.snapshot().kv_offload
+    assert host.blocks_saved > 0 and host.failed_loads == 0
     for want, got in zip(alone, together):
         assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
     jsonschema.validate(json.loads(together[1].outputs[0].text), schema)

@@ -225,7 +225,7 @@ class SharedStorageWorker(KVConnectorWorker):
     def _each(self, fn, n: int) -> list:
         """fn(i) for i < n, in contiguous runs over the I/O threads: the results in order; the first
         error is raised once every run has ended (none is left writing into a staged tensor)."""
-        size = -(-n // self.options.io_threads)
+        size = max(1, -(-n // self.options.io_threads))
         runs = [self.io.submit(lambda lo: [fn(i) for i in range(lo, min(n, lo + size))], lo)
                 for lo in range(0, n, size)]
         results, error = [], None
