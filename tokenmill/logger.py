@@ -4,8 +4,11 @@ The level is $TOKENMILL_LOG_LEVEL, else WARNING, for the library; the command li
 with `set_log_level` (`tokenmill serve` logs at INFO by default, as servers do).
 """
 
+import faulthandler
 import logging
 import os
+import signal
+import sys
 
 _ROOT = "tokenmill"
 DEFAULT_LEVEL = "WARNING"
@@ -33,3 +36,9 @@ def set_log_level(level: str) -> None:
         root.setLevel(level.upper())
     else:
         _install(root, level)
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 <pid>` writes every thread's Python stack to stderr (a stuck server shows where);
+    call from a process's main thread, once."""
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)

@@ -68,6 +68,21 @@ def test_sampling_logprobs_and_prompt_logprobs_equal_the_in_process_engine(clien
         assert all(rd[t].logprob == pytest.approx(ld[t].logprob, abs=1e-5) for t in rd)
 
 
+def test_a_final_output_taken_between_steps_is_still_unfinished_work(client, chat_prompt_ids):
+    """check_health() (and _call()) take the step messages that came meanwhile; when one finishes the
+    last request, its output waits for step(), so has_unfinished_requests() must still say so."""
+    before = client.snapshot().generation_tokens
+    client.add_request(None, SamplingParams(max_tokens=1, temperature=0.0), "h", chat_prompt_ids[0])
+    deadline = time.monotonic() + 120
+    while client.snapshot().generation_tokens == before:  # only check_health() reads the messages
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+        client.check_health()
+    assert client.has_unfinished_requests()
+    assert [out.request_id for out in client.step() if out.finished] == ["h"]
+    assert not client.has_unfinished_requests()
+
+
 def test_abort_a_sample_then_the_rest(client, chat_prompt_ids):
     params = SamplingParams(n=2, max_tokens=2000, temperature=1.0, seed=1, ignore_eos=True)
     client.add_request(None, params, "a", chat_prompt_ids[1])

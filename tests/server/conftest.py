@@ -118,9 +118,31 @@ class ServerProcess:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
-    if report.failed:
+    if report.failed and LIVE_SERVERS:
+        dump_stacks(LIVE_SERVERS)
         for server in LIVE_SERVERS:
-            report.sections.append((f"server log, port {server.port} (tail)", server.log()[-6000:]))
+            report.sections.append((f"server log, port {server.port} (tail)", server.log()[-12000:]))
+
+
+def dump_stacks(servers: list[ServerProcess]) -> None:
+    """Have every live server and its engine processes write their threads' stacks to their logs."""
+    import psutil
+
+    for server in servers:
+        try:
+            procs = [psutil.Process(server.proc.pid)]
+            procs += procs[0].children(recursive=True)
+        except psutil.Error:
+            continue
+        for proc in procs:  # only those that catch it (the default action ends a process)
+            try:
+                with open(f"/proc/{proc.pid}/status") as f:
+                    caught = int(next(line for line in f if line.startswith("SigCgt:")).split()[1], 16)
+                if caught >> (signal.SIGUSR1 - 1) & 1:
+                    proc.send_signal(signal.SIGUSR1)
+            except (OSError, StopIteration, psutil.Error):
+                pass
+    time.sleep(1.0)
 
 
 @pytest.fixture(scope="module")

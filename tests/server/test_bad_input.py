@@ -63,8 +63,8 @@ def test_api_key(server):
         r = httpx.request(method, server.url + path, json={"prompt": "x"}, headers={"Authorization": "Bearer wrong"})
         assert_error(r, 401)
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0).models.list()
-    ok = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0)
+        openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0, timeout=60).models.list()
+    ok = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=60)
     assert ok.completions.create(model="smollm2-135m-instruct", prompt="Hi", max_tokens=2).choices
 
 

@@ -367,7 +367,9 @@ class EngineCoreClient:
         return out
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._live)
+        # Outputs that check_health() or _call() took between steps count: the last request's final
+        # output may be among them, and an engine thread told "nothing unfinished" would never step it out.
+        return bool(self._live) or bool(self._backlog)
 
     def num_waiting_sequences(self) -> int:
         """What the last step message said waits, plus the sequences sent since that the engine had

@@ -39,7 +39,7 @@ from tokenmill.serve.core_wire import (CALLS, EngineFacts, RequestProgress, lora
                                             pack, params_from_wire, state_delta, unpack)
 from tokenmill.serve.gc_policy import GCPolicy
 from tokenmill.errors import TokenmillError
-from tokenmill.logger import init_logger
+from tokenmill.logger import dump_stacks_on_sigusr1, init_logger
 
 if TYPE_CHECKING:  # (the API server process, which imports this module, never imports torch)
     from tokenmill.engine.dp_lockstep import DataParallelRank
@@ -77,6 +77,7 @@ def run_engine_process(launch: EngineLaunch, engine_dir: str, parent_pid: int) -
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    dump_stacks_on_sigusr1()
     # Progress bars (loading) would otherwise make a multiprocessing lock, a named semaphore that this
     # process's exit (os._exit, below) never unlinks: the server's resource tracker reports it leaked.
     from tqdm import tqdm

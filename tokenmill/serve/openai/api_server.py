@@ -44,7 +44,7 @@ from tokenmill.serve.openai.serving_tokenize import OpenAIServingTokenization
 from tokenmill.serve.openai.tenants import Tenants
 from tokenmill.serve.openai.tool_parsers import TOOL_PARSERS
 from tokenmill.errors import InvalidRequestError, LoRAError
-from tokenmill.logger import init_logger
+from tokenmill.logger import dump_stacks_on_sigusr1, init_logger
 
 logger = init_logger(__name__)
 
@@ -448,6 +448,7 @@ def run_server(engine: EngineClient, *, host: str = "127.0.0.1", port: int = 800
     host:port; on_signal hears of each signal. Returns the exit status: 0 after a graceful shutdown,
     128 + the signal's number after a second signal forced it, 1 if the engine failed or the server
     could not start."""
+    dump_stacks_on_sigusr1()
     async_engine = AsyncLLMEngine(engine)
     app = build_app(async_engine, settings)
     backstop = None if shutdown_grace is None else shutdown_grace + 10.0
