@@ -320,12 +320,10 @@ class _WorkerProcess:
     comes; a pipe that is read, so the worker never blocks on it)."""
 
     def __init__(self, rank: int, store_address: str, world_size: int):
-        import tokenmill
-
         self.rank = rank
         env = dict(os.environ, **{ENV_RANK: str(rank), ENV_WORLD: str(world_size), ENV_STORE: store_address,
                                   ENV_PARENT: str(os.getpid())})
-        root = os.path.dirname(os.path.dirname(os.path.abspath(tokenmill.__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above tokenmill/
         env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         self.proc = subprocess.Popen([sys.executable, "-m", "tokenmill.executor.worker"], env=env,
                                      stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
