@@ -185,7 +185,7 @@ DP_WORK = {0: [(0, NEW_TOKENS), (1, NEW_TOKENS), (2, NEW_TOKENS), (3, NEW_TOKENS
 def _dp_rank_main(rank: int, path: str, port: int, microbatching: bool, out_dir: str) -> None:
     import json
 
-    from tokenmill.engine.dp_lockstep import DataParallelRank
+    from tokenmill.config import DataParallelRank
 
     torch.set_num_threads(1)
     config = EngineConfig(data_parallel_size=2, enable_expert_parallel=True, enable_microbatching=microbatching,

@@ -375,6 +375,8 @@ def test_startup_log_and_totals(server):
     assert per["tokenmill:replica_num_kv_blocks"] == {0: 512, 1: 512}
     assert m["tokenmill:num_kv_blocks"] == 1024  # the unlabeled series: the totals
     assert m["tokenmill:num_kv_blocks_free"] == sum(per["tokenmill:replica_num_kv_blocks_free"].values())
+    with open(f"/proc/{server.proc.pid}/maps") as f:  # the API server starts fast: torch is the replicas' alone
+        assert "libtorch" not in f.read()
 
 
 def test_a_burst_reaches_both_replicas_with_single_engine_results(server, reference):

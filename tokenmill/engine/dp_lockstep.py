@@ -40,15 +40,6 @@ logger = init_logger(__name__)
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class DataParallelRank:
-    """One engine's place among the data-parallel replicas that step together."""
-
-    rank: int
-    size: int
-    init_method: str  # torch.distributed's rendezvous, e.g. tcp://127.0.0.1:PORT
-
-
 class DummyRunner(Protocol):
     """What a rank without work needs: ModelRunner.dummy_run's shape, and the step's agreed token
     count for its MoE layers."""

@@ -20,7 +20,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.config import ConfigError, DataParallelRank, EngineConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.outputs import RequestOutput
@@ -30,7 +30,7 @@ from tokenmill.engine.spec_stats import SpecDecodeStats
 from tokenmill.engine.step_budget import StepBudget
 from tokenmill.engine.request_validator import RequestValidator
 from tokenmill.distributed import ParallelState, tensor_parallel
-from tokenmill.engine.dp_lockstep import DataParallelRank, DPLockstep
+from tokenmill.engine.dp_lockstep import DPLockstep
 from tokenmill.engine.grammar import StructuredOutputManager
 from tokenmill.engine.engine_snapshot import EngineSnapshot
 from tokenmill.errors import InvalidRequestError, LoRAError

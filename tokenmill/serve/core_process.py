@@ -32,17 +32,14 @@ import queue
 import signal
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import DataParallelRank, EngineConfig
 from tokenmill.serve.core_wire import (CALLS, EngineFacts, RequestProgress, lora_from_wire, output_delta,
                                             pack, params_from_wire, state_delta, unpack)
 from tokenmill.serve.gc_policy import GCPolicy
 from tokenmill.errors import TokenmillError
 from tokenmill.logger import dump_stacks_on_sigusr1, init_logger
-
-if TYPE_CHECKING:  # (the API server process, which imports this module, never imports torch)
-    from tokenmill.engine.dp_lockstep import DataParallelRank
 
 logger = init_logger(__name__)
 
@@ -63,7 +60,7 @@ class EngineLaunch:
     tokenizer: Optional[str] = None
     log_level: Optional[int] = None
     # Data parallelism with expert parallelism: this replica's rank among those that step together.
-    data_parallel: Optional["DataParallelRank"] = None
+    data_parallel: Optional[DataParallelRank] = None
 
 
 def addresses(engine_dir: str, index: int) -> tuple[str, str]:

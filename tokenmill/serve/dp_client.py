@@ -47,7 +47,7 @@ from tokenmill.config import ConfigError
 from tokenmill.serve.core_client import (STARTUP_TIMEOUT_S, STEP_WAIT_S, STOP_TIMEOUT_S, EngineCoreClient,
                                           EngineProcessError)
 from tokenmill.serve.core_process import EngineLaunch
-from tokenmill.engine.dp_lockstep import DataParallelRank
+from tokenmill.config import DataParallelRank
 from tokenmill.engine.engine_snapshot import EngineSnapshot
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.spec_stats import SpecDecodeCounts
