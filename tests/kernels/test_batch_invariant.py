@@ -22,15 +22,17 @@ from tokenmill.kernels.batch_invariant import (
     CPU_ROWS,
     MatmulTiles,
     bi_attention_tiles,
+    fused_moe_invariant,
     linear_invariant,
     linear_invariant_cpu,
     linear_invariant_triton,
     paged_attention_invariant,
     paged_attention_invariant_cpu,
 )
+from tokenmill.kernels.fused_moe import fused_moe_ref, moe_route_ref
 from tokenmill.kernels.norm import rms_norm_ref
 from tokenmill.kernels.sampling import gumbel_sample_ref, logprobs_ref, logsumexp_rows
-from tests.kernels.common import DEVICES, TOL, rel_err
+from tests.kernels.common import CUDA, DEVICES, TOL, rel_err
 from tests.kernels.test_attention import DECODE, MIXED, make_batch
 
 ROW_COUNTS = (1, 2, 3, CPU_ROWS - 1, CPU_ROWS, CPU_ROWS + 1, 40, 67)
@@ -86,6 +88,34 @@ def test_triton_matmul_matches_torch_and_is_row_invariant(device, dtype, shape):
     # tile (its micro-kernel's edge handling): the reordering check is the GPU's.
     _rows_invariant(lambda t: linear_invariant_triton(t, w, b), x, counts=(1, 2, 17, 64, 65, 67),
                     reorder=device == "cuda")
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_moe_matches_the_reference_and_is_row_invariant(device, bias):
+    """The experts in batch-invariant mode (the reference over fixed row chunks on the CPU, the
+    one-token GEMV tiles at every size on CUDA): fused_moe_ref's result, and each token's row the
+    same whatever else is routed with it."""
+    gen = torch.Generator().manual_seed(4)
+    num_experts, hidden, inter, top_k, tokens = 8, 48, 40, 2, 67
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
+    biases = ((torch.randn(num_experts, 2 * inter, generator=gen), torch.randn(num_experts, hidden, generator=gen))
+              if bias else (None, None))
+    weights, ids = moe_route_ref(torch.randn(tokens, num_experts, generator=gen), top_k, True)
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double(), ids,
+                        *(None if b is None else b.double() for b in biases))
+    x, w13, w2, weights, ids = (t.to(device) for t in (x, w13, w2, weights, ids))
+    x, w13, w2, weights = (t.to(dtype) for t in (x, w13, w2, weights))
+    b13, b2 = (None if b is None else b.to(device, dtype) for b in biases)
+
+    def experts(rows: torch.Tensor) -> torch.Tensor:
+        return fused_moe_invariant(x[rows], w13, w2, weights[rows], ids[rows], w13_bias=b13, w2_bias=b2)
+
+    assert rel_err(experts(torch.arange(tokens, device=device)), ref) < TOL[dtype]
+    _rows_invariant(experts, torch.arange(tokens, device=device))
 
 
 SMALL_CHUNKS = MatmulTiles(block_m=32, block_n=32, block_k=32, k_chunk=64)  # K = 200: chunks of 64, 64, 64, 8

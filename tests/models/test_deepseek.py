@@ -301,6 +301,8 @@ def test_refused_options(models):
         check_model_options(EngineConfig(kv_cache_dtype="fp8"), arch)
     with pytest.raises(ConfigError, match="speculative decoding on DeepseekV3ForCausalLM"):
         check_model_options(EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), arch)
+    with pytest.raises(ConfigError, match="batch_invariant: DeepseekV3ForCausalLM's latent attention"):
+        check_model_options(EngineConfig(batch_invariant=True), arch)
 
 
 def test_v2_lite_preset_read_as_hf_reads_it():

@@ -182,7 +182,7 @@ def test_refused_options(models):
     _, loaded, dense_dir = models["dense"]
     with pytest.raises(ConfigError, match="enable_lora"):
         make_llm(loaded, max_model_len=64, enable_lora=True)
-    with pytest.raises(ConfigError, match="batch_invariant"):
+    with pytest.raises(ConfigError, match="batch_invariant: GptOssForCausalLM's attention sinks"):
         make_llm(loaded, max_model_len=64, batch_invariant=True)
     with pytest.raises(ModelLoadError, match="MXFP4 experts are dequantized at load"):
         load_model(str(models["mxfp4"][2]), dtype="float32", device="cpu", quantization="fp8")

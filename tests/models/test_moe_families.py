@@ -3,7 +3,8 @@ by HF transformers: tokenmill's logits are HF's; greedy tokens through the engin
 for prompts of mixed lengths submitted together, with chunked prefill, preemption, n-gram
 speculation, a grammar on one request and prompt logprobs (HF's log-softmax) on another, under sync
 and async scheduling; the same under tensor, expert and data parallelism; the fused 3D expert
-layout loads as the per-expert one does; what MoE does not support yet is refused by name."""
+layout loads as the per-expert one does; batch-invariant mode gives each request the same bits alone
+and in a busy batch; what MoE does not support yet is refused by name."""
 
 import pytest
 import torch
@@ -293,12 +294,37 @@ def test_fused_expert_layout_loads(models, tmp_path):
             assert torch.equal(p, want[name]), f"{family}: {name}"
 
 
-def test_lora_and_batch_invariance_refused(models):
+def test_lora_and_batch_invariant_expert_parallelism_refused(models):
     _, loaded, path = models["mixtral"]
     with pytest.raises(ConfigError, match="enable_lora.*mixture-of-experts.*MixtralForCausalLM"):
         LLMEngine(config=EngineConfig(enable_lora=True, num_kv_blocks=16), loaded=loaded)
-    with pytest.raises(ConfigError, match="batch_invariant.*mixture-of-experts.*MixtralForCausalLM"):
-        LLMEngine(str(path), EngineConfig(batch_invariant=True, num_kv_blocks=16), dtype="float32", device="cpu")
+    with pytest.raises(ConfigError, match="batch_invariant does not support enable_expert_parallel"):
+        LLMEngine(str(path), EngineConfig(batch_invariant=True, enable_expert_parallel=True, num_kv_blocks=16),
+                  dtype="float32", device="cpu")
+
+
+def _bits(out) -> list:
+    return [(c.token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in c.logprobs]) for c in out.outputs]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batch_invariant_requests_alone_equal_them_together(family, models, hf_greedy):
+    """Batch-invariant mode with experts: each request's tokens and logprobs, greedy and seeded, are
+    bit for bit its run alone when all run together in 16-token chunked steps with preemption; the
+    greedy tokens are HF's."""
+    _, loaded, _ = models[family]
+    prompts = _prompts()
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=2)
+    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=2)
+    requests = [(p, greedy) for p in prompts] + [(prompts[1], seeded), (prompts[4], seeded)]
+    plain = make_llm(loaded, batch_invariant=True)
+    alone = [_bits(plain.generate([p], q, use_tqdm=False)[0]) for p, q in requests]
+    busy = make_llm(loaded, batch_invariant=True, max_num_batched_tokens=16, num_kv_blocks=10)
+    together = busy.generate([p for p, _ in requests], [q for _, q in requests], use_tqdm=False)
+    assert [_bits(out) for out in together] == alone
+    assert [bits[0][0] for bits in alone[:len(prompts)]] == hf_greedy[family][0]
+    assert busy.engine.scheduler.num_preemptions > 0
+    assert_no_leaks(busy)
 
 
 def test_config_fields_read_as_hf_reads_them():

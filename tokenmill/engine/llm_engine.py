@@ -63,9 +63,13 @@ def check_model_options(config: EngineConfig, arch) -> None:
     if config.enable_lora and not architecture_spec(arch.architecture).lora:
         raise ConfigError(f"enable_lora: LoRA adapters on {arch.architecture} are not supported yet (Phi-3's "
                           "adapters target the fused qkv_proj / gate_up_proj; Gemma's and gpt-oss's are untested)")
-    if config.batch_invariant and arch.attn_logit_softcap is not None:
-        raise ConfigError(f"batch_invariant: {arch.architecture}'s attention soft-capping has no batch-invariant "
-                          "kernel yet")
+    if config.batch_invariant:
+        missing = [what for what, has in (("attention soft-capping", arch.attn_logit_softcap is not None),
+                                          ("attention sinks", arch.attention_sinks),
+                                          ("latent attention", arch.mla is not None)) if has]
+        if missing:
+            raise ConfigError(f"batch_invariant: {arch.architecture}'s {' and '.join(missing)} has no "
+                              "batch-invariant kernel yet")
     if arch.mla is not None:
         _check_mla_options(config, arch)
     if arch.moe is None:
@@ -75,9 +79,6 @@ def check_model_options(config: EngineConfig, arch) -> None:
     if config.enable_lora:
         raise ConfigError(f"enable_lora: LoRA adapters on a mixture-of-experts model ({arch.architecture}) are not "
                           "supported yet (the expert weights have no adapter slots)")
-    if config.batch_invariant:
-        raise ConfigError(f"batch_invariant: the mixture-of-experts layers of {arch.architecture} have no "
-                          "batch-invariant kernels yet")
     ep_size = config.tensor_parallel_size * config.data_parallel_size
     if config.enable_expert_parallel and ep_size > arch.moe.num_experts:
         raise ConfigError(f"enable_expert_parallel over {ep_size} ranks: {arch.architecture} has only "

@@ -24,6 +24,9 @@ attention each reduce in a different order. Here:
   decode attends with one program per KV head (no split-KV); a fixed split size of the keys,
   aligned to position 0 and used by prefill tiles too, would keep the order with more programs.
 
+- mixture-of-experts MLPs: routing is row-wise already (a fixed tile over the experts); the
+  experts' products as linear's on the CPU, and on CUDA the one-token GEMV tiles at every size.
+
 Elementwise ops, RMSNorm and the sampler are row-wise already (one reduction per row of a fixed
 length, independent of the row count; tests/kernels/test_batch_invariant.py checks the CPU ones).
 """
@@ -38,6 +41,7 @@ import triton.language as tl
 
 from tokenmill.kernels._dispatch import sm_count, use_triton
 from tokenmill.kernels.attention import _check_kv_scale, _gather_kv, _live_requests, paged_attention_triton
+from tokenmill.kernels.fused_moe import ClampedSwiGLU, fused_moe_ref, fused_moe_triton, moe_config
 
 CPU_ROWS = 16  # rows per torch matmul on the CPU
 KEY_BLOCK = 64  # keys per block in the CPU attention
@@ -198,6 +202,25 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     x2 = x.reshape(-1, x.shape[-1])
     y = linear_invariant_triton(x2, weight, bias) if use_triton(x2) else linear_invariant_cpu(x2, weight, bias)
     return y.view(*lead, weight.shape[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# Mixture-of-experts MLPs
+# ----------------------------------------------------------------------------------------------
+
+def fused_moe_invariant(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, w13_bias: Optional[torch.Tensor] = None,
+                        w2_bias: Optional[torch.Tensor] = None, activation: Optional[ClampedSwiGLU] = None) -> torch.Tensor:
+    """fused_moe's result with each token's row independent of the other tokens: on CUDA the GEMV
+    path at every size with the one-token tiles (each (token, expert) pair one program, the k
+    slots summed in order); on the CPU the reference over linear_invariant_cpu's fixed chunks."""
+    if use_triton(x):
+        T, H = x.shape
+        E, two_i, _ = w13.shape
+        config = moe_config(E, two_i // 2, H, 1, topk_ids.shape[1], x.dtype, path="gemv")
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, config=config, w13_bias=w13_bias,
+                                w2_bias=w2_bias, activation=activation)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation, linear=linear_invariant_cpu)
 
 
 # ----------------------------------------------------------------------------------------------

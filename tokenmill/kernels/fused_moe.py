@@ -43,7 +43,7 @@ silu(gate) * up. Both are constexpr switches: other models compile the kernels a
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -80,11 +80,13 @@ class ClampedSwiGLU:
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_bias: Optional[torch.Tensor] = None,
-                  w2_bias: Optional[torch.Tensor] = None, activation: Optional[ClampedSwiGLU] = None) -> torch.Tensor:
+                  w2_bias: Optional[torch.Tensor] = None, activation: Optional[ClampedSwiGLU] = None,
+                  linear: Callable = F.linear) -> torch.Tensor:
     """The experts' MLPs, one expert at a time (the reference): x [T, H], w13 [E, 2I, H],
     w2 [E, H, I], topk_weights / topk_ids [T, k]; ids outside 0..E-1 (another rank's experts,
     given as -1) contribute nothing. Optional biases w13_bias [E, 2I], w2_bias [E, H] and the
-    clamped SwiGLU in place of silu(gate) * up (gpt-oss). Returns [T, H] in x's dtype."""
+    clamped SwiGLU in place of silu(gate) * up (gpt-oss). Returns [T, H] in x's dtype. Each token
+    sums its experts in expert-id order; `linear` (F.linear's arguments) does the products."""
     out = torch.zeros_like(x)
     num_experts = w13.shape[0]
     flat_ids = topk_ids.reshape(-1).long()
@@ -92,9 +94,9 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         if not 0 <= e < num_experts:
             continue
         token, slot = torch.where(topk_ids == e)
-        gate, up = F.linear(x[token], w13[e], None if w13_bias is None else w13_bias[e]).chunk(2, dim=-1)
+        gate, up = linear(x[token], w13[e], None if w13_bias is None else w13_bias[e]).chunk(2, dim=-1)
         h = F.silu(gate) * up if activation is None else activation(gate, up)
-        y = F.linear(h, w2[e], None if w2_bias is None else w2_bias[e]) * topk_weights[token, slot, None].to(x.dtype)
+        y = linear(h, w2[e], None if w2_bias is None else w2_bias[e]) * topk_weights[token, slot, None].to(x.dtype)
         out.index_add_(0, token, y)
     return out
 

@@ -15,7 +15,7 @@ gpt-oss's experts add `w13_bias` [E_local, 2 * I_local] (gate then up, split as 
 adds it once) and take the clamped SwiGLU (`activation`); only the unquantized method runs them.
 
 As linear layers do, the layer holds one method object chosen when the model is built or loaded
-(`UnquantizedFusedMoEMethod`; a quantization config's `get_moe_method`): it creates the weights,
+(`UnquantizedFusedMoEMethod`, `BatchInvariantFusedMoEMethod`; a quantization config's `get_moe_method`): it creates the weights,
 converts them once loaded, and routes and runs the experts (`apply`). Routing and the experts' MLPs
 are kernels/fused_moe.py's.
 """
@@ -31,6 +31,7 @@ from torch import nn
 
 from tokenmill.distributed import divide, get_tp_state
 from tokenmill.errors import ModelLoadError
+from tokenmill.kernels.batch_invariant import fused_moe_invariant
 from tokenmill.kernels.fused_moe import ClampedSwiGLU, GroupedTopK, fused_moe, moe_route
 from tokenmill.layers.linear import new_parameter
 from tokenmill.layers.moe_dispatch import MoEDispatch, expert_range
@@ -83,6 +84,19 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
             return fused_moe(x, layer.w13_weight, layer.w2_weight, weights, ids, w13_bias=layer.w13_bias,
                              w2_bias=layer.w2_bias, activation=layer.activation)
         return fused_moe(x, layer.w13_weight, layer.w2_weight, weights, ids, activation=layer.activation)
+
+
+class BatchInvariantFusedMoEMethod(UnquantizedFusedMoEMethod):
+    """Unquantized experts whose every token's result is independent of the batch (batch_invariant;
+    layers/invariance.py swaps it in)."""
+
+    def apply(self, layer: "FusedMoE", x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = layer.route(router_logits)
+        if layer.expert_map is not None:
+            ids = layer.expert_map[ids.long()]
+        bias = dict(w13_bias=layer.w13_bias, w2_bias=layer.w2_bias) if layer.has_bias else {}
+        return fused_moe_invariant(x, layer.w13_weight, layer.w2_weight, weights, ids, activation=layer.activation,
+                                   **bias)
 
 
 class FusedMoE(nn.Module):

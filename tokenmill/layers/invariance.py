@@ -1,7 +1,8 @@
 """Batch-invariant numerics chosen per model (EngineConfig.batch_invariant): the linear layers take
-BatchInvariantLinearMethod, and attention and the LM head their batch-invariant kernels
-(kernels/batch_invariant.py). The choice lives on the layers, so the step path reads no mode, and
-two engines in one process (one batch-invariant) never change each other's kernels.
+BatchInvariantLinearMethod, the experts BatchInvariantFusedMoEMethod, and attention and the LM head
+their batch-invariant kernels (kernels/batch_invariant.py). The choice lives on the layers, so the
+step path reads no mode, and two engines in one process (one batch-invariant) never change each
+other's kernels.
 """
 
 import copy
@@ -11,6 +12,7 @@ from torch import nn
 
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.embedding import ParallelLMHead
+from tokenmill.layers.fused_moe import BatchInvariantFusedMoEMethod, FusedMoE, UnquantizedFusedMoEMethod
 from tokenmill.layers.linear import BatchInvariantLinearMethod, LinearBase, UnquantizedLinearMethod
 
 
@@ -34,6 +36,11 @@ def with_batch_invariance(model: nn.Module, enabled: bool) -> nn.Module:
                 raise ValueError(f"batch-invariant numerics need unquantized linear layers, not "
                                  f"{type(m.linear_method).__name__}")
             m.linear_method = BatchInvariantLinearMethod() if enabled else UnquantizedLinearMethod()
+        elif isinstance(m, FusedMoE):
+            if not isinstance(m.moe_method, UnquantizedFusedMoEMethod):
+                raise ValueError(f"batch-invariant numerics need unquantized experts, not "
+                                 f"{type(m.moe_method).__name__}")
+            m.moe_method = BatchInvariantFusedMoEMethod() if enabled else UnquantizedFusedMoEMethod()
         elif isinstance(m, (Attention, ParallelLMHead)):
             m.batch_invariant = enabled
     return view

@@ -57,7 +57,10 @@ class SparseMoeBlock(nn.Module):
             x, residual = norm(hidden, residual)
         out = self.experts(x, self.gate(x))
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.forward_normed(x)
+            shared = self.shared_expert.forward_normed(x)
+            # The gate widened to the row first: a [T, 1] sigmoid on the CPU takes its scalar tail path for
+            # the last rows, whose bits then depend on T (batch_invariant); rows of H stay in vector lanes.
+            out = out + torch.sigmoid(self.shared_expert_gate(x).expand_as(shared)) * shared
         return out, residual
 
 
