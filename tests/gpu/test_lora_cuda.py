@@ -1,6 +1,7 @@
 """Multi-LoRA on CUDA: three adapters and the base model in one batch, with the decode and piecewise
 graphs of steps with adapters, the batch-1 fused GEMV path and the Triton LoRA kernels, against HF
-transformers + PEFT on the same GPU (fp32); bf16 greedy within the drift bf16 allows."""
+transformers + PEFT on the same GPU (fp32), and a Qwen2-MoE's adapter; bf16 greedy within the
+drift bf16 allows."""
 
 import pytest
 import torch
@@ -8,8 +9,6 @@ import torch
 from tests.lora_adapters import make_adapter, peft_reference
 from tests.test_hf_dir_models import _save_random_hf_model
 from tokenmill import LoRARequest
-from tokenmill.config import EngineConfig
-from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.runner.cuda_graphs import GraphMode
 from tokenmill.sampling_params import SamplingParams
@@ -76,3 +75,20 @@ def test_bf16_graphs_equal_bf16_eager(setup):
                                                                    lora_request=choice)])
     same = sum(a == b for a, b in zip(*runs))
     assert same >= len(prompts) - 1, runs  # bf16 rounding may part one path at a near tie
+
+
+def test_moe_adapters_equal_peft_fp32(tmp_path):
+    """A Qwen2-MoE with an adapter on its attention, dense MLPs and shared experts (the experts
+    take none), with graphs: PEFT's greedy tokens on the same GPU, beside a base request."""
+    from tests.models.moe_helpers import EOS, save_random_moe_model
+
+    hf = save_random_moe_model("qwen2_moe", tmp_path / "model")
+    lora = LoRARequest("moe", 1, make_adapter(hf, tmp_path / "lora", rank=8, alpha=16, seed=5))
+    refs = [hf.cuda(), peft_reference(hf, lora.lora_path).cuda()]
+    llm = LLM(str(tmp_path / "model"), dtype="float32", device="cuda", enable_lora=True, max_loras=1,
+              max_lora_rank=8, num_kv_blocks=512, max_num_seqs=8, piecewise_cuda_graph_max_tokens=256)
+    prompts = _prompts(4, vocab=EOS)
+    choice = [lora, None, lora, lora]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=choice)
+    for out, ids, req in zip(outs, prompts, choice):
+        assert out.outputs[0].token_ids == _hf_greedy(refs[0 if req is None else 1], ids), req

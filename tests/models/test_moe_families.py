@@ -4,7 +4,8 @@ for prompts of mixed lengths submitted together, with chunked prefill, preemptio
 speculation, a grammar on one request and prompt logprobs (HF's log-softmax) on another, under sync
 and async scheduling; the same under tensor, expert and data parallelism; the fused 3D expert
 layout loads as the per-expert one does; batch-invariant mode gives each request the same bits alone
-and in a busy batch; what MoE does not support yet is refused by name."""
+and in a busy batch; LoRA adapters (not of the experts) give PEFT's tokens; what MoE does not support
+yet is refused by name."""
 
 import pytest
 import torch
@@ -294,10 +295,43 @@ def test_fused_expert_layout_loads(models, tmp_path):
             assert torch.equal(p, want[name]), f"{family}: {name}"
 
 
+def test_lora_matches_peft_and_experts_are_refused(models, hf_greedy, tmp_path):
+    """LoRA on MoE models, adapters made by PEFT on the HF model: Qwen2-MoE's over all seven module
+    names (attention, the dense layers' MLPs, the shared experts'), Mixtral's (PEFT finds attention
+    only) and Qwen3-MoE's attention give PEFT's greedy tokens in 16-token chunked steps, with a base
+    request in the batch; an adapter of Qwen3-MoE's experts (PEFT adapts its fused experts) is refused
+    by name."""
+    from tests.lora_adapters import ALL_MODULES, make_adapter, peft_reference
+    from tokenmill.errors import LoRAError
+    from tokenmill.lora.request import LoRARequest
+
+    prompts = _prompts()[:3]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    for family, targets in (("qwen2_moe", ALL_MODULES), ("mixtral", ALL_MODULES), ("qwen3_moe", ("q_proj", "o_proj"))):
+        hf, loaded, _ = models[family]
+        lora = LoRARequest(family, 1, make_adapter(hf, tmp_path / family, rank=4, target_modules=targets))
+        peft = peft_reference(hf, lora.lora_path)
+        llm = make_llm(loaded, enable_lora=True, max_loras=1, max_lora_rank=8, max_num_batched_tokens=16)
+        outs = llm.generate(prompts + prompts[:1], params, use_tqdm=False, lora_request=[lora] * 3 + [None])
+        for ids, out in zip(prompts, outs):
+            with torch.no_grad():
+                ref = peft.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                    do_sample=False, pad_token_id=EOS)
+            assert out.outputs[0].token_ids == ref[0, len(ids):].tolist(), family
+        base = hf_greedy[family][0]
+        assert outs[3].outputs[0].token_ids == base[0]
+        assert any(out.outputs[0].token_ids != ref for out, ref in zip(outs, base)), f"{family}: the adapter did nothing"
+        assert_no_leaks(llm)
+        if family == "qwen3_moe":
+            experts = LoRARequest("experts", 2, make_adapter(hf, tmp_path / "experts", rank=4))
+            with pytest.raises(LoRAError, match="mixture-of-experts layer's experts, which take no adapter yet"):
+                llm.generate(prompts[:1], params, use_tqdm=False, lora_request=experts)
+
+
 def test_lora_and_batch_invariant_expert_parallelism_refused(models):
     _, loaded, path = models["mixtral"]
-    with pytest.raises(ConfigError, match="enable_lora.*mixture-of-experts.*MixtralForCausalLM"):
-        LLMEngine(config=EngineConfig(enable_lora=True, num_kv_blocks=16), loaded=loaded)
+    with pytest.raises(ConfigError, match="enable_lora with enable_expert_parallel"):
+        LLMEngine(config=EngineConfig(enable_lora=True, enable_expert_parallel=True, num_kv_blocks=16), loaded=loaded)
     with pytest.raises(ConfigError, match="batch_invariant does not support enable_expert_parallel"):
         LLMEngine(str(path), EngineConfig(batch_invariant=True, enable_expert_parallel=True, num_kv_blocks=16),
                   dtype="float32", device="cpu")

@@ -76,9 +76,8 @@ def check_model_options(config: EngineConfig, arch) -> None:
         if config.enable_expert_parallel:
             raise ConfigError(f"enable_expert_parallel: {arch.architecture} has no mixture-of-experts layers")
         return
-    if config.enable_lora:
-        raise ConfigError(f"enable_lora: LoRA adapters on a mixture-of-experts model ({arch.architecture}) are not "
-                          "supported yet (the expert weights have no adapter slots)")
+    if config.enable_lora and config.enable_expert_parallel:
+        raise ConfigError(f"enable_lora with enable_expert_parallel ({arch.architecture}) is not supported yet")
     ep_size = config.tensor_parallel_size * config.data_parallel_size
     if config.enable_expert_parallel and ep_size > arch.moe.num_experts:
         raise ConfigError(f"enable_expert_parallel over {ep_size} ranks: {arch.architecture} has only "

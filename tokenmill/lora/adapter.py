@@ -1,12 +1,14 @@
 """Reading a LoRA adapter as PEFT saves it, and checking it against the model before it is used.
 
 A PEFT LoRA directory holds `adapter_config.json` and `adapter_model.safetensors`, whose tensors are
-named `base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight`, with A of
+named `base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight` (a
+mixture-of-experts layer's shared expert: `mlp.shared_expert`), with A of
 shape [r, in] and B of shape [out, r]. The adapter adds `scaling * B @ A @ x` to the module's output,
 with scaling = lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA (`use_rslora`). The rank of each
 module is read from its tensors (so `rank_pattern` needs nothing more).
 
-Only plain LoRA on the seven projections of a decoder layer is accepted; everything else (DoRA, bias
+Only plain LoRA on the seven projections of a decoder layer is accepted (in a mixture-of-experts
+layer, the shared expert's; its experts take none); everything else (DoRA, bias
 training, modules_to_save, embeddings, alpha patterns, Conv1D layouts, pickled weights) is refused
 with a LoRAError that names it, before anything reaches the device. Nothing is ever unpickled.
 """
@@ -16,6 +18,8 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Optional
+
 import torch
 
 from tokenmill.errors import LoRAError
@@ -35,7 +39,10 @@ TARGETS = {
     "down_proj": ("down_proj", 0),
 }
 
-_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+_TENSOR = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp|mlp\.shared_expert)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
 # Config keys whose presence with a non-neutral value means something this loader does not implement.
 _REFUSED = {
@@ -74,20 +81,38 @@ class LoRAAdapter:
 @dataclass(frozen=True)
 class ModuleShapes:
     """What the model's projections look like, to check an adapter against: PEFT module name ->
-    (in_features, out_features), and the number of decoder layers."""
+    (in_features, out_features) of the attention and the dense MLP, the number of decoder layers,
+    and the layers whose MLP is a mixture of experts: there the MLP projections are the shared
+    expert's (`shared_intermediate` wide), or none (the experts themselves take no adapter)."""
 
     num_layers: int
     shapes: dict[str, tuple[int, int]]
+    sparse_layers: frozenset[int] = frozenset()
+    shared_intermediate: int = 0
+
+    def mlp_part(self, layer: int) -> Optional[str]:
+        """Where PEFT names layer's MLP projections ("mlp", "mlp.shared_expert"); None: nowhere."""
+        if layer not in self.sparse_layers:
+            return "mlp"
+        return "mlp.shared_expert" if self.shared_intermediate else None
+
+    def shape(self, layer: int, module: str) -> tuple[int, int]:
+        if module in _MLP and layer in self.sparse_layers:
+            h, s = self.shapes["q_proj"][0], self.shared_intermediate
+            return (s, h) if module == "down_proj" else (h, s)
+        return self.shapes[module]
 
 
 def model_shapes(arch) -> ModuleShapes:
     """The PEFT-side shapes of a Llama-family model's projections (models/config.py's ModelArchConfig)."""
     h, d = arch.hidden_size, arch.head_dim
     q, kv, i = arch.num_heads * d, arch.num_kv_heads * d, arch.intermediate_size
+    moe = arch.moe
+    sparse = frozenset(n for n in range(arch.num_layers) if moe is not None and moe.is_sparse(n))
     return ModuleShapes(arch.num_layers, {
         "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
         "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
-    })
+    }, sparse, moe.shared_expert_intermediate_size if moe is not None else 0)
 
 
 def _read_config(path: str, name: str) -> dict:
@@ -159,22 +184,31 @@ def load_adapter(request: LoRARequest, shapes: ModuleShapes, max_rank: int) -> L
     anything about it is wrong or unsupported."""
     name, path = request.lora_name, request.lora_path
     config = _read_config(path, name)
+    tensors = _read_tensors(path, name)
+    experts = next((key for key in tensors if ".mlp.experts." in key), None)
+    if experts is not None:  # said first: PEFT's config for experts has patterns refused below
+        raise LoRAError(f"LoRA adapter {name!r}: {experts} adapts a mixture-of-experts layer's experts, which take "
+                        "no adapter yet (the attention, dense MLP and shared-expert projections do)")
     alpha = _check_config(config, name)
     rslora = bool(config.get("use_rslora", False))
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in _read_tensors(path, name).items():
+    for key, tensor in tensors.items():
         m = _TENSOR.search(key)
         if m is None:
             what = "embedding LoRA" if "lora_embedding" in key else "a tensor"
             raise LoRAError(f"LoRA adapter {name!r}: {what} {key!r} is not supported (only lora_A / lora_B of "
                             f"{', '.join(TARGETS)} in the decoder layers)")
-        layer, module, half = int(m.group(1)), m.group(2), m.group(3)
+        layer, part, module, half = int(m.group(1)), m.group(2), m.group(3), m.group(4)
         if module not in TARGETS:
             raise LoRAError(f"LoRA adapter {name!r}: module {module!r} ({key}) is not one tokenmill applies LoRA "
                             f"to ({', '.join(TARGETS)})")
         if layer >= shapes.num_layers:
             raise LoRAError(f"LoRA adapter {name!r}: {key} is for layer {layer}, but the model has "
                             f"{shapes.num_layers} layers")
+        where = "self_attn" if module in _ATTENTION else shapes.mlp_part(layer)
+        if part != where:
+            there = f"its {module} is under {where}" if where else "its MLP is experts only"
+            raise LoRAError(f"LoRA adapter {name!r}: {key} does not fit this model: in layer {layer} {there}")
         if tensor.dim() != 2:
             raise LoRAError(f"LoRA adapter {name!r}: {key} must be a matrix, got shape {tuple(tensor.shape)}")
         halves.setdefault((layer, module), {})[half] = tensor
@@ -187,7 +221,7 @@ def load_adapter(request: LoRARequest, shapes: ModuleShapes, max_rank: int) -> L
                             f"without lora_{'B' if 'A' in pair else 'A'}")
         a, b = pair["A"], pair["B"]
         r = a.shape[0]
-        k, n = shapes.shapes[module]
+        k, n = shapes.shape(layer, module)
         if a.shape != (r, k) or b.shape != (n, r):
             raise LoRAError(f"LoRA adapter {name!r}: layer {layer} {module} has lora_A {tuple(a.shape)} and lora_B "
                             f"{tuple(b.shape)}; the model needs ({r}, {k}) and ({n}, {r}) (an adapter of "

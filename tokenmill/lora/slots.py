@@ -188,11 +188,14 @@ def _host_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def lora_projections(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
-    """(layer, fused projection name, module) of a Llama-family model's decoder layers."""
+    """(layer, fused projection name, module) of a Llama-family model's decoder layers: attention,
+    and the dense MLP or a mixture-of-experts layer's shared expert (its experts take no adapter)."""
     out = []
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        out += [(i, "qkv_proj", attn.qkv_proj), (i, "o_proj", attn.o_proj),
-                (i, "gate_up_proj", mlp.gate_up_proj), (i, "down_proj", mlp.down_proj)]
+        out += [(i, "qkv_proj", attn.qkv_proj), (i, "o_proj", attn.o_proj)]
+        mlp = mlp if hasattr(mlp, "gate_up_proj") else getattr(mlp, "shared_expert", None)
+        if mlp is not None:
+            out += [(i, "gate_up_proj", mlp.gate_up_proj), (i, "down_proj", mlp.down_proj)]
     return out
 

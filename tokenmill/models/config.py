@@ -305,7 +305,7 @@ _ARCHITECTURES = {
         ArchitectureSpec("OlmoeForCausalLM", qk_norm=True, qk_norm_per_head=False, clip_qkv=True,
                          moe=MoESpec(expert_size_key="intermediate_size")),
         # gpt-oss: its checkpoint layout (interleaved gate/up, MXFP4 experts) is models/gpt_oss.py's.
-        # LoRA not tested on it: refused (and MoE models refuse LoRA anyway).
+        # LoRA not tested on it (attention sinks, biased experts): refused.
         ArchitectureSpec("GptOssForCausalLM", qkv_bias_default=True, sliding_window="layer_types", window_pattern=2,
                          moe=MoESpec(expert_size_key="intermediate_size", renormalize_key=None, gpt_oss=True),
                          lora=False, gpt_oss=True, weight_renames=((".mlp.router.", ".mlp.gate."),)),
