@@ -112,7 +112,7 @@ def test_unknown_llm_keyword_names_it(monkeypatch):
     (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\]"),
     (dict(batch_invariant=True, quantization="fp8", enable_lora=True),
      "batch_invariant does not support quantization, enable_lora yet"),
-    (dict(batch_invariant=True, tensor_parallel_size=2), "batch_invariant does not support tensor_parallel_size > 1"),
+    (dict(batch_invariant=True, pipeline_parallel_size=2), "batch_invariant does not support pipeline_parallel_size > 1"),
     (dict(batch_invariant=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
      "batch_invariant does not support speculative_config"),
     (dict(block_size=7), "block_size must be one of 8, 16, 32, 64, 128; got 7"),

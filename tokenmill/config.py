@@ -358,7 +358,6 @@ class EngineConfig:
         """What batch-invariant mode does not cover yet is refused, not run with batch-dependent numerics."""
         unsupported = {"quantization": self.quantization is not None, "enable_lora": self.enable_lora,
                        "speculative_config": self.speculative_config is not None,
-                       "tensor_parallel_size > 1": self.tensor_parallel_size > 1,
                        "pipeline_parallel_size > 1": self.pipeline_parallel_size > 1,
                        "enable_expert_parallel": self.enable_expert_parallel}
         named = [name for name, on in unsupported.items() if on]

@@ -72,13 +72,22 @@ def get_tp_size() -> int:
     return _BUILDING.get().tp_size
 
 
-def tp_all_reduce(x: torch.Tensor, state: Optional[ParallelState] = None) -> torch.Tensor:
-    """Sum x over the ranks of `state` (a layer's own; default: the state being built), in place."""
+def tp_all_reduce(x: torch.Tensor, state: Optional[ParallelState] = None, fixed_order: bool = False) -> torch.Tensor:
+    """Sum x over the ranks of `state` (a layer's own; default: the state being built), in place.
+    fixed_order: every element summed rank 0 first, then 1, ... (an all-gather, then the adds),
+    where an all-reduce's order may follow the message size (batch-invariant numerics)."""
     state = state or _BUILDING.get()
     if state.tp_size == 1:
         return x
-    dist.all_reduce(x, group=state.group)
-    return x
+    if not fixed_order:
+        dist.all_reduce(x, group=state.group)
+        return x
+    parts = [torch.empty_like(x) for _ in range(state.tp_size)]
+    dist.all_gather(parts, x.contiguous(), group=state.group)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return x.copy_(total)
 
 
 def tp_all_reduce_max(x: torch.Tensor, state: Optional[ParallelState] = None) -> torch.Tensor:

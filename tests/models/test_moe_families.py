@@ -295,6 +295,37 @@ def test_fused_expert_layout_loads(models, tmp_path):
             assert torch.equal(p, want[name]), f"{family}: {name}"
 
 
+def test_batch_invariant_at_tp3(tmp_path):
+    """Batch-invariant mode under tensor parallelism: at TP = 3 (gloo, whose all-reduce order follows
+    the message size) a Qwen3-MoE's requests give the same bits alone and together, as the ranks'
+    partial sums (attention, the dense MLP, the split experts) are added in rank order; greedy is HF's.
+    With the all-reduce in their place every request differed (8 of 8, 16 tokens each, 2026-12-06)."""
+    import transformers as tf
+
+    from tests.models.moe_helpers import COMMON, save_random_model
+    from tokenmill.entrypoints.llm import LLM
+
+    config = tf.Qwen3MoeConfig(**{**COMMON, "hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3},
+                               num_hidden_layers=3, head_dim=16, intermediate_size=96, moe_intermediate_size=48,
+                               num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
+    hf = save_random_model(config, tmp_path)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, EOS, (n,), generator=gen).tolist() for n in (5, 29, 70, 13)]
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, logprobs=2)
+    llm = LLM(str(tmp_path), tensor_parallel_size=3, dtype="float32", device="cpu", max_num_seqs=16,
+              num_kv_blocks=256, batch_invariant=True)
+    try:
+        alone = [_bits(llm.generate([p], params, use_tqdm=False)[0]) for p in prompts]
+        assert [_bits(out) for out in llm.generate(prompts, params, use_tqdm=False)] == alone
+    finally:
+        llm.engine.close()
+    for ids, bits in zip(prompts, alone):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                              pad_token_id=EOS)
+        assert bits[0][0] == ref[0, len(ids):].tolist()
+
+
 def test_lora_matches_peft_and_experts_are_refused(models, hf_greedy, tmp_path):
     """LoRA on MoE models, adapters made by PEFT on the HF model: Qwen2-MoE's over all seven module
     names (attention, the dense layers' MLPs, the shared experts'), Mixtral's (PEFT finds attention

@@ -13,7 +13,9 @@ from torch import nn
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.embedding import ParallelLMHead
 from tokenmill.layers.fused_moe import BatchInvariantFusedMoEMethod, FusedMoE, UnquantizedFusedMoEMethod
-from tokenmill.layers.linear import BatchInvariantLinearMethod, LinearBase, UnquantizedLinearMethod
+from tokenmill.layers.linear import (BatchInvariantLinearMethod, LinearBase, RowParallelLinear,
+                                    UnquantizedLinearMethod)
+from tokenmill.layers.norm import ShardedRMSNorm
 
 
 def is_batch_invariant_model(model: nn.Module) -> bool:
@@ -31,6 +33,8 @@ def with_batch_invariance(model: nn.Module, enabled: bool) -> nn.Module:
                              (m.tp for m in model.modules() if getattr(m, "tp", None) is not None))
     view = copy.deepcopy(model, memo={id(t): t for t in shared})
     for m in view.modules():
+        if isinstance(m, (RowParallelLinear, ShardedRMSNorm)):  # tensor parallelism's sums in rank order
+            m.fixed_order_reduce = enabled
         if isinstance(m, LinearBase):
             if not isinstance(m.linear_method, UnquantizedLinearMethod):
                 raise ValueError(f"batch-invariant numerics need unquantized linear layers, not "
@@ -41,6 +45,7 @@ def with_batch_invariance(model: nn.Module, enabled: bool) -> nn.Module:
                 raise ValueError(f"batch-invariant numerics need unquantized experts, not "
                                  f"{type(m.moe_method).__name__}")
             m.moe_method = BatchInvariantFusedMoEMethod() if enabled else UnquantizedFusedMoEMethod()
+            m.dispatch.fixed_order_reduce = enabled
         elif isinstance(m, (Attention, ParallelLMHead)):
             m.batch_invariant = enabled
     return view

@@ -372,6 +372,7 @@ class RowParallelLinear(LinearBase):
                  linear_method: Optional[LinearMethodBase] = None):
         self.tp = get_tp_state()
         self.tp_rank, self.tp_size = self.tp.tp_rank, self.tp.tp_size
+        self.fixed_order_reduce = False  # batch_invariant: the ranks' partial sums added in rank order
         super().__init__(divide(in_features, self.tp_size), out_features, bias, dtype, device, linear_method)
 
     def weight_loader(self, param, loaded, shard_id=None):
@@ -396,7 +397,7 @@ class RowParallelLinear(LinearBase):
         return tp_all_reduce_max(row_max.contiguous(), self.tp)
 
     def _finish(self, y: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(y, self.tp)
+        y = tp_all_reduce(y, self.tp, self.fixed_order_reduce)
         return y if self.bias is None else y + self.bias
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tokenmill.distributed import ParallelState
+from tokenmill.distributed import ParallelState, tp_all_reduce
 from tokenmill.layers.forward_context import current_forward_context
 
 Experts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, H], router_logits [T, E]) -> [T, H]
@@ -49,6 +49,7 @@ class MoEDispatch:
     def __init__(self, state: ParallelState):
         self.state = state
         self.microbatching = state.microbatching
+        self.fixed_order_reduce = False  # batch_invariant: the ranks' expert outputs added in rank order
         if state.dp_size > 1 and state.tp_size > 1:
             raise ValueError("data parallelism with expert parallelism takes tensor_parallel_size 1")
 
@@ -57,10 +58,8 @@ class MoEDispatch:
             return self._gathered(x, router_logits, experts)
         if self.state.tp_size == 1:
             return experts(x, router_logits)
-        if not self.microbatching or x.shape[0] < 2:
-            y = experts(x, router_logits)
-            dist.all_reduce(y, group=self.state.group)
-            return y
+        if not self.microbatching or x.shape[0] < 2 or self.fixed_order_reduce:
+            return tp_all_reduce(experts(x, router_logits), self.state, self.fixed_order_reduce)
         parts, works = [], []
         for lo, hi in _halves(x.shape[0]):  # the first half's all-reduce runs under the second's experts
             y = experts(x[lo:hi], router_logits[lo:hi])

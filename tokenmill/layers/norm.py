@@ -35,6 +35,7 @@ class ShardedRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.size, self.tp = size, tp
+        self.fixed_order_reduce = False  # batch_invariant: the ranks' sums of squares added in rank order
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
         self.weight.weight_loader = _ShardLoader(part, parts, size)
 
@@ -43,7 +44,7 @@ class ShardedRMSNorm(nn.Module):
         if self.tp.tp_size == 1:
             return rms_norm(x, self.weight, self.eps)
         h = x.float()
-        sum_sq = tp_all_reduce(h.pow(2).sum(-1, keepdim=True), self.tp)
+        sum_sq = tp_all_reduce(h.pow(2).sum(-1, keepdim=True), self.tp, self.fixed_order_reduce)
         h = h * torch.rsqrt(sum_sq / (self.size * self.tp.tp_size) + self.eps)
         return self.weight * h.to(x.dtype)
 
