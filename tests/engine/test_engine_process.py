@@ -16,6 +16,9 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_outputs import StructuredOutputsParams
 
 CONFIG = dict(num_kv_blocks=256, max_num_seqs=16, max_num_batched_tokens=2048)
+# fp32 values computed in two processes: MKL's kernels (without MKL_CBWR) may round differently from
+# one process to the next (up to 3.2e-3 seen on a logprob, docs/PERFORMANCE.md); tokens and ranks stay exact.
+ACROSS_PROCESSES = 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +59,16 @@ def test_sampling_logprobs_and_prompt_logprobs_equal_the_in_process_engine(clien
     local = llm.generate([ids], params, use_tqdm=False)[0]
     assert [c.token_ids for c in remote.outputs] == [c.token_ids for c in local.outputs]
     for r, l in zip(remote.outputs, local.outputs):
-        assert r.cumulative_logprob == pytest.approx(l.cumulative_logprob, abs=1e-5)
+        assert r.cumulative_logprob == pytest.approx(l.cumulative_logprob, abs=ACROSS_PROCESSES)
         assert len(r.logprobs) == len(l.logprobs) == 12
         for rd, ld in zip(r.logprobs, l.logprobs):
             assert rd.keys() == ld.keys()
-            assert all(rd[t].logprob == pytest.approx(ld[t].logprob, abs=1e-5) and rd[t].rank == ld[t].rank
-                       for t in rd)
+            assert all(rd[t].logprob == pytest.approx(ld[t].logprob, abs=ACROSS_PROCESSES)
+                       and rd[t].rank == ld[t].rank for t in rd)
     assert len(remote.prompt_logprobs) == len(ids) and remote.prompt_logprobs[0] is None
     for rd, ld in zip(remote.prompt_logprobs[1:], local.prompt_logprobs[1:]):
         assert rd.keys() == ld.keys()
-        assert all(rd[t].logprob == pytest.approx(ld[t].logprob, abs=1e-5) for t in rd)
+        assert all(rd[t].logprob == pytest.approx(ld[t].logprob, abs=ACROSS_PROCESSES) for t in rd)
 
 
 def test_a_final_output_taken_between_steps_is_still_unfinished_work(client, chat_prompt_ids):
