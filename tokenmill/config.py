@@ -81,7 +81,6 @@ def check_field_types(config: Any) -> None:
             raise ConfigError(f"{f.name} must be >= {minimum}, got {value!r}")
 
 
-
 @dataclass(frozen=True)
 class DataParallelRank:
     """One engine's place among the data-parallel replicas that step together."""
@@ -89,6 +88,7 @@ class DataParallelRank:
     rank: int
     size: int
     init_method: str  # torch.distributed's rendezvous, e.g. tcp://127.0.0.1:PORT
+
 
 @dataclass
 class SpeculativeConfig:

@@ -329,8 +329,8 @@ def test_batch_invariant_at_tp3(tmp_path):
 def test_lora_matches_peft_and_experts_are_refused(models, hf_greedy, tmp_path):
     """LoRA on MoE models, adapters made by PEFT on the HF model: Qwen2-MoE's over all seven module
     names (attention, the dense layers' MLPs, the shared experts'), Mixtral's (PEFT finds attention
-    only) and Qwen3-MoE's attention give PEFT's greedy tokens in 16-token chunked steps, with a base
-    request in the batch; an adapter of Qwen3-MoE's experts (PEFT adapts its fused experts) is refused
+    only) and Qwen3-MoE's attention give PEFT's greedy tokens in the busy regime (16-token chunked
+    steps, preemption, n-gram speculation), with a base request in the batch; an adapter of Qwen3-MoE's experts (PEFT adapts its fused experts) is refused
     by name."""
     from tests.lora_adapters import ALL_MODULES, make_adapter, peft_reference
     from tokenmill.errors import LoRAError
@@ -342,7 +342,8 @@ def test_lora_matches_peft_and_experts_are_refused(models, hf_greedy, tmp_path):
         hf, loaded, _ = models[family]
         lora = LoRARequest(family, 1, make_adapter(hf, tmp_path / family, rank=4, target_modules=targets))
         peft = peft_reference(hf, lora.lora_path)
-        llm = make_llm(loaded, enable_lora=True, max_loras=1, max_lora_rank=8, max_num_batched_tokens=16)
+        # 7 blocks: these four requests preempt (BUSY's 10 hold them)
+        llm = make_llm(loaded, enable_lora=True, max_loras=1, max_lora_rank=8, **{**BUSY, "num_kv_blocks": 7})
         outs = llm.generate(prompts + prompts[:1], params, use_tqdm=False, lora_request=[lora] * 3 + [None])
         for ids, out in zip(prompts, outs):
             with torch.no_grad():
@@ -351,7 +352,8 @@ def test_lora_matches_peft_and_experts_are_refused(models, hf_greedy, tmp_path):
             assert out.outputs[0].token_ids == ref[0, len(ids):].tolist(), family
         base = hf_greedy[family][0]
         assert outs[3].outputs[0].token_ids == base[0]
-        assert any(out.outputs[0].token_ids != ref for out, ref in zip(outs, base)), f"{family}: the adapter did nothing"
+        assert any(out.outputs[0].token_ids != ref for out, ref in zip(outs, base)), f"{family}: no effect"
+        assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.spec_stats.accepted > 0
         assert_no_leaks(llm)
         if family == "qwen3_moe":
             experts = LoRARequest("experts", 2, make_adapter(hf, tmp_path / "experts", rank=4))

@@ -45,10 +45,10 @@ def write_random_adapter(path: str, arch, rank: int, seed: int, std: float = 0.0
     tensors = {}
     for layer in range(shapes.num_layers):
         for module in TARGETS:
-            k, n = shapes.shape(layer, module)
-            part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else shapes.mlp_part(layer)
+            part = shapes.part(layer, module)
             if part is None:
                 continue  # a mixture-of-experts layer without a shared expert: its experts take no adapter
+            k, n = shapes.shape(layer, module)
             prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, k, generator=gen) * std).to(torch.bfloat16)
             tensors[f"{prefix}.lora_B.weight"] = (torch.randn(n, rank, generator=gen) * std).to(torch.bfloat16)

@@ -210,17 +210,18 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 
 def fused_moe_invariant(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, w13_bias: Optional[torch.Tensor] = None,
-                        w2_bias: Optional[torch.Tensor] = None, activation: Optional[ClampedSwiGLU] = None) -> torch.Tensor:
+                        w2_bias: Optional[torch.Tensor] = None,
+                        activation: Optional[ClampedSwiGLU] = None) -> torch.Tensor:
     """fused_moe's result with each token's row independent of the other tokens: on CUDA the GEMV
     path at every size with the one-token tiles (each (token, expert) pair one program, the k
     slots summed in order); on the CPU the reference over linear_invariant_cpu's fixed chunks."""
     if use_triton(x):
-        T, H = x.shape
-        E, two_i, _ = w13.shape
-        config = moe_config(E, two_i // 2, H, 1, topk_ids.shape[1], x.dtype, path="gemv")
+        num_experts, two_i, hidden = w13.shape
+        config = moe_config(num_experts, two_i // 2, hidden, 1, topk_ids.shape[1], x.dtype, path="gemv")
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, config=config, w13_bias=w13_bias,
                                 w2_bias=w2_bias, activation=activation)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation, linear=linear_invariant_cpu)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation,
+                         linear=linear_invariant_cpu)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ gpt-oss's experts add `w13_bias` [E_local, 2 * I_local] (gate then up, split as 
 adds it once) and take the clamped SwiGLU (`activation`); only the unquantized method runs them.
 
 As linear layers do, the layer holds one method object chosen when the model is built or loaded
-(`UnquantizedFusedMoEMethod`, `BatchInvariantFusedMoEMethod`; a quantization config's `get_moe_method`): it creates the weights,
-converts them once loaded, and routes and runs the experts (`apply`). Routing and the experts' MLPs
+(`UnquantizedFusedMoEMethod`, `BatchInvariantFusedMoEMethod`; a quantization config's
+`get_moe_method`): it creates the weights, converts them once loaded, and routes and runs the
+experts (`apply`). Routing and the experts' MLPs
 are kernels/fused_moe.py's.
 """
 
@@ -68,6 +69,8 @@ class FusedMoEMethodBase(QuantizeMethodBase):
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     """Expert weights in the model dtype."""
 
+    experts = staticmethod(fused_moe)  # (x, w13, w2, weights, ids, ...) -> the experts' output
+
     def create_weights(self, layer: "FusedMoE", dtype: torch.dtype, device: torch.device) -> None:
         e, i, h = layer.num_local_experts, layer.intermediate_size_per_rank, layer.hidden_size
         layer.w13_weight = new_parameter(layer, (e, 2 * i, h), dtype, device)
@@ -80,23 +83,15 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         weights, ids = layer.route(router_logits)
         if layer.expert_map is not None:  # other ranks' experts become -1, which the kernel skips
             ids = layer.expert_map[ids.long()]
-        if layer.has_bias:
-            return fused_moe(x, layer.w13_weight, layer.w2_weight, weights, ids, w13_bias=layer.w13_bias,
-                             w2_bias=layer.w2_bias, activation=layer.activation)
-        return fused_moe(x, layer.w13_weight, layer.w2_weight, weights, ids, activation=layer.activation)
+        bias = dict(w13_bias=layer.w13_bias, w2_bias=layer.w2_bias) if layer.has_bias else {}
+        return self.experts(x, layer.w13_weight, layer.w2_weight, weights, ids, activation=layer.activation, **bias)
 
 
 class BatchInvariantFusedMoEMethod(UnquantizedFusedMoEMethod):
     """Unquantized experts whose every token's result is independent of the batch (batch_invariant;
     layers/invariance.py swaps it in)."""
 
-    def apply(self, layer: "FusedMoE", x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = layer.route(router_logits)
-        if layer.expert_map is not None:
-            ids = layer.expert_map[ids.long()]
-        bias = dict(w13_bias=layer.w13_bias, w2_bias=layer.w2_bias) if layer.has_bias else {}
-        return fused_moe_invariant(x, layer.w13_weight, layer.w2_weight, weights, ids, activation=layer.activation,
-                                   **bias)
+    experts = staticmethod(fused_moe_invariant)
 
 
 class FusedMoE(nn.Module):

@@ -90,8 +90,10 @@ class ModuleShapes:
     sparse_layers: frozenset[int] = frozenset()
     shared_intermediate: int = 0
 
-    def mlp_part(self, layer: int) -> Optional[str]:
-        """Where PEFT names layer's MLP projections ("mlp", "mlp.shared_expert"); None: nowhere."""
+    def part(self, layer: int, module: str) -> Optional[str]:
+        """Where PEFT names layer's `module` ("self_attn", "mlp", "mlp.shared_expert"); None: nowhere."""
+        if module in _ATTENTION:
+            return "self_attn"
         if layer not in self.sparse_layers:
             return "mlp"
         return "mlp.shared_expert" if self.shared_intermediate else None
@@ -205,7 +207,7 @@ def load_adapter(request: LoRARequest, shapes: ModuleShapes, max_rank: int) -> L
         if layer >= shapes.num_layers:
             raise LoRAError(f"LoRA adapter {name!r}: {key} is for layer {layer}, but the model has "
                             f"{shapes.num_layers} layers")
-        where = "self_attn" if module in _ATTENTION else shapes.mlp_part(layer)
+        where = shapes.part(layer, module)
         if part != where:
             there = f"its {module} is under {where}" if where else "its MLP is experts only"
             raise LoRAError(f"LoRA adapter {name!r}: {key} does not fit this model: in layer {layer} {there}")
