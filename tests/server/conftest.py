@@ -1,6 +1,7 @@
 """Server test helpers: start `tokenmill serve` as a real subprocess on a free loopback port."""
 
 import os
+import random
 import re
 import signal
 import socket
@@ -25,6 +26,21 @@ LIVE_SERVERS: list["ServerProcess"] = []
 
 
 def free_port() -> int:
+    """A free port below the ephemeral range: a server binds it seconds later (after loading), and an
+    ephemeral port could meanwhile go to another socket (a worker's gloo connection took one once)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            first_ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768
+    for _ in range(200):
+        port = random.randint(10000, first_ephemeral - 1)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
