@@ -7,7 +7,8 @@
 # Qwen3MoeForCausalLM; the whole workload would take it too long).
 #   OUT=/tmp/x bash benchmarks/moe_gpu_check.sh
 #   OUT=/tmp/x PARTS="latency offline compare" bash benchmarks/moe_gpu_check.sh   # the bench workloads
-#   knobs: PARTS (default "tests kbench tune"; also latency, offline, compare), T (seconds a part may
+#   knobs: PARTS (default "tests kbench tune"; also latency, offline, latency-fp8, offline-fp8, profile,
+#   compare), T (seconds a part may
 #   take, default 170), TUNE_ARGS (default --quick), COMPARE_PROMPTS (default 32)
 # $OUT gets each part's log, status.txt, moe_tests.xml, kernel_bench JSON, moe_tune.json and the
 # bench JSON (bench/).
@@ -29,5 +30,10 @@ part tune "$PY" benchmarks/moe_tune.py ${TUNE_ARGS:---quick} --out "$OUT/moe_tun
 # Qwen3-30B-A3B's bf16 weights take 61 GB: on an 80 GB card the KV cache gets what is left.
 part latency "${B[@]}" latency --workload latency-moe --repeat 3 --out "$OUT/bench" --no-plot
 part offline "${B[@]}" throughput --workload offline-moe --out "$OUT/bench" --no-plot
+# FP8 experts (online e4m3 quantization of every linear layer, the experts included) beside bf16
+part latency-fp8 "${B[@]}" latency --workload latency-moe --repeat 3 --quantization fp8 --tag fp8 --out "$OUT/bench" \
+    --no-plot
+part offline-fp8 "${B[@]}" throughput --workload offline-moe --quantization fp8 --tag fp8 --out "$OUT/bench" --no-plot
+part profile "${B[@]}" profile --workload latency-moe --skip-steps 40 --steps 20 --out "$OUT/bench"
 part compare "${B[@]}" throughput --workload offline-moe --num-prompts "${COMPARE_PROMPTS:-32}" --compare transformers \
     --tag compare --out "$OUT/bench" --no-plot

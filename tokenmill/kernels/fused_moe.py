@@ -122,11 +122,13 @@ MAX_TOP_K = 16
 
 
 @triton.jit
-def _select_top_k(select, weight_of, experts, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+def _select_top_k(select, weight_of, experts, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                  WEIGHT_IS_SELECT: tl.constexpr):
     """The TOP_K largest of `select` [BLOCK_T, BLOCK_E] per row, largest first (the lowest expert
     among equals): (their entries of `weight_of` [BLOCK_T, BLOCK_K] fp32, their experts
     [BLOCK_T, BLOCK_K] int32), columns past TOP_K zero. Selection and weights are separate so
-    that a biased selection (DeepSeek's grouped sigmoid routing) can reuse it."""
+    that a biased selection (DeepSeek's grouped sigmoid routing) can reuse it; WEIGHT_IS_SELECT
+    (the chosen entries are equal) saves a reduction a pick."""
     slots = tl.arange(0, BLOCK_K)[None, :]
     weights = tl.zeros([select.shape[0], BLOCK_K], tl.float32)
     ids = tl.zeros([select.shape[0], BLOCK_K], tl.int32)
@@ -134,7 +136,10 @@ def _select_top_k(select, weight_of, experts, TOP_K: tl.constexpr, BLOCK_K: tl.c
         best = tl.max(select, axis=1)
         pick = tl.min(tl.where(select == best[:, None], experts[None, :], 2147483647), axis=1)
         hit = experts[None, :] == pick[:, None]
-        w = tl.sum(tl.where(hit, weight_of, 0.0), axis=1)
+        if WEIGHT_IS_SELECT:
+            w = best
+        else:
+            w = tl.sum(tl.where(hit, weight_of, 0.0), axis=1)
         weights = tl.where(slots == j, w[:, None], weights)
         ids = tl.where(slots == j, pick[:, None], ids)
         select = tl.where(hit, -float("inf"), select)
@@ -156,7 +161,8 @@ def _route_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_t,
     p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     p = p / tl.sum(p, axis=1)[:, None]
     # -1 keeps padding experts below every probability, chosen or not
-    weights, ids = _select_top_k(tl.where(e_ok[None, :], p, -1.0), p, e, TOP_K, BLOCK_K)
+    # a chosen expert is a real one (top_k <= E), whose selection value is its probability
+    weights, ids = _select_top_k(tl.where(e_ok[None, :], p, -1.0), p, e, TOP_K, BLOCK_K, True)
     if RENORMALIZE:
         weights = weights / tl.sum(weights, axis=1)[:, None]
     slots = tl.arange(0, BLOCK_K)
@@ -176,10 +182,13 @@ def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool)
     if T == 0:
         return weights, ids
     block_e = triton.next_power_of_2(E)
-    block_t = min(64, max(1, 4096 // block_e))  # a [BLOCK_T, BLOCK_E] fp32 tile of 4096 elements
+    # a [BLOCK_T, BLOCK_E] fp32 tile of up to 4096 elements, no taller than the batch: a decode
+    # step's one row is one warp, whose reductions are shuffles only
+    block_t = min(64, max(1, 4096 // block_e), triton.next_power_of_2(T))
     _route_softmax_kernel[(triton.cdiv(T, block_t),)](
         router_logits, weights, ids, T, E, router_logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), num_warps=4)
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=max(1, min(4, block_t * block_e // 256)))
     return weights, ids
 
 
@@ -277,9 +286,9 @@ def _route_grouped_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, E, stri
         choice = tl.where(keep, choice, 0.0 if not SIGMOID else -float("inf"))
         choice = tl.where(e_ok[None, :], choice, -float("inf"))
     if HAS_BIAS:  # the bias chooses; the weights are the unbiased scores
-        weights, ids = _select_top_k(choice, scores, e, TOP_K, BLOCK_K)
+        weights, ids = _select_top_k(choice, scores, e, TOP_K, BLOCK_K, False)
     else:
-        weights, ids = _select_top_k(choice, choice, e, TOP_K, BLOCK_K)
+        weights, ids = _select_top_k(choice, choice, e, TOP_K, BLOCK_K, True)
     slots = tl.arange(0, BLOCK_K)
     if RENORMALIZE:
         total = tl.sum(tl.where(slots[None, :] < TOP_K, weights, 0.0), axis=1)
@@ -826,40 +835,46 @@ def _gemv_gate_up_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, scale_ptr, b_ptr, E, I, H
 
 @triton.jit
 def _gemv_down_kernel(h_ptr, w_ptr, out_ptr, topk_w_ptr, ids_ptr, scale_ptr, b_ptr, E, H, I, stride_we, stride_wn,
-                      stride_se, stride_be, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      W_FP8: tl.constexpr, BIAS: tl.constexpr):
+                      stride_se, stride_be, TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, W_FP8: tl.constexpr, BIAS: tl.constexpr):
     """Grid (T, cdiv(H, BLOCK_N)): out[t] for BLOCK_N features, the sum over token t's slots of
     (h[pair] @ w2[expert]^T + bias) * topk_weight[pair], in slot order, skipping slots of no
-    expert (W_FP8: w2 e4m3 with row scales at scale_ptr; BIAS: w2's row biases at b_ptr)."""
+    expert (W_FP8: w2 e4m3 with row scales at scale_ptr; BIAS: w2's row biases at b_ptr). Every
+    slot's rows are loaded in one [SLOTS, BLOCK_N, BLOCK_K] tile (SLOTS = TOP_K rounded up to a
+    power of two) so that a program keeps all its experts' loads in flight at once."""
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
     kk = tl.arange(0, BLOCK_K)
+    slot = tl.arange(0, SLOTS)
+    pair = t * TOP_K + slot
+    expert = tl.load(ids_ptr + pair, mask=slot < TOP_K, other=-1).to(tl.int64)
+    valid = (slot < TOP_K) & (expert >= 0) & (expert < E)
+    expert = tl.where(valid, expert, 0)
     dtype = out_ptr.dtype.element_ty
+    h_ptrs = h_ptr + pair[:, None] * I + kk[None, :]  # [SLOTS, BLOCK_K]
+    w_ptrs = (w_ptr + expert[:, None, None] * stride_we + n.to(tl.int64)[None, :, None] * stride_wn
+              + kk[None, None, :])  # [SLOTS, BLOCK_N, BLOCK_K]
+    rows_ok = valid[:, None] & n_ok[None, :]
+    acc = tl.zeros([SLOTS, BLOCK_N], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = kk < I - k0
+        hv = tl.load(h_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=rows_ok[:, :, None] & k_ok[None, None, :], other=0.0)
+        if W_FP8:
+            w = _e4m3_as(w, tl.float32)
+        acc += tl.sum(w.to(tl.float32) * hv[:, None, :], axis=2)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if W_FP8:
+        acc *= _row_scales(scale_ptr, expert[:, None], stride_se, n[None, :], rows_ok)
+    if BIAS:
+        acc += _row_bias(b_ptr, expert[:, None], stride_be, n[None, :], rows_ok)
+    weight = tl.load(topk_w_ptr + pair, mask=valid, other=0.0).to(dtype).to(tl.float32)
+    contrib = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype).to(tl.float32)
     total = tl.zeros([BLOCK_N], tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = t * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        if (expert >= 0) & (expert < E):
-            h_ptrs = h_ptr + pair * I + kk
-            w_ptrs = w_ptr + expert * stride_we + n.to(tl.int64)[:, None] * stride_wn + kk[None, :]
-            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                k_ok = kk < I - k0
-                hv = tl.load(h_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                if W_FP8:
-                    w = _e4m3_as(w, tl.float32)
-                acc += w.to(tl.float32) * hv
-                h_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K
-            weight = tl.load(topk_w_ptr + pair).to(dtype).to(tl.float32)
-            y = tl.sum(acc, axis=1)
-            if W_FP8:
-                y *= _row_scales(scale_ptr, expert, stride_se, n, n_ok)
-            if BIAS:
-                y += _row_bias(b_ptr, expert, stride_be, n, n_ok)
-            total += (y.to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
+    for j in tl.static_range(TOP_K):  # slot order; each sum picks out one row exactly
+        total += tl.sum(tl.where((slot == j)[:, None] & valid[:, None], contrib, 0.0), axis=0)
     tl.store(out_ptr + t * H + n, total.to(dtype), mask=n_ok)
 
 
@@ -983,6 +998,16 @@ def gemv_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, cfg
     return h
 
 
+def _down_block_k(block_k: int, inter: int, top_k: int) -> int:
+    """The down GEMV's K block: its [slots, block_n, block_k] tile holds every slot's rows, so block_k
+    is the table's times 2 / slots (the tile twice the table's width), then halved to a divisor of
+    the intermediate size while above 32 (no half-empty last block)."""
+    bk = max(16, block_k // triton.next_power_of_2(top_k) * 2)
+    while bk > 32 and inter % bk:
+        bk //= 2
+    return bk
+
+
 def gemv_down(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, cfg: dict,
               w2_scale: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Launch 2 of the GEMV path: out [T, H]."""
@@ -993,8 +1018,9 @@ def gemv_down(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, top
     bias, stride_be = _bias_args(w2, w2_bias)
     _gemv_down_kernel[(T, triton.cdiv(hidden, cfg["block_n"]))](
         h, w2, out, topk_weights, topk_ids, scale, bias, num_experts, hidden, inter, w2.stride(0), w2.stride(1),
-        stride_se, stride_be, TOP_K=k, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], W_FP8=w2_scale is not None,
-        BIAS=w2_bias is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        stride_se, stride_be, TOP_K=k, SLOTS=triton.next_power_of_2(k), BLOCK_N=cfg["block_n"],
+        BLOCK_K=_down_block_k(cfg["block_k"], inter, k), W_FP8=w2_scale is not None, BIAS=w2_bias is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
