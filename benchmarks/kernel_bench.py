@@ -564,6 +564,7 @@ MOE_MODELS = {
 }
 MOE_TOKENS = [1, 8, 64, 512, 8192]
 MOE_BOTH_PATHS_UP_TO = 64  # token counts at which both Triton paths are timed (the GEMV threshold's range)
+MOE_GEMMS_FROM = 512  # token counts from which the grouped GEMMs are also timed alone beside torch._grouped_mm
 
 
 def _timed(fn: Callable[[], object]) -> tuple[float, bool]:
@@ -586,6 +587,40 @@ def _fp8_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...
         pairs = [quantize_weight_fp8(w[e]) for e in range(w.shape[0])]
         out += [torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])]
     return tuple(out)
+
+
+def _bench_moe_gemms(rec: Recorder, m: MoeModel, shape: str, x, w13, w2, weights, ids) -> dict:
+    """The grouped path's two GEMM launches alone (sort done beforehand; gate/up with its row gather
+    and SiLU-and-mul, down with the routing weight) beside torch._grouped_mm's two products over the
+    same pairs, already sorted and gathered: the layer's GEMMs against PyTorch's grouped GEMM."""
+    T, k = ids.shape
+    inter, H = m.intermediate, m.hidden
+    cfg = fused_moe.moe_config(m.num_experts, inter, H, T, k, DTYPE, path="grouped")
+    sort = fused_moe.moe_sort_tokens(ids.to(torch.int32), m.num_experts, cfg["gate_up"]["block_m"])
+    h = fused_moe.grouped_gate_up(x, w13, k, sort, cfg["gate_up"])
+    order = torch.argsort(ids.reshape(-1).long(), stable=True)
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=m.num_experts)
+    offs = counts.cumsum(0).to(torch.int32)
+    x_sorted, h_sorted = x[order // k].contiguous(), h[order].contiguous()
+    products = {"gate/up": (2 * T * k * H * 2 * inter, lambda: fused_moe.grouped_gate_up(x, w13, k, sort, cfg["gate_up"]),
+                            lambda: torch._grouped_mm(x_sorted, w13.transpose(1, 2), offs=offs)),
+                "down": (2 * T * k * inter * H, lambda: fused_moe.grouped_down(h, w2, weights, sort, cfg["down"]),
+                         lambda: torch._grouped_mm(h_sorted, w2.transpose(1, 2), offs=offs))}
+    out = {}
+    for name, (flops, triton_fn, torch_fn) in products.items():
+        ms, graphed = _timed(triton_fn)
+        rec.add("moe_gemm", m.name, shape, ms, flops=flops, config=f"triton {name}", graph=graphed)
+        out[f"gemm {name} triton"] = round(ms, 5)
+        try:
+            ms_ref, graphed = _timed(torch_fn)
+        except Exception as exc:  # _grouped_mm takes bf16 on sm90+ only
+            rec.rows.append(dict(op="moe_gemm", model=m.name, shape=shape, config=f"torch._grouped_mm {name}",
+                                 error=f"{type(exc).__name__}: {exc}"[:200]))
+            continue
+        rec.add("moe_gemm", m.name, shape, ms_ref, flops=flops, config=f"torch._grouped_mm {name}", graph=graphed)
+        out[f"gemm {name} torch._grouped_mm"] = round(ms_ref, 5)
+        out[f"gemm {name} triton / grouped_mm"] = round(ms / ms_ref, 3)
+    return out
 
 
 def bench_moe(rec: Recorder, m: MoeModel, token_counts: list[int]) -> list[dict]:
@@ -644,6 +679,8 @@ def bench_moe(rec: Recorder, m: MoeModel, token_counts: list[int]) -> list[dict]
         except Exception as exc:  # _grouped_mm takes bf16 on sm90+ only
             rec.rows.append(dict(op="moe", model=m.name, shape=shape, config="torch._grouped_mm",
                                  error=f"{type(exc).__name__}: {exc}"[:200]))
+        if T >= MOE_GEMMS_FROM:
+            row.update(_bench_moe_gemms(rec, m, shape, x, w13, w2, weights, ids))
         ms, _ = _timed(lambda: fused_moe.moe_route(logits, k, renormalize=True))
         rec.add("moe_route", m.name, shape, ms, nbytes=T * E * esz, config="softmax top-k")
         if chosen["path"] == "grouped":
@@ -657,7 +694,7 @@ def bench_moe(rec: Recorder, m: MoeModel, token_counts: list[int]) -> list[dict]
 def _enter_smoke_mode() -> None:
     """Toy shapes on CPU through the Triton interpreter: exercises every code path of this script."""
     global DEVICE, DTYPE, PREFILL_CONFIGS, DECODE_CONFIGS, DECODE_SPLITS, SKINNY_CONFIGS, SKINNY_MULTI_CONFIGS
-    global SKINNY_ROWS, attention_cases, MOE_MODELS, MOE_TOKENS
+    global SKINNY_ROWS, attention_cases, MOE_MODELS, MOE_TOKENS, MOE_GEMMS_FROM
     assert os.environ.get("TRITON_INTERPRET") == "1", "--smoke needs TRITON_INTERPRET=1"
     DEVICE, DTYPE = "cpu", torch.float16
     MODELS["smoke"] = Model("smoke", 64, 96, 4, 2, 32)
@@ -669,6 +706,7 @@ def _enter_smoke_mode() -> None:
     SKINNY_ROWS = [1, 3]
     MOE_MODELS = {"smoke-moe": MoeModel("smoke-moe", 32, 16, 8, 2)}
     MOE_TOKENS = [1, 5, 40]
+    MOE_GEMMS_FROM = 40
     attention_cases = lambda quick: [  # noqa: E731
         AttnCase("decode B=3", [(1, 40), (1, 7), (1, 33)]),
         AttnCase("prefill 2x24", [(24, 24)] * 2),
@@ -771,6 +809,9 @@ def main() -> None:
         for r in moe_rows:
             times = "  ".join(f"{name} {ms}" for name, ms in r.items() if name.startswith(("triton", "torch")))
             print(f"  {r['model']:14s} T={r['tokens']:<5d} experts read {r['experts_read']:3d}  {times}")
+            gemms = "  ".join(f"{name[5:]} {v}" for name, v in r.items() if name.startswith("gemm "))
+            if gemms:
+                print(f"  {'':14s} the GEMMs alone (ms): {gemms}")
     print(f"\nwrote {args.out} ({result['seconds']} s)")
 
 
