@@ -1000,9 +1000,9 @@ def gemv_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, cfg
 
 def _down_block_k(block_k: int, inter: int, top_k: int) -> int:
     """The down GEMV's K block: its [slots, block_n, block_k] tile holds every slot's rows, so block_k
-    is the table's times 2 / slots (the tile twice the table's width), then halved to a divisor of
-    the intermediate size while above 32 (no half-empty last block)."""
-    bk = max(16, block_k // triton.next_power_of_2(top_k) * 2)
+    is the table's times 2 / slots (the tile twice the table's width) but no wider than the
+    intermediate size, then halved to a divisor of it while above 32 (no half-empty last block)."""
+    bk = max(16, min(block_k // triton.next_power_of_2(top_k) * 2, triton.next_power_of_2(inter)))
     while bk > 32 and inter % bk:
         bk //= 2
     return bk
