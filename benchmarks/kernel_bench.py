@@ -598,9 +598,7 @@ def _bench_moe_gemms(rec: Recorder, m: MoeModel, shape: str, x, w13, w2, weights
     cfg = fused_moe.moe_config(m.num_experts, inter, H, T, k, DTYPE, path="grouped")
     sort = fused_moe.moe_sort_tokens(ids.to(torch.int32), m.num_experts, cfg["gate_up"]["block_m"])
     h = fused_moe.grouped_gate_up(x, w13, k, sort, cfg["gate_up"])
-    order = torch.argsort(ids.reshape(-1).long(), stable=True)
-    counts = torch.bincount(ids.reshape(-1).long(), minlength=m.num_experts)
-    offs = counts.cumsum(0).to(torch.int32)
+    order, offs, _ = fused_moe.grouped_mm_order(ids, m.num_experts)
     x_sorted, h_sorted = x[order // k].contiguous(), h[order].contiguous()
     products = {"gate/up": (2 * T * k * H * 2 * inter, lambda: fused_moe.grouped_gate_up(x, w13, k, sort, cfg["gate_up"]),
                             lambda: torch._grouped_mm(x_sorted, w13.transpose(1, 2), offs=offs)),

@@ -8,8 +8,8 @@
 #   OUT=/tmp/x bash benchmarks/moe_gpu_check.sh
 #   OUT=/tmp/x PARTS="latency offline compare" bash benchmarks/moe_gpu_check.sh   # the bench workloads
 #   knobs: PARTS (default "tests kbench tune"; also latency, offline, latency-fp8, offline-fp8, profile,
-#   compare), T (seconds a part may
-#   take, default 170), TUNE_ARGS (default --quick), COMPARE_PROMPTS (default 32)
+#   compare), T (seconds a part may take, default 170), TUNE_ARGS (default --quick), COMPARE_PROMPTS
+#   (default 32)
 # $OUT gets each part's log, status.txt, moe_tests.xml, kernel_bench JSON, moe_tune.json and the
 # bench JSON (bench/).
 set -u

@@ -1062,19 +1062,25 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation)
 
 
+def grouped_mm_order(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch._grouped_mm's sort of the (token, slot) pairs: (order, the pairs by expert, pairs of no
+    expert last; offs [E] int32, each group's end; valid [T * k], whether a pair has an expert here)."""
+    flat = topk_ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, num_experts)  # pairs of no expert sort last, past every group
+    order = torch.argsort(key, stable=True)
+    ones = torch.ones_like(key, dtype=torch.int32)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device).scatter_add_(0, key, ones)
+    return order, counts[:num_experts].cumsum(0, dtype=torch.int32), valid
+
+
 def grouped_mm_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor) -> torch.Tensor:
     """fused_moe_ref through torch._grouped_mm (bf16 on CUDA, where the kernel bench sets it
     beside fused_moe_triton): the pairs sorted by expert with torch ops, one grouped GEMM for
     gate/up and one for down, no host sync."""
     T, H, E, _, k = _check_moe_args(x, w13, w2, topk_weights, topk_ids)
-    flat = topk_ids.reshape(-1).long()
-    valid = (flat >= 0) & (flat < E)
-    key = torch.where(valid, flat, E)  # pairs of no expert sort last, past every group
-    order = torch.argsort(key, stable=True)
-    ones = torch.ones_like(key, dtype=torch.int32)
-    counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device).scatter_add_(0, key, ones)
-    offs = counts[:E].cumsum(0, dtype=torch.int32)
+    order, offs, valid = grouped_mm_order(topk_ids, E)
     gate, up = torch._grouped_mm(x[order // k], w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
     y = y * topk_weights.reshape(-1)[order].to(x.dtype)[:, None]
