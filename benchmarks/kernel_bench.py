@@ -677,6 +677,11 @@ def bench_moe(rec: Recorder, m: MoeModel, token_counts: list[int]) -> list[dict]
         except Exception as exc:  # _grouped_mm takes bf16 on sm90+ only
             rec.rows.append(dict(op="moe", model=m.name, shape=shape, config="torch._grouped_mm",
                                  error=f"{type(exc).__name__}: {exc}"[:200]))
+        # the layer's own choice (fused_moe: Triton, or torch._grouped_mm where use_grouped_mm says)
+        layer = "torch._grouped_mm" if fused_moe.use_grouped_mm(E, inter, H, T, DTYPE, x.device) else "triton"
+        ms, graphed = _timed(lambda: fused_moe.fused_moe(x, w13, w2, weights, ids))
+        rec.add("moe", m.name, shape, ms, nbytes=nbytes, flops=flops, config=f"layer ({layer})", graph=graphed)
+        row[f"layer ({layer})"] = round(ms, 5)
         if T >= MOE_GEMMS_FROM:
             row.update(_bench_moe_gemms(rec, m, shape, x, w13, w2, weights, ids))
         ms, _ = _timed(lambda: fused_moe.moe_route(logits, k, renormalize=True))
@@ -805,7 +810,7 @@ def main() -> None:
         print("\nmixture of experts (ms, CUDA graphs): Triton at its path choice, each path forced, the same with "
               "e4m3 experts (fp8), torch._grouped_mm")
         for r in moe_rows:
-            times = "  ".join(f"{name} {ms}" for name, ms in r.items() if name.startswith(("triton", "torch")))
+            times = "  ".join(f"{name} {ms}" for name, ms in r.items() if name.startswith(("triton", "torch", "layer (")))
             print(f"  {r['model']:14s} T={r['tokens']:<5d} experts read {r['experts_read']:3d}  {times}")
             gemms = "  ".join(f"{name[5:]} {v}" for name, v in r.items() if name.startswith("gemm "))
             if gemms:

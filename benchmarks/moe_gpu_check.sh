@@ -8,8 +8,8 @@
 #   OUT=/tmp/x bash benchmarks/moe_gpu_check.sh
 #   OUT=/tmp/x PARTS="latency offline compare" bash benchmarks/moe_gpu_check.sh   # the bench workloads
 #   knobs: PARTS (default "tests kbench tune"; also latency, offline, latency-fp8, offline-fp8, profile,
-#   compare), T (seconds a part may take, default 170), TUNE_ARGS (default --quick), COMPARE_PROMPTS
-#   (default 32)
+#   compare), T (seconds a part may take, default 170), TUNE_ARGS (default --quick), KBENCH_ARGS (e.g.
+#   --moe-tokens 1,8192), COMPARE_PROMPTS (default 32)
 # $OUT gets each part's log, status.txt, moe_tests.xml, kernel_bench JSON, moe_tune.json and the
 # bench JSON (bench/).
 set -u
@@ -25,7 +25,8 @@ git rev-parse HEAD > "$OUT/git.txt" 2>&1
 
 part tests "$PY" -m pytest -q -rs --maxfail=8 -p no:cacheprovider -m gpu --junitxml "$OUT/moe_tests.xml" \
     tests/kernels/test_fused_moe.py tests/quantization/test_fp8_moe.py
-part kbench "$PY" benchmarks/kernel_bench.py --skip-small-ops --skip-skinny --skip-attention --out "$OUT/kernel_bench.json"
+part kbench "$PY" benchmarks/kernel_bench.py --skip-small-ops --skip-skinny --skip-attention ${KBENCH_ARGS:-} \
+    --out "$OUT/kernel_bench.json"
 part tune "$PY" benchmarks/moe_tune.py ${TUNE_ARGS:---quick} --out "$OUT/moe_tune.json"
 # Qwen3-30B-A3B's bf16 weights take 61 GB: on an 80 GB card the KV cache gets what is left.
 part latency "${B[@]}" latency --workload latency-moe --repeat 3 --out "$OUT/bench" --no-plot

@@ -356,6 +356,20 @@ def test_gemv_threshold_and_path_choice():
     assert fm.moe_config(128, 768, 2048, 1, 8, torch.bfloat16, path="grouped")["path"] == "grouped"
 
 
+def test_grouped_mm_choice():
+    """torch._grouped_mm only for bf16 at a listed shape from its token count, on a device that runs it."""
+    assert all(len(key) == 3 and start >= 1 for key, start in fm.GROUPED_MM_FROM.items())
+    (E, two_i, H), start = next(iter(fm.GROUPED_MM_FROM.items()))
+    cpu = torch.device("cpu")
+    assert not fm.use_grouped_mm(E, two_i // 2, H, 8192, torch.bfloat16, cpu)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0):
+        cuda = torch.device("cuda", torch.cuda.current_device())
+        assert fm.use_grouped_mm(E, two_i // 2, H, start, torch.bfloat16, cuda)
+        assert not fm.use_grouped_mm(E, two_i // 2, H, start - 1, torch.bfloat16, cuda)
+        assert not fm.use_grouped_mm(E, two_i // 2, H, start, torch.float16, cuda)
+        assert not fm.use_grouped_mm(E + 1, two_i // 2, H, start, torch.bfloat16, cuda)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 3, 8, 64, 100, 512, 4096, 8192, 65536])
 @pytest.mark.parametrize("shape", [(128, 768, 2048, 8), (8, 14336, 4096, 2), (4, 16, 32, 2), (256, 2048, 7168, 8)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -474,9 +488,10 @@ def test_fused_moe_fp8_cuda_sweep(shape, dtype, nan_empty):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("T", [4, 300])  # the GEMV path and the grouped path
-def test_cuda_no_host_sync_and_graph_capture(T, fp8):
-    H, I, E, k = 256, 128, 16, 4
+@pytest.mark.parametrize("T, shape", [(4, (256, 128, 16, 4)), (300, (256, 128, 16, 4)), (fm.GROUPED_MM_FROM[(128, 1536, 2048)], (2048, 768, 128, 8))],
+                         ids=["gemv", "grouped", "grouped_mm"])  # bf16 there takes torch._grouped_mm (fp8: Triton)
+def test_cuda_no_host_sync_and_graph_capture(T, shape, fp8):
+    H, I, E, k = shape
     x, w13, w2 = _experts(T, H, I, E, torch.bfloat16, "cuda", seed=13)
     logits = torch.randn(T, E, device="cuda", dtype=torch.bfloat16)
     scales = {}

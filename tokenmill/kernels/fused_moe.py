@@ -19,6 +19,10 @@ sync, so a step that runs it can be captured in a CUDA graph):
 - small batches (the GEMV path): no sort; launch 1 is one program per (pair, block of I) reading
   only the chosen expert's rows, launch 2 one program per (token, block of H) summing its k slots.
 
+At large token counts on Hopper, fused_moe may take torch._grouped_mm instead (grouped_mm_moe:
+the same sort done with torch ops, PyTorch's grouped GEMM for the two products), where the kernel
+bench measured it faster (GROUPED_MM_FROM); it rounds where the reference does too.
+
 Both paths accumulate in fp32 and round where the reference does (gate, up, silu(gate), their
 product, the down projection and its product with the weight are each rounded to the model
 dtype); the k slots are summed in fp32 and rounded once, where the reference adds them in the
@@ -40,6 +44,7 @@ the first rounding (as F.linear's bias), and the activation may be the clamped S
 silu(gate) * up. Both are constexpr switches: other models compile the kernels as before.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -1047,13 +1052,39 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     return sum_slots(grouped_down(h, w2, weights, sort, cfg["down"], w2_scale, w2_bias), ids, E)
 
 
+# (E, 2I, H) -> the token count from which grouped_mm_moe (torch._grouped_mm's two products, bf16 on
+# sm90+) beats fused_moe_triton for plain experts: the kernel bench's moe rows, see docs/PERFORMANCE.md.
+GROUPED_MM_FROM = MappingProxyType({
+    (128, 1536, 2048): 1024,
+})
+
+
+@functools.lru_cache(maxsize=None)
+def _has_grouped_mm(device: torch.device) -> bool:
+    """Whether torch._grouped_mm runs bf16 on this device (a CUDA device of compute capability 9.0+)."""
+    return device.type == "cuda" and hasattr(torch, "_grouped_mm") \
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def use_grouped_mm(num_experts: int, inter: int, hidden: int, num_tokens: int, dtype: torch.dtype,
+                   device: torch.device) -> bool:
+    """Whether fused_moe takes torch._grouped_mm for plain (unquantized, bias-free, SiLU) experts:
+    bf16 on sm90+, at a shape GROUPED_MM_FROM lists, from its token count on."""
+    start = GROUPED_MM_FROM.get((num_experts, 2 * inter, hidden))
+    return start is not None and num_tokens >= start and dtype == torch.bfloat16 and _has_grouped_mm(device)
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
               w2_scale: Optional[torch.Tensor] = None, w13_bias: Optional[torch.Tensor] = None,
               w2_bias: Optional[torch.Tensor] = None, activation: Optional[ClampedSwiGLU] = None) -> torch.Tensor:
     """The experts' MLPs (fused_moe_ref's arguments and result; with scales, e4m3 weights as
-    fused_moe_fp8_ref takes them): Triton on CUDA."""
+    fused_moe_fp8_ref takes them): on CUDA, Triton, or torch._grouped_mm where it wins
+    (use_grouped_mm)."""
     if use_triton(x):
+        plain = w13_scale is None and w13_bias is None and w2_bias is None and activation is None
+        if plain and use_grouped_mm(w13.shape[0], w2.shape[2], x.shape[1], x.shape[0], x.dtype, x.device):
+            return grouped_mm_moe(x, w13, w2, topk_weights, topk_ids)
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale,
                                 w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)
     if w13_scale is not None:
@@ -1076,8 +1107,8 @@ def grouped_mm_order(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Te
 
 def grouped_mm_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor) -> torch.Tensor:
-    """fused_moe_ref through torch._grouped_mm (bf16 on CUDA, where the kernel bench sets it
-    beside fused_moe_triton): the pairs sorted by expert with torch ops, one grouped GEMM for
+    """fused_moe_ref through torch._grouped_mm (bf16 on sm90+; fused_moe takes it where
+    use_grouped_mm says it wins): the pairs sorted by expert with torch ops, one grouped GEMM for
     gate/up and one for down, no host sync."""
     T, H, E, _, k = _check_moe_args(x, w13, w2, topk_weights, topk_ids)
     order, offs, valid = grouped_mm_order(topk_ids, E)
