@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels._dispatch import use_triton
+from tokenmill.kernels.activation import silu_and_mul_triton
 
 
 def moe_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -781,17 +782,25 @@ def _grouped_down_kernel(h_ptr, w_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ids
 
 
 @triton.jit
-def _sum_slots_kernel(y_ptr, ids_ptr, out_ptr, E, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _sum_slots_kernel(y_ptr, ids_ptr, rows_ptr, topk_w_ptr, out_ptr, E, H, TOP_K: tl.constexpr,
+                      BLOCK_H: tl.constexpr, GATHER: tl.constexpr):
     """Grid (T, cdiv(H, BLOCK_H)): out[t] = the sum of y[t * TOP_K + j] over the slots j with a
-    valid expert, in slot order, in fp32."""
+    valid expert, in slot order, in fp32. With GATHER, slot j's row is y[rows[t * TOP_K + j]],
+    first scaled by its routing weight and rounded as the grouped down launch does."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
     acc = tl.zeros([BLOCK_H], tl.float32)
     for j in tl.static_range(TOP_K):
-        e = tl.load(ids_ptr + t * TOP_K + j)
+        pair = t * TOP_K + j
+        e = tl.load(ids_ptr + pair)
         width = tl.where((e >= 0) & (e < E), H, 0)  # a slot of no expert reads nothing
-        acc += tl.load(y_ptr + (t * TOP_K + j) * H + h, mask=h < width, other=0.0).to(tl.float32)
+        row = tl.load(rows_ptr + pair).to(tl.int64) if GATHER else pair
+        v = tl.load(y_ptr + row * H + h, mask=h < width, other=0.0)
+        if GATHER:
+            weight = tl.load(topk_w_ptr + pair).to(v.dtype).to(tl.float32)
+            v = (v.to(tl.float32) * weight).to(v.dtype)
+        acc += v.to(tl.float32)
     tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
@@ -973,14 +982,18 @@ def grouped_down(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, 
     return y
 
 
-def sum_slots(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """out [T, H]: each token's rows of y [T * k, H] with a valid expert, summed in slot order."""
+def sum_slots(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, rows: Optional[torch.Tensor] = None,
+              topk_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """out [T, H]: each token's rows of y [T * k, H] with a valid expert, summed in slot order.
+    With rows [T * k] (pair -> its row of y) and topk_weights, each row is gathered and weighted first."""
     T, k = topk_ids.shape
     hidden = y.shape[1]
     out = torch.empty((T, hidden), dtype=y.dtype, device=y.device)
+    gather = rows is not None
     block_h = min(1024, triton.next_power_of_2(hidden))
-    _sum_slots_kernel[(T, triton.cdiv(hidden, block_h))](y, topk_ids, out, num_experts, hidden, TOP_K=k,
-                                                         BLOCK_H=block_h, num_warps=4)
+    _sum_slots_kernel[(T, triton.cdiv(hidden, block_h))](
+        y, topk_ids, rows if gather else topk_ids, topk_weights if gather else y, out, num_experts, hidden,
+        TOP_K=k, BLOCK_H=block_h, GATHER=gather, num_warps=4)
     return out
 
 
@@ -1109,12 +1122,12 @@ def grouped_mm_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
                    topk_ids: torch.Tensor) -> torch.Tensor:
     """fused_moe_ref through torch._grouped_mm (bf16 on sm90+; fused_moe takes it where
     use_grouped_mm says it wins): the pairs sorted by expert with torch ops, one grouped GEMM for
-    gate/up and one for down, no host sync."""
+    gate/up, Triton's SiLU-and-mul, one grouped GEMM for down, then one Triton launch that weights
+    each token's rows and sums them in slot order (sum_slots). No host sync."""
     T, H, E, _, k = _check_moe_args(x, w13, w2, topk_weights, topk_ids)
-    order, offs, valid = grouped_mm_order(topk_ids, E)
-    gate, up = torch._grouped_mm(x[order // k], w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
-    y = y * topk_weights.reshape(-1)[order].to(x.dtype)[:, None]
-    y = torch.where(valid[order][:, None], y, 0)  # rows past the last group are never computed
-    pairs = torch.empty_like(y).index_copy_(0, order, y)
-    return pairs.view(T, k, H).sum(dim=1)
+    order, offs, _ = grouped_mm_order(topk_ids, E)
+    # rows past the last group (pairs of no expert) are never computed, and sum_slots never reads them
+    h = silu_and_mul_triton(torch._grouped_mm(x[order // k], w13.transpose(1, 2), offs=offs))
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    rows = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
+    return sum_slots(y, topk_ids.to(torch.int32).contiguous(), E, rows=rows, topk_weights=topk_weights.contiguous())
