@@ -1066,9 +1066,11 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
 
 
 # (E, 2I, H) -> the token count from which grouped_mm_moe (torch._grouped_mm's two products, bf16 on
-# sm90+) beats fused_moe_triton for plain experts: the kernel bench's moe rows, see docs/PERFORMANCE.md.
+# sm90+) beats fused_moe_triton for plain experts: the kernel bench's moe rows at 1-8,192 tokens on an
+# H100 80GB HBM3, 2026-12-06 (Qwen3-30B-A3B: Triton to 4,096; Mixtral-8x7B: Triton to 512).
 GROUPED_MM_FROM = MappingProxyType({
-    (128, 1536, 2048): 1024,
+    (128, 1536, 2048): 8192,
+    (8, 28672, 4096): 1024,
 })
 
 
